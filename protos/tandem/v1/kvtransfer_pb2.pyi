@@ -1,0 +1,39 @@
+from google.protobuf.internal import containers as _containers
+from google.protobuf import descriptor as _descriptor
+from google.protobuf import message as _message
+from collections.abc import Iterable as _Iterable, Mapping as _Mapping
+from typing import ClassVar as _ClassVar, Optional as _Optional, Union as _Union
+
+DESCRIPTOR: _descriptor.FileDescriptor
+
+class KVBlockLayout(_message.Message):
+    __slots__ = ("dtype", "block_shape")
+    DTYPE_FIELD_NUMBER: _ClassVar[int]
+    BLOCK_SHAPE_FIELD_NUMBER: _ClassVar[int]
+    dtype: str
+    block_shape: _containers.RepeatedScalarFieldContainer[int]
+    def __init__(self, dtype: _Optional[str] = ..., block_shape: _Optional[_Iterable[int]] = ...) -> None: ...
+
+class KVChunk(_message.Message):
+    __slots__ = ("reservation_id", "request_id", "first_block_index", "num_blocks", "layout", "data", "crc32")
+    RESERVATION_ID_FIELD_NUMBER: _ClassVar[int]
+    REQUEST_ID_FIELD_NUMBER: _ClassVar[int]
+    FIRST_BLOCK_INDEX_FIELD_NUMBER: _ClassVar[int]
+    NUM_BLOCKS_FIELD_NUMBER: _ClassVar[int]
+    LAYOUT_FIELD_NUMBER: _ClassVar[int]
+    DATA_FIELD_NUMBER: _ClassVar[int]
+    CRC32_FIELD_NUMBER: _ClassVar[int]
+    reservation_id: str
+    request_id: str
+    first_block_index: int
+    num_blocks: int
+    layout: KVBlockLayout
+    data: bytes
+    crc32: int
+    def __init__(self, reservation_id: _Optional[str] = ..., request_id: _Optional[str] = ..., first_block_index: _Optional[int] = ..., num_blocks: _Optional[int] = ..., layout: _Optional[_Union[KVBlockLayout, _Mapping]] = ..., data: _Optional[bytes] = ..., crc32: _Optional[int] = ...) -> None: ...
+
+class TransferKVResponse(_message.Message):
+    __slots__ = ("num_blocks_received",)
+    NUM_BLOCKS_RECEIVED_FIELD_NUMBER: _ClassVar[int]
+    num_blocks_received: int
+    def __init__(self, num_blocks_received: _Optional[int] = ...) -> None: ...

@@ -1,0 +1,133 @@
+from protos.tandem.v1 import gateway_pb2 as _gateway_pb2
+from protos.tandem.v1 import kvtransfer_pb2 as _kvtransfer_pb2
+from google.protobuf.internal import containers as _containers
+from google.protobuf import descriptor as _descriptor
+from google.protobuf import message as _message
+from collections.abc import Iterable as _Iterable, Mapping as _Mapping
+from typing import ClassVar as _ClassVar, Optional as _Optional, Union as _Union
+
+DESCRIPTOR: _descriptor.FileDescriptor
+
+class SeedState(_message.Message):
+    __slots__ = ("seed", "generator_state")
+    SEED_FIELD_NUMBER: _ClassVar[int]
+    GENERATOR_STATE_FIELD_NUMBER: _ClassVar[int]
+    seed: int
+    generator_state: bytes
+    def __init__(self, seed: _Optional[int] = ..., generator_state: _Optional[bytes] = ...) -> None: ...
+
+class AdmitRequest(_message.Message):
+    __slots__ = ("request_id", "num_prompt_tokens", "lease_ms")
+    REQUEST_ID_FIELD_NUMBER: _ClassVar[int]
+    NUM_PROMPT_TOKENS_FIELD_NUMBER: _ClassVar[int]
+    LEASE_MS_FIELD_NUMBER: _ClassVar[int]
+    request_id: str
+    num_prompt_tokens: int
+    lease_ms: int
+    def __init__(self, request_id: _Optional[str] = ..., num_prompt_tokens: _Optional[int] = ..., lease_ms: _Optional[int] = ...) -> None: ...
+
+class AdmitResponse(_message.Message):
+    __slots__ = ("reservation_id", "num_blocks", "lease_ms", "layout")
+    RESERVATION_ID_FIELD_NUMBER: _ClassVar[int]
+    NUM_BLOCKS_FIELD_NUMBER: _ClassVar[int]
+    LEASE_MS_FIELD_NUMBER: _ClassVar[int]
+    LAYOUT_FIELD_NUMBER: _ClassVar[int]
+    reservation_id: str
+    num_blocks: int
+    lease_ms: int
+    layout: _kvtransfer_pb2.KVBlockLayout
+    def __init__(self, reservation_id: _Optional[str] = ..., num_blocks: _Optional[int] = ..., lease_ms: _Optional[int] = ..., layout: _Optional[_Union[_kvtransfer_pb2.KVBlockLayout, _Mapping]] = ...) -> None: ...
+
+class KVDestination(_message.Message):
+    __slots__ = ("address", "reservation_id", "layout")
+    ADDRESS_FIELD_NUMBER: _ClassVar[int]
+    RESERVATION_ID_FIELD_NUMBER: _ClassVar[int]
+    LAYOUT_FIELD_NUMBER: _ClassVar[int]
+    address: str
+    reservation_id: str
+    layout: _kvtransfer_pb2.KVBlockLayout
+    def __init__(self, address: _Optional[str] = ..., reservation_id: _Optional[str] = ..., layout: _Optional[_Union[_kvtransfer_pb2.KVBlockLayout, _Mapping]] = ...) -> None: ...
+
+class PrefillRequest(_message.Message):
+    __slots__ = ("request_id", "prompt_token_ids", "sampling", "seed_state", "destination")
+    REQUEST_ID_FIELD_NUMBER: _ClassVar[int]
+    PROMPT_TOKEN_IDS_FIELD_NUMBER: _ClassVar[int]
+    SAMPLING_FIELD_NUMBER: _ClassVar[int]
+    SEED_STATE_FIELD_NUMBER: _ClassVar[int]
+    DESTINATION_FIELD_NUMBER: _ClassVar[int]
+    request_id: str
+    prompt_token_ids: _containers.RepeatedScalarFieldContainer[int]
+    sampling: _gateway_pb2.SamplingParams
+    seed_state: SeedState
+    destination: KVDestination
+    def __init__(self, request_id: _Optional[str] = ..., prompt_token_ids: _Optional[_Iterable[int]] = ..., sampling: _Optional[_Union[_gateway_pb2.SamplingParams, _Mapping]] = ..., seed_state: _Optional[_Union[SeedState, _Mapping]] = ..., destination: _Optional[_Union[KVDestination, _Mapping]] = ...) -> None: ...
+
+class PrefillResponse(_message.Message):
+    __slots__ = ("first_tokens", "num_cached_tokens", "seed_state")
+    FIRST_TOKENS_FIELD_NUMBER: _ClassVar[int]
+    NUM_CACHED_TOKENS_FIELD_NUMBER: _ClassVar[int]
+    SEED_STATE_FIELD_NUMBER: _ClassVar[int]
+    first_tokens: _containers.RepeatedCompositeFieldContainer[_gateway_pb2.TokenLogprobs]
+    num_cached_tokens: int
+    seed_state: SeedState
+    def __init__(self, first_tokens: _Optional[_Iterable[_Union[_gateway_pb2.TokenLogprobs, _Mapping]]] = ..., num_cached_tokens: _Optional[int] = ..., seed_state: _Optional[_Union[SeedState, _Mapping]] = ...) -> None: ...
+
+class DecodeRequest(_message.Message):
+    __slots__ = ("request_id", "reservation_id", "prompt_token_ids", "first_token_ids", "sampling", "seed_state")
+    REQUEST_ID_FIELD_NUMBER: _ClassVar[int]
+    RESERVATION_ID_FIELD_NUMBER: _ClassVar[int]
+    PROMPT_TOKEN_IDS_FIELD_NUMBER: _ClassVar[int]
+    FIRST_TOKEN_IDS_FIELD_NUMBER: _ClassVar[int]
+    SAMPLING_FIELD_NUMBER: _ClassVar[int]
+    SEED_STATE_FIELD_NUMBER: _ClassVar[int]
+    request_id: str
+    reservation_id: str
+    prompt_token_ids: _containers.RepeatedScalarFieldContainer[int]
+    first_token_ids: _containers.RepeatedScalarFieldContainer[int]
+    sampling: _gateway_pb2.SamplingParams
+    seed_state: SeedState
+    def __init__(self, request_id: _Optional[str] = ..., reservation_id: _Optional[str] = ..., prompt_token_ids: _Optional[_Iterable[int]] = ..., first_token_ids: _Optional[_Iterable[int]] = ..., sampling: _Optional[_Union[_gateway_pb2.SamplingParams, _Mapping]] = ..., seed_state: _Optional[_Union[SeedState, _Mapping]] = ...) -> None: ...
+
+class DecodeResponse(_message.Message):
+    __slots__ = ("index", "token_ids", "logprobs", "finish_reason")
+    INDEX_FIELD_NUMBER: _ClassVar[int]
+    TOKEN_IDS_FIELD_NUMBER: _ClassVar[int]
+    LOGPROBS_FIELD_NUMBER: _ClassVar[int]
+    FINISH_REASON_FIELD_NUMBER: _ClassVar[int]
+    index: int
+    token_ids: _containers.RepeatedScalarFieldContainer[int]
+    logprobs: _containers.RepeatedCompositeFieldContainer[_gateway_pb2.TokenLogprobs]
+    finish_reason: _gateway_pb2.FinishReason
+    def __init__(self, index: _Optional[int] = ..., token_ids: _Optional[_Iterable[int]] = ..., logprobs: _Optional[_Iterable[_Union[_gateway_pb2.TokenLogprobs, _Mapping]]] = ..., finish_reason: _Optional[_Union[_gateway_pb2.FinishReason, str]] = ...) -> None: ...
+
+class AbortRequest(_message.Message):
+    __slots__ = ("request_id", "reason")
+    REQUEST_ID_FIELD_NUMBER: _ClassVar[int]
+    REASON_FIELD_NUMBER: _ClassVar[int]
+    request_id: str
+    reason: str
+    def __init__(self, request_id: _Optional[str] = ..., reason: _Optional[str] = ...) -> None: ...
+
+class AbortResponse(_message.Message):
+    __slots__ = ("found",)
+    FOUND_FIELD_NUMBER: _ClassVar[int]
+    found: bool
+    def __init__(self, found: _Optional[bool] = ...) -> None: ...
+
+class GetStatsRequest(_message.Message):
+    __slots__ = ()
+    def __init__(self) -> None: ...
+
+class WorkerStats(_message.Message):
+    __slots__ = ("num_free_blocks", "num_total_blocks", "num_running", "num_waiting", "block_size")
+    NUM_FREE_BLOCKS_FIELD_NUMBER: _ClassVar[int]
+    NUM_TOTAL_BLOCKS_FIELD_NUMBER: _ClassVar[int]
+    NUM_RUNNING_FIELD_NUMBER: _ClassVar[int]
+    NUM_WAITING_FIELD_NUMBER: _ClassVar[int]
+    BLOCK_SIZE_FIELD_NUMBER: _ClassVar[int]
+    num_free_blocks: int
+    num_total_blocks: int
+    num_running: int
+    num_waiting: int
+    block_size: int
+    def __init__(self, num_free_blocks: _Optional[int] = ..., num_total_blocks: _Optional[int] = ..., num_running: _Optional[int] = ..., num_waiting: _Optional[int] = ..., block_size: _Optional[int] = ...) -> None: ...

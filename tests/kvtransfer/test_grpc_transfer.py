@@ -1,0 +1,299 @@
+"""KV blocks over a real grpc.aio DecodeWorker on loopback: bit-exact delivery, and every failure
+(corruption, bad chunk, lease expiry, sender gone) refused before any write with the
+reservation's blocks handed back to the pool."""
+
+import asyncio
+import contextlib
+from collections.abc import AsyncIterator, Awaitable, Callable
+from dataclasses import dataclass
+
+import grpc
+import pytest
+import torch
+
+from engine.kv_cache import KVCache
+from engine.model_config import ModelConfig
+from kvtransfer import (
+    GRPC_MESSAGE_OPTIONS, GrpcKVReceiver, GrpcKVSender, KVDestination, KVReceiver, KVTransferError,
+    ReservationTable, encode_chunk, send_blocks,
+)
+from protos.tandem.v1 import kvtransfer_pb2, worker_pb2_grpc
+
+CONFIG = ModelConfig(vocab_size=32, hidden_size=32, intermediate_size=64, num_hidden_layers=2,
+                     num_attention_heads=4, num_key_value_heads=2)  # head_dim 8
+BLOCK_SIZE = 4
+SRC_IDS = [5, 1, 2, 7]  # the request's blocks on the prefill worker, position order
+DST_IDS = [3, 0, 6, 4]  # the reservation's blocks on the decode worker
+
+
+def make_cache(dtype: torch.dtype, fill_random: bool) -> KVCache:
+    cache = KVCache(CONFIG, num_blocks=8, block_size=BLOCK_SIZE, dtype=dtype, device="cpu")
+    if fill_random:  # random bit patterns: bit-exactness covers NaN payloads and signed zeros
+        raw = cache.tensor.view(torch.uint8)
+        raw.copy_(torch.randint(0, 256, raw.shape, dtype=torch.uint8))
+    return cache
+
+
+def as_bytes(t: torch.Tensor) -> torch.Tensor:
+    return t.contiguous().view(torch.uint8)
+
+
+class TransferOnlyDecodeWorker(worker_pb2_grpc.DecodeWorkerServicer):
+    """The decode worker's TransferKV, delegated as the real servicer will."""
+
+    def __init__(self, receiver: KVReceiver) -> None:
+        self.kv = GrpcKVReceiver(receiver)
+
+    async def TransferKV(self, request_iterator, context):  # noqa: N802 (gRPC method name)
+        return await self.kv.transfer_kv(request_iterator, context)
+
+
+@dataclass
+class DecodePeer:
+    address: str
+    table: ReservationTable
+    freed: list[int]
+    stub: worker_pb2_grpc.DecodeWorkerStub
+    server: grpc.aio.Server
+
+
+@contextlib.asynccontextmanager
+async def decode_worker(cache: KVCache, lease_s: float = 30.0) -> AsyncIterator[DecodePeer]:
+    freed: list[int] = []
+    table = ReservationTable(freed.extend, lease_s=lease_s)
+    server = grpc.aio.server(options=GRPC_MESSAGE_OPTIONS)
+    worker_pb2_grpc.add_DecodeWorkerServicer_to_server(TransferOnlyDecodeWorker(KVReceiver(cache.tensor, table)), server)
+    port = server.add_insecure_port("127.0.0.1:0")
+    await server.start()
+    address = f"127.0.0.1:{port}"
+    channel = grpc.aio.insecure_channel(address, options=GRPC_MESSAGE_OPTIONS)
+    try:
+        yield DecodePeer(address, table, freed, worker_pb2_grpc.DecodeWorkerStub(channel), server)
+    finally:
+        await channel.close()
+        await server.stop(None)
+
+
+Tamper = Callable[[int, kvtransfer_pb2.KVChunk], Awaitable[kvtransfer_pb2.KVChunk | None]]
+
+
+class TamperingStub:
+    """A test transport wrapper: passes each outgoing chunk through ``tamper(i, chunk)``, which may
+    change it, drop it (``None``) or stall."""
+
+    def __init__(self, stub: worker_pb2_grpc.DecodeWorkerStub, tamper: Tamper) -> None:
+        self.stub, self.tamper = stub, tamper
+
+    def TransferKV(self, **kwargs):  # noqa: N802
+        return _TamperingCall(self.stub.TransferKV(**kwargs), self.tamper)
+
+
+class _TamperingCall:
+    def __init__(self, call, tamper: Tamper) -> None:
+        self.call, self.tamper, self.count = call, tamper, 0
+
+    async def write(self, chunk: kvtransfer_pb2.KVChunk) -> None:
+        chunk = await self.tamper(self.count, chunk)
+        self.count += 1
+        if chunk is not None:
+            await self.call.write(chunk)
+
+    async def done_writing(self) -> None:
+        await self.call.done_writing()
+
+    def cancel(self) -> bool:
+        return self.call.cancel()
+
+    def __await__(self):
+        return self.call.__await__()
+
+
+async def wait_for(condition: Callable[[], bool], timeout_s: float = 5.0) -> None:
+    deadline = asyncio.get_running_loop().time() + timeout_s
+    while not condition():
+        assert asyncio.get_running_loop().time() < deadline, "condition not reached"
+        await asyncio.sleep(0.01)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["fp32", "bf16"])
+@pytest.mark.parametrize("blocks_per_chunk", [1, 3])
+def test_blocks_arrive_bit_exact_in_reserved_slots(dtype: torch.dtype, blocks_per_chunk: int) -> None:
+    src, dst = make_cache(dtype, True), make_cache(dtype, False)
+    block_nbytes = KVCache.bytes_per_block(CONFIG, BLOCK_SIZE, dtype)
+
+    async def scenario() -> None:
+        async with decode_worker(dst) as peer:
+            reservation = peer.table.reserve("req-1", DST_IDS)
+            sender = GrpcKVSender(max_chunk_bytes=blocks_per_chunk * block_nbytes)
+            try:
+                acked = await sender.send(src.tensor, SRC_IDS, KVDestination(peer.address, reservation.reservation_id), "req-1")
+            finally:
+                await sender.close()
+            assert acked == len(DST_IDS)
+            assert peer.table.claim(reservation.reservation_id, "req-1") == DST_IDS
+            assert peer.freed == []
+
+    asyncio.run(scenario())
+    for src_id, dst_id in zip(SRC_IDS, DST_IDS):
+        assert torch.equal(as_bytes(dst.block(dst_id)), as_bytes(src.block(src_id)))
+    untouched = sorted(set(range(8)) - set(DST_IDS))
+    assert not as_bytes(dst.tensor[untouched]).any()
+
+
+def test_corrupted_chunk_is_data_loss_and_frees_the_reservation() -> None:
+    src, dst = make_cache(torch.bfloat16, True), make_cache(torch.bfloat16, False)
+
+    async def flip_a_byte_of_second_chunk(i: int, chunk: kvtransfer_pb2.KVChunk) -> kvtransfer_pb2.KVChunk:
+        if i == 1:
+            data = bytearray(chunk.data)
+            data[len(data) // 2] ^= 0x40
+            chunk.data = bytes(data)
+        return chunk
+
+    async def scenario() -> None:
+        async with decode_worker(dst) as peer:
+            reservation = peer.table.reserve("req-1", DST_IDS)
+            stub = TamperingStub(peer.stub, flip_a_byte_of_second_chunk)
+            with pytest.raises(KVTransferError) as info:
+                await send_blocks(stub, src.tensor, SRC_IDS, reservation_id=reservation.reservation_id,
+                                  request_id="req-1", max_chunk_bytes=1)
+            assert info.value.code == grpc.StatusCode.DATA_LOSS and "CRC-32" in info.value.message
+            assert sorted(peer.freed) == sorted(DST_IDS) and len(peer.table) == 0
+
+    asyncio.run(scenario())
+    # Block 0 arrived intact before the bad one; the corrupted block never reached the cache.
+    assert torch.equal(as_bytes(dst.block(DST_IDS[0])), as_bytes(src.block(SRC_IDS[0])))
+    assert not as_bytes(dst.tensor[DST_IDS[1:]]).any()
+
+
+def _bad_chunks(reservation_id: str, src: KVCache) -> dict[str, tuple[list[kvtransfer_pb2.KVChunk], str]]:
+    def chunk(blocks: torch.Tensor, first: int, request_id: str = "req-1") -> kvtransfer_pb2.KVChunk:
+        return encode_chunk(blocks, reservation_id=reservation_id, request_id=request_id, first_block_index=first)
+
+    good = src.tensor[SRC_IDS[0]: SRC_IDS[0] + 1]
+    other = src.tensor[SRC_IDS[1]: SRC_IDS[1] + 1]
+    small = KVCache(CONFIG, num_blocks=1, block_size=2, dtype=torch.float32, device="cpu").tensor
+    return {
+        "dtype": ([chunk(good.to(torch.float16), 0)], "dtype 'float16' != expected 'float32'"),
+        "shape": ([chunk(small, 0)], "block_shape [2, 2, 2, 2, 8] != expected [2, 2, 4, 2, 8]"),
+        "index": ([chunk(good, len(DST_IDS))], f"blocks [4, 5) outside [0, {len(DST_IDS)})"),
+        "overrun": ([chunk(src.tensor[0:2], len(DST_IDS) - 1)], "blocks [3, 5) outside"),
+        "duplicate": ([chunk(good, 0), chunk(other, 0)], "blocks [0] of reservation"),
+        "request": ([chunk(good, 0, request_id="someone-else")], "belongs to request 'req-1'"),
+        "reservation": ([chunk(good, 0), encode_chunk(other, reservation_id="x", request_id="req-1",
+                                                      first_block_index=1)], "in the stream of"),
+    }
+
+
+@pytest.mark.parametrize("case", ["dtype", "shape", "index", "overrun", "duplicate", "request", "reservation"])
+def test_bad_chunk_is_refused_before_any_write(case: str) -> None:
+    src, dst = make_cache(torch.float32, True), make_cache(torch.float32, False)
+
+    async def scenario() -> None:
+        async with decode_worker(dst) as peer:
+            reservation = peer.table.reserve("req-1", DST_IDS)
+            chunks, text = _bad_chunks(reservation.reservation_id, src)[case]
+            call = peer.stub.TransferKV(timeout=5)
+            with pytest.raises(grpc.aio.AioRpcError) as info:
+                for c in chunks:
+                    await call.write(c)
+                await call.done_writing()
+                await call
+            assert info.value.code() == grpc.StatusCode.INVALID_ARGUMENT and text in info.value.details()
+            assert sorted(peer.freed) == sorted(DST_IDS) and len(peer.table) == 0
+
+    asyncio.run(scenario())
+    written = as_bytes(dst.tensor)
+    if case in ("duplicate", "reservation"):  # the first, valid chunk landed; the bad one did not
+        assert torch.equal(as_bytes(dst.block(DST_IDS[0])), as_bytes(src.block(SRC_IDS[0])))
+        written = as_bytes(dst.tensor[[i for i in range(8) if i != DST_IDS[0]]])
+    assert not written.any()
+
+
+def test_stream_ending_early_is_refused_and_frees() -> None:
+    src, dst = make_cache(torch.float32, True), make_cache(torch.float32, False)
+
+    async def drop_last(i: int, chunk: kvtransfer_pb2.KVChunk) -> kvtransfer_pb2.KVChunk | None:
+        return None if i == len(SRC_IDS) - 1 else chunk
+
+    async def scenario() -> None:
+        async with decode_worker(dst) as peer:
+            reservation = peer.table.reserve("req-1", DST_IDS)
+            with pytest.raises(KVTransferError) as info:
+                await send_blocks(TamperingStub(peer.stub, drop_last), src.tensor, SRC_IDS,
+                                  reservation_id=reservation.reservation_id, request_id="req-1", max_chunk_bytes=1)
+            assert info.value.code == grpc.StatusCode.INVALID_ARGUMENT
+            assert "stream ended after 3 of 4 blocks" in info.value.message
+            assert sorted(peer.freed) == sorted(DST_IDS) and len(peer.table) == 0
+
+    asyncio.run(scenario())
+
+
+def test_expired_lease_frees_blocks_and_refuses_the_late_transfer() -> None:
+    src, dst = make_cache(torch.float32, True), make_cache(torch.float32, False)
+
+    async def scenario() -> None:
+        async with decode_worker(dst, lease_s=0.1) as peer:
+            reaper = asyncio.create_task(peer.table.run_expiry(interval_s=0.02))
+            reservation = peer.table.reserve("req-1", DST_IDS)
+            await wait_for(lambda: len(peer.table) == 0)
+            reaper.cancel()
+            assert sorted(peer.freed) == sorted(DST_IDS)
+            with pytest.raises(KVTransferError) as info:
+                await send_blocks(peer.stub, src.tensor, SRC_IDS, reservation_id=reservation.reservation_id,
+                                  request_id="req-1")
+            assert info.value.code == grpc.StatusCode.NOT_FOUND and "expired" in info.value.message
+
+    asyncio.run(scenario())
+    assert not as_bytes(dst.tensor).any()
+
+
+def test_sender_cancelled_mid_stream_frees_the_reservation() -> None:
+    src, dst = make_cache(torch.float32, True), make_cache(torch.float32, False)
+
+    async def scenario() -> None:
+        stall = asyncio.Event()  # never set: the sender hangs after its first chunk
+
+        async def stall_after_first(i: int, chunk: kvtransfer_pb2.KVChunk) -> kvtransfer_pb2.KVChunk:
+            if i == 1:
+                await stall.wait()
+            return chunk
+
+        async with decode_worker(dst) as peer:
+            reservation = peer.table.reserve("req-1", DST_IDS)
+            send = asyncio.create_task(send_blocks(
+                TamperingStub(peer.stub, stall_after_first), src.tensor, SRC_IDS,
+                reservation_id=reservation.reservation_id, request_id="req-1", max_chunk_bytes=1))
+            await wait_for(lambda: reservation.num_arrived == 1)
+            send.cancel()  # e.g. the prefill worker aborts the request
+            with pytest.raises(asyncio.CancelledError):
+                await send
+            await wait_for(lambda: len(peer.table) == 0)
+            assert sorted(peer.freed) == sorted(DST_IDS)
+
+    asyncio.run(scenario())
+
+
+def test_receiver_death_fails_the_sender_with_a_status() -> None:
+    src, dst = make_cache(torch.float32, True), make_cache(torch.float32, False)
+
+    async def scenario() -> None:
+        async with decode_worker(dst) as peer:
+            reservation = peer.table.reserve("req-1", DST_IDS)
+
+            async def kill_receiver_after_first(i: int, chunk: kvtransfer_pb2.KVChunk) -> kvtransfer_pb2.KVChunk:
+                if i == 1:
+                    await wait_for(lambda: reservation.num_arrived == 1)
+                    await peer.server.stop(None)
+                return chunk
+
+            with pytest.raises(KVTransferError) as info:
+                await send_blocks(TamperingStub(peer.stub, kill_receiver_after_first), src.tensor, SRC_IDS,
+                                  reservation_id=reservation.reservation_id, request_id="req-1", max_chunk_bytes=1)
+            # The code depends on where the write races the shutdown (UNAVAILABLE, CANCELLED, INTERNAL);
+            # what matters is that the sender fails instead of hanging.
+            assert info.value.code != grpc.StatusCode.OK
+            await wait_for(lambda: len(peer.table) == 0)
+            assert sorted(peer.freed) == sorted(DST_IDS)
+
+    asyncio.run(scenario())
