@@ -1,0 +1,196 @@
+"""Worker registry against the real Redis: registration, load, expiry, the heartbeat task."""
+
+from __future__ import annotations
+
+import asyncio
+
+import pytest
+
+from engine.block_pool import BlockPool
+from gateway.prefix_index import PrefixIndex
+from gateway.registry import (
+    ClusterNamespace,
+    Heartbeat,
+    Role,
+    WorkerInfo,
+    WorkerLoad,
+    WorkerRegistry,
+    redis_client,
+)
+
+
+def _ns(key_prefix: str, ttl_s: float = 3.0) -> ClusterNamespace:
+    return ClusterNamespace(key_prefix, "test/model", 4, ttl_s=ttl_s)
+
+
+def _worker(worker_id: str, role: Role = Role.PREFILL, **load: int) -> WorkerInfo:
+    return WorkerInfo(worker_id, role, f"10.0.0.1:{50000 + len(worker_id)}", WorkerLoad(**load))
+
+
+def test_heartbeat_registers_worker_with_its_load(key_prefix, redis_url):
+    async def main():
+        client = redis_client(redis_url)
+        registry = WorkerRegistry(client, _ns(key_prefix))
+        p0 = _worker("p0", running=2, waiting=1, free_blocks=90, total_blocks=100)
+        assert await registry.heartbeat(p0) is True  # first beat creates the registration
+        assert await registry.heartbeat(_worker("p1")) is True
+        assert await registry.heartbeat(_worker("d0", Role.DECODE, free_blocks=7, total_blocks=8)) is True
+
+        assert await registry.live_workers(Role.PREFILL) == [p0, _worker("p1")]
+        assert await registry.live_workers(Role.DECODE) == [_worker("d0", Role.DECODE, free_blocks=7, total_blocks=8)]
+
+        busier = _worker("p0", running=5, waiting=3, free_blocks=10, total_blocks=100)
+        assert await registry.heartbeat(busier) is False  # a refresh, not a new registration
+        assert (await registry.live_workers(Role.PREFILL))[0].load == busier.load
+        await client.aclose()
+
+    asyncio.run(main())
+
+
+def test_keys_are_namespaced(key_prefix, redis_url):
+    async def main():
+        client = redis_client(redis_url)
+        ns = _ns(key_prefix)
+        await WorkerRegistry(client, ns).heartbeat(_worker("p0"))
+        keys = sorted([k.decode() async for k in client.scan_iter(match=f"tandem:{key_prefix}:*")])
+        await client.aclose()
+        return keys
+
+    assert asyncio.run(main()) == [
+        f"tandem:{key_prefix}:test/model:4:worker:p0",
+        f"tandem:{key_prefix}:test/model:4:workers:prefill",
+    ]
+
+
+def test_dead_worker_expires_and_is_pruned(key_prefix, redis_url):
+    async def main():
+        client = redis_client(redis_url)
+        ns = _ns(key_prefix, ttl_s=0.5)
+        registry = WorkerRegistry(client, ns)
+        await registry.heartbeat(_worker("dead"))
+        await registry.heartbeat(_worker("alive"))
+        await asyncio.sleep(0.4)
+        await registry.heartbeat(_worker("alive"))
+        await asyncio.sleep(0.4)  # "dead" expired 0.3 s ago; "alive" keeps beating
+        await registry.heartbeat(_worker("alive"))
+        assert [w.worker_id for w in await registry.live_workers(Role.PREFILL)] == ["alive"]
+        assert await client.smembers(ns.role_key(Role.PREFILL)) == {b"alive"}  # pruned on read
+        await asyncio.sleep(0.7)
+        assert await registry.live_workers(Role.PREFILL) == []
+        assert await client.exists(ns.role_key(Role.PREFILL)) == 0  # the set expires with its last member
+        await client.aclose()
+
+    asyncio.run(main())
+
+
+def test_unreadable_entry_is_skipped(key_prefix, redis_url):
+    async def main():
+        client = redis_client(redis_url)
+        ns = _ns(key_prefix)
+        registry = WorkerRegistry(client, ns)
+        await registry.heartbeat(_worker("d0", Role.DECODE))
+        await client.hset(ns.worker_key("old"), mapping={"worker_id": "old", "role": "decode"})  # no load
+        await client.sadd(ns.role_key(Role.DECODE), "old")
+        assert [w.worker_id for w in await registry.live_workers(Role.DECODE)] == ["d0"]
+        await client.aclose()
+
+    asyncio.run(main())
+
+
+def test_deregister_removes_worker_at_once(key_prefix, redis_url):
+    async def main():
+        client = redis_client(redis_url)
+        registry = WorkerRegistry(client, _ns(key_prefix))
+        await registry.heartbeat(_worker("d0", Role.DECODE))
+        await registry.deregister("d0", Role.DECODE)
+        assert await registry.live_workers(Role.DECODE) == []
+        await client.aclose()
+
+    asyncio.run(main())
+
+
+def test_heartbeat_task_keeps_worker_alive_then_deregisters(key_prefix, redis_url):
+    async def main():
+        client = redis_client(redis_url)
+        ns = _ns(key_prefix, ttl_s=0.5)
+        registry, index = WorkerRegistry(client, ns), PrefixIndex(client, ns)
+        pool = BlockPool(8)
+        load = {"running": 0}
+        task = Heartbeat(registry, _worker("p0"), lambda: WorkerLoad(running=load["running"], total_blocks=8),
+                         index=index, blocks=pool, interval_s=0.1)
+        task.start()
+        await asyncio.sleep(0.2)
+        assert [w.worker_id for w in await registry.live_workers(Role.PREFILL)] == ["p0"]
+
+        load["running"] = 3
+        pool.cache(pool.allocate(1)[0], b"h" * 16)
+        await asyncio.sleep(1.0)  # twice the TTL: alive only because it keeps beating
+        [p0] = await registry.live_workers(Role.PREFILL)
+        assert p0.load.running == 3
+        assert await index.cached_runs(["p0"], [b"h" * 16]) == {"p0": 1}
+
+        await task.stop()
+        assert await registry.live_workers(Role.PREFILL) == []
+        assert await client.exists(ns.blocks_key("p0")) == 0
+        await client.aclose()
+
+    asyncio.run(main())
+
+
+def test_heartbeat_task_survives_a_failing_load_callback(key_prefix, redis_url):
+    calls = {"n": 0}
+
+    def flaky_load() -> WorkerLoad:
+        calls["n"] += 1
+        if calls["n"] == 1:
+            raise RuntimeError("engine not ready")
+        return WorkerLoad(running=1)
+
+    async def main():
+        client = redis_client(redis_url)
+        registry = WorkerRegistry(client, _ns(key_prefix, ttl_s=0.5))
+        task = Heartbeat(registry, _worker("d0", Role.DECODE), flaky_load, interval_s=0.05)
+        task.start()
+        await asyncio.sleep(0.3)
+        assert [w.load.running for w in await registry.live_workers(Role.DECODE)] == [1]
+        await task.stop()
+        await client.aclose()
+
+    asyncio.run(main())
+
+
+def test_heartbeat_resyncs_the_index_when_redis_lost_the_workers_keys(key_prefix, redis_url):
+    async def main():
+        client = redis_client(redis_url)
+        ns = _ns(key_prefix)
+        registry, index = WorkerRegistry(client, ns), PrefixIndex(client, ns)
+        pool = BlockPool(4)
+        hashes = [bytes([i]) * 16 for i in range(3)]
+        for block, h in zip(pool.allocate(3), hashes):
+            pool.cache(block, h)
+        task = Heartbeat(registry, _worker("p0"), WorkerLoad, index=index, blocks=pool, interval_s=0.5)
+        await task.beat()
+        assert await index.cached_runs(["p0"], hashes) == {"p0": 3}
+
+        # What a Redis restart (or a TTL that ran out during an outage) looks like to the worker.
+        await client.delete(ns.worker_key("p0"), ns.blocks_key("p0"), ns.role_key(Role.PREFILL))
+        await task.beat()
+        assert [w.worker_id for w in await registry.live_workers(Role.PREFILL)] == ["p0"]
+        assert await index.cached_runs(["p0"], hashes) == {"p0": 3}
+        await client.aclose()
+
+    asyncio.run(main())
+
+
+def test_invalid_configuration_is_rejected(key_prefix):
+    with pytest.raises(ValueError, match="ttl_s"):
+        ClusterNamespace(key_prefix, "m", 16, ttl_s=0)
+    with pytest.raises(ValueError, match="block_size"):
+        ClusterNamespace(key_prefix, "m", 0)
+    with pytest.raises(ValueError, match="worker_id"):
+        WorkerInfo("a:b", Role.DECODE, "x:1")
+    registry = WorkerRegistry(redis_client("redis://127.0.0.1:6379/0"), _ns(key_prefix, ttl_s=1.0))
+    with pytest.raises(ValueError, match="interval_s"):
+        Heartbeat(registry, _worker("p0"), WorkerLoad, interval_s=1.0)
+    with pytest.raises(ValueError, match="together"):
+        Heartbeat(registry, _worker("p0"), WorkerLoad, blocks=BlockPool(1), interval_s=0.5)

@@ -1,0 +1,240 @@
+"""Routing: the pure picks (property-based) and ClusterView against real Redis, outage included."""
+
+from __future__ import annotations
+
+import asyncio
+import random
+from collections import Counter
+
+import pytest
+from hypothesis import assume, given
+from hypothesis import strategies as st
+
+from engine.block_hash import hash_blocks, hash_seed
+from engine.block_pool import BlockPool
+from gateway.prefix_index import PrefixIndex
+from gateway.registry import ClusterNamespace, Heartbeat, Role, WorkerInfo, WorkerLoad, WorkerRegistry, redis_client
+from gateway.router import (
+    ClusterView,
+    NoCapacityError,
+    NoWorkerError,
+    RoutingPolicy,
+    pick_decode,
+    pick_prefill,
+    prefill_score,
+)
+
+BLOCK_SIZE = 4
+PROMPT = list(range(6 * BLOCK_SIZE + 1))  # 6 full blocks and one partial: 7 blocks on decode
+H = hash_blocks(PROMPT, BLOCK_SIZE, hash_seed("test/model", BLOCK_SIZE, "bfloat16"))
+
+loads = st.builds(
+    WorkerLoad,
+    running=st.integers(0, 64),
+    waiting=st.integers(0, 64),
+    free_blocks=st.integers(0, 1000),
+    total_blocks=st.just(1000),
+)
+
+
+def workers_of(role: Role, min_size: int = 0):
+    return st.lists(loads, min_size=min_size, max_size=8).map(
+        lambda ls: [WorkerInfo(f"{role.value[0]}{i}", role, f"10.0.0.{i}:5000", load) for i, load in enumerate(ls)]
+    )
+
+
+@given(workers=workers_of(Role.DECODE), prompt_blocks=st.integers(0, 1000), margin=st.integers(0, 8),
+       seed=st.integers())
+def test_chosen_decode_worker_has_room_and_least_load(workers, prompt_blocks, margin, seed):
+    policy = RoutingPolicy(decode_margin_blocks=margin)
+    chosen = pick_decode(workers, prompt_blocks, policy, random.Random(seed))
+    fitting = [w for w in workers if w.load.free_blocks >= prompt_blocks + margin]
+    if not fitting:
+        assert chosen is None
+    else:
+        assert chosen in fitting
+        assert chosen.load.num_seqs == min(w.load.num_seqs for w in fitting)
+
+
+@given(workers=workers_of(Role.PREFILL, min_size=1), runs=st.lists(st.integers(0, 64), min_size=8, max_size=8),
+       cost=st.integers(0, 2048), seed=st.integers())
+def test_chosen_prefill_worker_has_best_score_then_least_load(workers, runs, cost, seed):
+    policy = RoutingPolicy(load_cost_tokens=cost)
+    cached = {w.worker_id: run for w, run in zip(workers, runs)}
+    chosen = pick_prefill(workers, cached, BLOCK_SIZE, policy, random.Random(seed))
+
+    def score(w):
+        return prefill_score(cached[w.worker_id], w.load, BLOCK_SIZE, policy)
+
+    best = [w for w in workers if score(w) == max(map(score, workers))]
+    assert chosen in best
+    assert chosen.load.num_seqs == min(w.load.num_seqs for w in best)
+
+
+@given(load=loads, runs=st.lists(st.integers(0, 64), min_size=2, max_size=8, unique=True), seed=st.integers())
+def test_prefix_overlap_wins_when_loads_are_equal(load, runs, seed):
+    workers = [WorkerInfo(f"p{i}", Role.PREFILL, "a:1", load) for i in range(len(runs))]
+    cached = {w.worker_id: run for w, run in zip(workers, runs)}
+    chosen = pick_prefill(workers, cached, BLOCK_SIZE, RoutingPolicy(), random.Random(seed))
+    assert cached[chosen.worker_id] == max(runs)
+
+
+@given(run=st.integers(1, 64), busy=st.integers(1, 64), idle=st.integers(0, 64), cost=st.integers(1, 2048),
+       seed=st.integers())
+def test_load_wins_when_overlap_is_small(run, busy, idle, cost, seed):
+    assume(idle < busy and BLOCK_SIZE * run < cost * (busy - idle))
+    cached_busy = WorkerInfo("busy", Role.PREFILL, "a:1", WorkerLoad(running=busy))
+    empty_idle = WorkerInfo("idle", Role.PREFILL, "b:1", WorkerLoad(running=idle))
+    chosen = pick_prefill([cached_busy, empty_idle], {"busy": run}, BLOCK_SIZE, RoutingPolicy(cost), random.Random(seed))
+    assert chosen is empty_idle
+
+
+def test_ties_spread_over_equal_workers():
+    rng = random.Random(7)
+    prefills = [WorkerInfo(f"p{i}", Role.PREFILL, "a:1", WorkerLoad(running=2)) for i in range(3)]
+    decodes = [WorkerInfo(f"d{i}", Role.DECODE, "a:1", WorkerLoad(free_blocks=50)) for i in range(3)]
+    picked_p = Counter(pick_prefill(prefills, {}, BLOCK_SIZE, RoutingPolicy(), rng).worker_id for _ in range(300))
+    picked_d = Counter(pick_decode(decodes, 10, RoutingPolicy(), rng).worker_id for _ in range(300))
+    assert min(picked_p.values()) > 60 and len(picked_p) == 3
+    assert min(picked_d.values()) > 60 and len(picked_d) == 3
+
+
+def test_load_only_mode_picks_least_loaded():
+    prefills = [WorkerInfo("p0", Role.PREFILL, "a:1", WorkerLoad(running=3)),
+                WorkerInfo("p1", Role.PREFILL, "a:1", WorkerLoad(waiting=1))]
+    assert pick_prefill(prefills, {}, BLOCK_SIZE, RoutingPolicy(), random.Random(0)).worker_id == "p1"
+    assert pick_prefill([], {}, BLOCK_SIZE, RoutingPolicy(), random.Random(0)) is None
+
+
+def _ns(key_prefix: str, ttl_s: float = 3.0) -> ClusterNamespace:
+    return ClusterNamespace(key_prefix, "test/model", BLOCK_SIZE, ttl_s=ttl_s)
+
+
+async def _register(registry: WorkerRegistry, worker_id: str, role: Role, **load: int) -> None:
+    await registry.heartbeat(WorkerInfo(worker_id, role, f"{worker_id}:5000", WorkerLoad(**load)))
+
+
+def test_choose_prefers_cached_prefix_and_spreads_a_burst(key_prefix, redis_url):
+    async def main():
+        client = redis_client(redis_url)
+        ns = _ns(key_prefix)
+        registry, index = WorkerRegistry(client, ns), PrefixIndex(client, ns)
+        for p in ("p0", "p1"):
+            await _register(registry, p, Role.PREFILL, total_blocks=100, free_blocks=100)
+        for d in ("d0", "d1"):
+            await _register(registry, d, Role.DECODE, total_blocks=100, free_blocks=100)
+        await index.publish("p1", stored=H[:4], removed=[])
+        view = ClusterView(registry, index, RoutingPolicy(load_cost_tokens=64), random.Random(0))
+        await view.refresh()
+
+        first = await view.choose(H, len(PROMPT), BLOCK_SIZE)
+        assert (first.prefill.worker_id, first.cached_blocks, first.prompt_blocks) == ("p1", 4, 7)
+        # p1 now has one request in flight (cost 64 tokens > 16 saved): the next goes elsewhere.
+        second = await view.choose(H, len(PROMPT), BLOCK_SIZE)
+        assert (second.prefill.worker_id, second.cached_blocks) == ("p0", 0)
+        assert {first.decode.worker_id, second.decode.worker_id} == {"d0", "d1"}
+        assert {w.worker_id: w.load.free_blocks for w in view.workers(Role.DECODE)} == {"d0": 93, "d1": 93}
+
+        view.prefill_done(first)
+        view.decode_done(first)
+        third = await view.choose(H, len(PROMPT), BLOCK_SIZE)
+        assert third.prefill.worker_id == "p1" and third.decode.worker_id == first.decode.worker_id
+        # A refresh takes the workers' own reports as the new baseline.
+        await view.refresh()
+        assert all(w.load.num_seqs == 0 for w in view.workers(Role.PREFILL))
+        await client.aclose()
+
+    asyncio.run(main())
+
+
+def test_choose_reports_missing_workers_and_capacity(key_prefix, redis_url):
+    async def main():
+        client = redis_client(redis_url)
+        ns = _ns(key_prefix)
+        registry, index = WorkerRegistry(client, ns), PrefixIndex(client, ns)
+        view = ClusterView(registry, index, RoutingPolicy(decode_margin_blocks=1))
+        await _register(registry, "p0", Role.PREFILL)
+        await view.refresh()
+        with pytest.raises(NoWorkerError, match="decode"):
+            await view.choose(H, len(PROMPT), BLOCK_SIZE)
+
+        await _register(registry, "d0", Role.DECODE, free_blocks=7, total_blocks=8)  # needs 7 + 1
+        await view.refresh()
+        with pytest.raises(NoCapacityError, match="8 free blocks"):
+            await view.choose(H, len(PROMPT), BLOCK_SIZE)
+        route = await view.choose(H[:5], len(PROMPT) - 4, BLOCK_SIZE)  # 6 blocks + 1 fit
+        assert route.decode.worker_id == "d0"
+
+        with pytest.raises(ValueError, match="block_size"):
+            await view.choose(H, len(PROMPT), 2 * BLOCK_SIZE)
+        with pytest.raises(ValueError, match="block hashes"):
+            await view.choose(H[:2], len(PROMPT), BLOCK_SIZE)
+        await client.aclose()
+
+    asyncio.run(main())
+
+
+def test_registry_emptied_at_once_keeps_last_known_workers_for_one_ttl(key_prefix, redis_url):
+    async def main():
+        client = redis_client(redis_url)
+        ns = _ns(key_prefix, ttl_s=0.5)
+        registry, index = WorkerRegistry(client, ns), PrefixIndex(client, ns)
+        await _register(registry, "p0", Role.PREFILL)
+        await _register(registry, "d0", Role.DECODE, free_blocks=100, total_blocks=100)
+        view = ClusterView(registry, index)
+        await view.refresh()
+        # What a Redis restart looks like until the workers' next heartbeats.
+        await client.delete(*[k async for k in client.scan_iter(match=f"tandem:{key_prefix}:*")])
+        await view.refresh()
+        assert (await view.choose(H, len(PROMPT), BLOCK_SIZE)).prefill.worker_id == "p0"
+        await asyncio.sleep(0.6)
+        await view.refresh()
+        with pytest.raises(NoWorkerError):
+            await view.choose(H, len(PROMPT), BLOCK_SIZE)
+        await client.aclose()
+
+    asyncio.run(main())
+
+
+def test_redis_outage_degrades_to_last_known_state_and_recovers(private_redis):
+    async def main():
+        ns = ClusterNamespace("test-outage", "test/model", BLOCK_SIZE, ttl_s=1.0)
+        worker_client, gateway_client = redis_client(private_redis.url, 0.2), redis_client(private_redis.url, 0.2)
+        pool = BlockPool(8)
+        for block, h in zip(pool.allocate(3), H):
+            pool.cache(block, h)
+        worker_registry = WorkerRegistry(worker_client, ns)
+        prefill = Heartbeat(worker_registry, WorkerInfo("p0", Role.PREFILL, "p0:5000"),
+                            lambda: WorkerLoad(running=1, free_blocks=5, total_blocks=8),
+                            index=PrefixIndex(worker_client, ns), blocks=pool, interval_s=0.1)
+        decode = Heartbeat(worker_registry, WorkerInfo("d0", Role.DECODE, "d0:5000"),
+                           lambda: WorkerLoad(free_blocks=64, total_blocks=64), interval_s=0.1)
+        prefill.start()
+        decode.start()
+        view = ClusterView(WorkerRegistry(gateway_client, ns), PrefixIndex(gateway_client, ns))
+        await asyncio.sleep(0.3)
+        await view.refresh()
+        route = await view.choose(H, len(PROMPT), BLOCK_SIZE)
+        assert (route.prefill.worker_id, route.decode.worker_id, route.cached_blocks) == ("p0", "d0", 3)
+
+        private_redis.kill()
+        await asyncio.sleep(0.3)  # heartbeats fail meanwhile (and must not die)
+        await view.refresh()
+        assert view.degraded
+        route = await view.choose(H, len(PROMPT), BLOCK_SIZE)
+        assert (route.prefill.worker_id, route.decode.worker_id, route.cached_blocks) == ("p0", "d0", 0)
+
+        private_redis.start()  # same port, empty: the heartbeats re-register and resync
+        await asyncio.sleep(0.5)
+        await view.refresh()
+        assert not view.degraded
+        route = await view.choose(H, len(PROMPT), BLOCK_SIZE)
+        assert (route.prefill.worker_id, route.decode.worker_id, route.cached_blocks) == ("p0", "d0", 3)
+
+        await prefill.stop()
+        await decode.stop()
+        assert await view.registry.live_workers(Role.PREFILL) == []
+        await worker_client.aclose()
+        await gateway_client.aclose()
+
+    asyncio.run(main())
