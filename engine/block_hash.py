@@ -1,0 +1,82 @@
+"""Chained block hashes: the key of a full KV block in every prefix cache and in the Redis index.
+
+``h_i = BLAKE2b-128(h_{i-1} || le_uint32(token_ids of block i))`` with ``h_{-1}`` a seed derived
+from the model id, the block size and the KV cache dtype (DESIGN.md, "Block hash"). A block's
+hash therefore names the whole prefix up to and including that block, so two requests share a
+cached block only if they share every token before it. BLAKE2b with a 128-bit digest keeps
+crafted collisions out of reach (a 64-bit non-cryptographic hash does not: vLLM advisory
+GHSA-rm76-4mrf-v9r8). Gateway and workers call these same functions, so values agree across
+processes (Python's built-in ``hash`` is salted per process and is never used).
+"""
+
+from __future__ import annotations
+
+import hashlib
+from collections.abc import Sequence
+
+import numpy as np
+
+HASH_BYTES = 16
+
+
+def hash_seed(model_id: str, block_size: int, kv_cache_dtype: str) -> bytes:
+    """Return ``h_{-1}``, the per-model seed of the chain.
+
+    Args:
+        model_id: the served model's id (e.g. ``"HuggingFaceTB/SmolLM2-135M-Instruct"``).
+        block_size: tokens per KV block.
+        kv_cache_dtype: the KV cache dtype's name, e.g. ``"bfloat16"``.
+
+    Returns:
+        16 bytes.
+    """
+    text = f"tandem-v1|{model_id}|{block_size}|{kv_cache_dtype}".encode()
+    return hashlib.blake2b(text, digest_size=HASH_BYTES).digest()
+
+
+def hash_block(parent: bytes, token_ids: Sequence[int]) -> bytes:
+    """Return ``h_i = H(parent, token_ids)`` for one full block.
+
+    Args:
+        parent: the previous block's hash, or the seed for the first block (16 bytes).
+        token_ids: the block's token ids (each < 2**32).
+
+    Returns:
+        16 bytes.
+    """
+    h = hashlib.blake2b(parent, digest_size=HASH_BYTES)
+    h.update(np.asarray(token_ids, dtype="<u4").tobytes())
+    return h.digest()
+
+
+def hash_blocks(
+    token_ids: Sequence[int], block_size: int, seed: bytes, parent: bytes | None = None, start: int = 0
+) -> list[bytes]:
+    """Return the chained hashes of the full blocks of ``token_ids[start:]``.
+
+    Args:
+        token_ids: the sequence's tokens.
+        block_size: tokens per block; a trailing partial block gets no hash.
+        seed: ``hash_seed(...)`` of the model.
+        parent: hash of the block before ``start`` (``None``: ``start`` must be 0 and the
+            chain starts from ``seed``).
+        start: first token index to hash; a multiple of ``block_size``.
+
+    Returns:
+        One 16-byte hash per full block from ``start`` on.
+
+    Raises:
+        ValueError: ``start`` is not a multiple of ``block_size``, or ``parent`` is missing
+            for a non-zero ``start``.
+    """
+    if start % block_size:
+        raise ValueError(f"start={start} is not a multiple of block_size={block_size}")
+    if parent is None:
+        if start:
+            raise ValueError("parent is required when start > 0")
+        parent = seed
+    hashes = []
+    for begin in range(start, len(token_ids) - block_size + 1, block_size):
+        parent = hash_block(parent, token_ids[begin : begin + block_size])
+        hashes.append(parent)
+    return hashes

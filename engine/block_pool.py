@@ -1,0 +1,142 @@
+"""The block pool: reference counts, the free list, and cached blocks by hash.
+
+The only code that changes a block's reference count. A block with no references stays in
+the prefix cache (if it has a hash) until the pool needs it: the free list is kept in LRU
+order and :meth:`BlockPool.allocate` takes from its head, evicting the cached hash of each
+block it hands out (vLLM v1's ``BlockPool`` design).
+"""
+
+from __future__ import annotations
+
+from collections import OrderedDict
+from dataclasses import dataclass, field
+
+
+class NoFreeBlocksError(RuntimeError):
+    """Raised when an allocation asks for more blocks than are free."""
+
+
+@dataclass
+class BlockEvents:
+    """Hashes of blocks that entered or left the prefix cache since the last drain."""
+
+    stored: list[bytes] = field(default_factory=list)
+    removed: list[bytes] = field(default_factory=list)
+
+
+class BlockPool:
+    """``num_blocks`` physical KV blocks: allocation, sharing, prefix caching and LRU eviction.
+
+    Args:
+        num_blocks: blocks in the pool (>= 1).
+
+    Invariants (checked by ``check_invariants`` in tests): a block is in the free list iff its
+    reference count is 0; a hash maps to exactly one block and that block carries the hash.
+    """
+
+    def __init__(self, num_blocks: int) -> None:
+        if num_blocks < 1:
+            raise ValueError(f"num_blocks must be >= 1, got {num_blocks}")
+        self.num_blocks = num_blocks
+        self.ref_counts = [0] * num_blocks
+        self.block_hash: list[bytes | None] = [None] * num_blocks
+        # Insertion order is eviction order: the head is the least recently freed block.
+        self._free: OrderedDict[int, None] = OrderedDict.fromkeys(range(num_blocks))
+        self._cached: dict[bytes, int] = {}
+        self._events = BlockEvents()
+
+    @property
+    def num_free_blocks(self) -> int:
+        """Blocks with no reference (evictable cached blocks included)."""
+        return len(self._free)
+
+    @property
+    def num_cached_blocks(self) -> int:
+        return len(self._cached)
+
+    def allocate(self, count: int) -> list[int]:
+        """Take ``count`` unreferenced blocks (least recently freed first), evicting their hashes.
+
+        Raises:
+            NoFreeBlocksError: fewer than ``count`` blocks are free; nothing is taken.
+        """
+        if count > len(self._free):
+            raise NoFreeBlocksError(f"asked for {count} blocks, {len(self._free)} free")
+        blocks = []
+        for _ in range(count):
+            block, _ = self._free.popitem(last=False)
+            self._evict(block)
+            self.ref_counts[block] = 1
+            blocks.append(block)
+        return blocks
+
+    def acquire(self, blocks: list[int]) -> None:
+        """Add one reference to each block (a prefix-cache hit or a fork), taking unreferenced
+        ones off the free list."""
+        for block in blocks:
+            if self.ref_counts[block] == 0:
+                del self._free[block]
+            self.ref_counts[block] += 1
+
+    def free(self, blocks: list[int]) -> None:
+        """Drop one reference from each block; blocks reaching zero join the free list's tail in
+        the given order (pass a sequence's blocks tail first so its prefix is evicted last).
+
+        Raises:
+            ValueError: a block is not referenced (a double free).
+        """
+        for block in blocks:
+            if self.ref_counts[block] <= 0:
+                raise ValueError(f"double free of block {block}")
+            self.ref_counts[block] -= 1
+            if self.ref_counts[block] == 0:
+                self._free[block] = None
+
+    def lookup(self, block_hash: bytes) -> int | None:
+        """Return the block caching ``block_hash``, or ``None``."""
+        return self._cached.get(block_hash)
+
+    def cache(self, block: int, block_hash: bytes) -> None:
+        """Register a referenced, fully computed block under ``block_hash``. If another block
+        already caches that hash, the pool keeps the existing one and this block stays private."""
+        if self.block_hash[block] is not None or block_hash in self._cached:
+            return
+        self.block_hash[block] = block_hash
+        self._cached[block_hash] = block
+        self._events.stored.append(block_hash)
+
+    def drain_events(self) -> BlockEvents:
+        """Return and clear the stored/removed hash events (for the Redis prefix index)."""
+        events, self._events = self._events, BlockEvents()
+        return events
+
+    def cached_hashes(self) -> list[bytes]:
+        """Every hash currently in the prefix cache (for a full resync of the index)."""
+        return list(self._cached)
+
+    def reset_prefix_cache(self) -> None:
+        """Forget every cached hash (referenced blocks keep their data, but stop being shared)."""
+        for block_hash, block in self._cached.items():
+            self.block_hash[block] = None
+            self._events.removed.append(block_hash)
+        self._cached.clear()
+
+    def _evict(self, block: int) -> None:
+        block_hash = self.block_hash[block]
+        if block_hash is not None:
+            self.block_hash[block] = None
+            del self._cached[block_hash]
+            self._events.removed.append(block_hash)
+
+    def check_invariants(self) -> None:
+        """Assert the pool's invariants (for tests).
+
+        Raises:
+            AssertionError: an invariant is broken.
+        """
+        assert all(count >= 0 for count in self.ref_counts)
+        free = set(self._free)
+        assert free == {b for b, c in enumerate(self.ref_counts) if c == 0}
+        for block_hash, block in self._cached.items():
+            assert self.block_hash[block] == block_hash
+        assert sum(h is not None for h in self.block_hash) == len(self._cached)

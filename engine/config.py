@@ -1,0 +1,59 @@
+"""Engine configuration: cache and scheduler settings, validated when built."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+SUPPORTED_BLOCK_SIZES = (8, 16, 32, 64, 128)
+
+
+@dataclass
+class EngineConfig:
+    """Settings of one engine instance (one worker).
+
+    Attributes:
+        block_size: tokens per KV block, one of 8/16/32/64/128.
+        max_num_seqs: sequences in the running batch at most.
+        max_num_batched_tokens: tokens per step at most (prefill chunks plus decode tokens);
+            also the chunked-prefill chunk size.
+        max_model_len: tokens per sequence at most (prompt + output); ``None``: the model's
+            ``max_position_embeddings``.
+        num_blocks: KV blocks in the pool; ``None``: sized from the memory budget.
+        kv_cache_memory_bytes: the KV cache's size in bytes when not on CUDA (default 1 GiB).
+        gpu_memory_utilization: on CUDA, the fraction of the GPU's memory that weights,
+            activations and the KV cache may use together.
+        enable_prefix_caching: reuse cached full blocks across requests.
+        dtype: ``"auto"`` (bfloat16 on CUDA, float32 on CPU), ``"float32"``, ``"bfloat16"``, ``"float16"``.
+        device: ``"auto"`` (CUDA when available), ``"cpu"`` or ``"cuda[:N]"``.
+        seed: seed of the shared random generator (requests without their own seed).
+
+    Raises:
+        ValueError: a field is out of range; the message names it.
+    """
+
+    block_size: int = 16
+    max_num_seqs: int = 256
+    max_num_batched_tokens: int = 2048
+    max_model_len: int | None = None
+    num_blocks: int | None = None
+    kv_cache_memory_bytes: int = 1 << 30
+    gpu_memory_utilization: float = 0.9
+    enable_prefix_caching: bool = True
+    dtype: str = "auto"
+    device: str = "auto"
+    seed: int = 0
+
+    def __post_init__(self) -> None:
+        checks = [
+            ("block_size", self.block_size in SUPPORTED_BLOCK_SIZES, f"must be one of {SUPPORTED_BLOCK_SIZES}"),
+            ("max_num_seqs", self.max_num_seqs >= 1, "must be >= 1"),
+            ("max_num_batched_tokens", self.max_num_batched_tokens >= 1, "must be >= 1"),
+            ("max_model_len", self.max_model_len is None or self.max_model_len >= 1, "must be >= 1"),
+            ("num_blocks", self.num_blocks is None or self.num_blocks >= 1, "must be >= 1"),
+            ("kv_cache_memory_bytes", self.kv_cache_memory_bytes >= 1, "must be >= 1"),
+            ("gpu_memory_utilization", 0 < self.gpu_memory_utilization <= 1, "must be in (0, 1]"),
+            ("dtype", self.dtype in ("auto", "float32", "bfloat16", "float16"), "must be auto, float32, bfloat16 or float16"),
+        ]
+        for name, ok, message in checks:
+            if not ok:
+                raise ValueError(f"{name} {message}, got {getattr(self, name)!r}")

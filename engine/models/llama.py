@@ -1,0 +1,213 @@
+"""Llama-family decoder over a paged KV cache: Llama 2/3, SmolLM2, Mistral, Qwen2, Qwen3.
+
+Token-flattened like vLLM: a step's sequences are concatenated into one ``[num_tokens]``
+batch with no padding; ``positions`` place each token in its sequence and the
+:class:`AttentionMetadata` tells attention which tokens belong together. q/k/v and gate/up
+are fused into one matmul each (``qkv_proj``, ``gate_up_proj``); parameter names otherwise
+follow HF so that checkpoints map one-to-one (see :data:`FUSED_PARAMS`).
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from engine.attention import AttentionMetadata, PagedAttentionBackend
+from engine.kv_cache import KVCache
+from engine.layers.activation import silu_and_mul
+from engine.layers.norm import RMSNorm
+from engine.layers.rotary import RotaryEmbedding, apply_rotary_emb
+from engine.model_config import ModelConfig
+
+# Our fused projection -> the HF projections stacked in it, in row order (see `shard_sizes`).
+FUSED_PARAMS = {
+    "qkv_proj": ("q_proj", "k_proj", "v_proj"),
+    "gate_up_proj": ("gate_proj", "up_proj"),
+}
+
+
+class LlamaAttention(nn.Module):
+    """Fused QKV projection, optional q/k RMSNorm (Qwen3), RoPE, paged attention, output projection."""
+
+    def __init__(self, config: ModelConfig, attn_backend: PagedAttentionBackend) -> None:
+        super().__init__()
+        self.num_heads = config.num_attention_heads
+        self.num_kv_heads = config.num_key_value_heads
+        self.head_dim = config.head_dim
+        self.q_size = self.num_heads * self.head_dim
+        self.kv_size = self.num_kv_heads * self.head_dim
+        self.scale = self.head_dim ** -0.5
+        self.qkv_proj = nn.Linear(
+            config.hidden_size, self.q_size + 2 * self.kv_size, bias=config.attention_bias
+        )
+        self.o_proj = nn.Linear(self.q_size, config.hidden_size, bias=False)
+        if config.qk_norm:
+            self.q_norm = RMSNorm(self.head_dim, config.rms_norm_eps)
+            self.k_norm = RMSNorm(self.head_dim, config.rms_norm_eps)
+        self.qk_norm = config.qk_norm
+        self.attn_backend = attn_backend
+
+    def shard_sizes(self) -> list[int]:
+        """Rows of ``qkv_proj`` taken by q, k and v."""
+        return [self.q_size, self.kv_size, self.kv_size]
+
+    def forward(
+        self,
+        rope: tuple[torch.Tensor, torch.Tensor],
+        hidden: torch.Tensor,
+        k_cache: torch.Tensor,
+        v_cache: torch.Tensor,
+        metadata: AttentionMetadata,
+    ) -> torch.Tensor:
+        """``hidden`` ``[T, hidden_size]`` -> ``[T, hidden_size]``; writes this step's K/V to the cache.
+
+        ``rope`` is the step's ``(cos, sin)`` from :class:`RotaryEmbedding`."""
+        num_tokens = hidden.shape[0]
+        qkv = self.qkv_proj(hidden)  # [T, (Hq + 2 Hkv) * D]
+        q, k, v = qkv.split(self.shard_sizes(), dim=-1)
+        q = q.view(num_tokens, self.num_heads, self.head_dim)
+        k = k.view(num_tokens, self.num_kv_heads, self.head_dim)
+        v = v.view(num_tokens, self.num_kv_heads, self.head_dim)
+        if self.qk_norm:
+            q, k = self.q_norm(q), self.k_norm(k)
+        q, k = apply_rotary_emb(q, *rope), apply_rotary_emb(k, *rope)
+        out = self.attn_backend.forward(q, k, v, k_cache, v_cache, metadata, self.scale)
+        return self.o_proj(out.view(num_tokens, self.q_size))
+
+
+class LlamaMLP(nn.Module):
+    """SwiGLU feed-forward: ``down(silu(gate(x)) * up(x))`` with gate and up fused."""
+
+    def __init__(self, config: ModelConfig) -> None:
+        super().__init__()
+        self.intermediate_size = config.intermediate_size
+        self.gate_up_proj = nn.Linear(config.hidden_size, 2 * config.intermediate_size, bias=False)
+        self.down_proj = nn.Linear(config.intermediate_size, config.hidden_size, bias=False)
+
+    def shard_sizes(self) -> list[int]:
+        """Rows of ``gate_up_proj`` taken by gate and up."""
+        return [self.intermediate_size, self.intermediate_size]
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.down_proj(silu_and_mul(self.gate_up_proj(x)))
+
+
+class LlamaDecoderLayer(nn.Module):
+    """Pre-norm block: ``h = x + attn(norm(x)); out = h + mlp(norm(h))``, residual adds fused into the norms."""
+
+    def __init__(self, config: ModelConfig, attn_backend: PagedAttentionBackend) -> None:
+        super().__init__()
+        self.self_attn = LlamaAttention(config, attn_backend)
+        self.mlp = LlamaMLP(config)
+        self.input_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
+        self.post_attention_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
+
+    def forward(
+        self,
+        rope: tuple[torch.Tensor, torch.Tensor],
+        hidden: torch.Tensor,
+        residual: torch.Tensor | None,
+        k_cache: torch.Tensor,
+        v_cache: torch.Tensor,
+        metadata: AttentionMetadata,
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """Return ``(hidden, residual)``, both ``[T, hidden_size]``; their sum is the layer's output."""
+        if residual is None:
+            hidden, residual = self.input_layernorm(hidden), hidden
+        else:
+            hidden, residual = self.input_layernorm(hidden, residual)
+        hidden = self.self_attn(rope, hidden, k_cache, v_cache, metadata)
+        hidden, residual = self.post_attention_layernorm(hidden, residual)
+        return self.mlp(hidden), residual
+
+
+class LlamaModel(nn.Module):
+    """Embedding, ``num_hidden_layers`` decoder layers, final RMSNorm."""
+
+    def __init__(self, config: ModelConfig, attn_backend: PagedAttentionBackend) -> None:
+        super().__init__()
+        self.embed_tokens = nn.Embedding(config.vocab_size, config.hidden_size)
+        self.rotary_emb = RotaryEmbedding(
+            config.head_dim, config.max_position_embeddings, config.rope_theta, config.rope_scaling
+        )
+        self.layers = nn.ModuleList(
+            LlamaDecoderLayer(config, attn_backend)
+            for _ in range(config.num_hidden_layers)
+        )
+        self.norm = RMSNorm(config.hidden_size, config.rms_norm_eps)
+
+    def forward(
+        self,
+        input_ids: torch.Tensor,
+        positions: torch.Tensor,
+        kv_cache: KVCache,
+        metadata: AttentionMetadata,
+    ) -> torch.Tensor:
+        hidden = self.embed_tokens(input_ids)  # [T, hidden_size]
+        rope = self.rotary_emb(positions, hidden.dtype)
+        residual = None
+        for i, layer in enumerate(self.layers):
+            k_cache, v_cache = kv_cache.layer(i)
+            hidden, residual = layer(rope, hidden, residual, k_cache, v_cache, metadata)
+        hidden, _ = self.norm(hidden, residual)
+        return hidden
+
+
+class LlamaForCausalLM(nn.Module):
+    """A Llama-family causal LM over a paged KV cache.
+
+    Args:
+        config: the architecture.
+        attn_backend: the paged attention every layer calls.
+
+    Raises:
+        ValueError: ``config.rope_scaling`` has an unsupported type.
+
+    Parameters are created on the default device in the default dtype; build it in the
+    target dtype (or on the meta device, then :meth:`materialize`) rather than ``.to(dtype)``
+    afterwards, which would also cast the float32 RoPE table. With tied embeddings there is
+    no ``lm_head`` and the logits reuse ``model.embed_tokens.weight``.
+    """
+
+    def __init__(self, config: ModelConfig, attn_backend: PagedAttentionBackend) -> None:
+        super().__init__()
+        self.config = config
+        self.model = LlamaModel(config, attn_backend)
+        self.lm_head = (
+            None if config.tie_word_embeddings
+            else nn.Linear(config.hidden_size, config.vocab_size, bias=False)
+        )
+
+    @torch.inference_mode()
+    def forward(
+        self,
+        input_ids: torch.Tensor,
+        positions: torch.Tensor,
+        kv_cache: KVCache,
+        metadata: AttentionMetadata,
+    ) -> torch.Tensor:
+        """Run one step over a flattened batch and write its K/V into ``kv_cache``.
+
+        Args:
+            input_ids: ``[num_tokens]`` int64, decode tokens first, then prefill chunks.
+            positions: ``[num_tokens]`` int64 position of each token in its sequence.
+            kv_cache: the worker's cache; ``metadata.slot_mapping`` says where each token goes.
+            metadata: the step's attention metadata.
+
+        Returns:
+            ``[num_tokens, hidden_size]`` final-normed hidden states in the model dtype.
+        """
+        return self.model(input_ids, positions, kv_cache, metadata)
+
+    @torch.inference_mode()
+    def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
+        """``hidden`` ``[n, hidden_size]`` (the rows to sample from) -> ``[n, vocab_size]`` float32 logits."""
+        weight = self.model.embed_tokens.weight if self.lm_head is None else self.lm_head.weight
+        return F.linear(hidden, weight).float()
+
+    def materialize(self, device: torch.device | str) -> None:
+        """Allocate (uninitialised) parameters on ``device`` for a model built on the meta device,
+        and compute its RoPE table there."""
+        self.to_empty(device=device)
+        self.model.rotary_emb.build_cache(device)

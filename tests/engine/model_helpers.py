@@ -1,0 +1,96 @@
+"""Test helpers: tiny random HF models as oracles, and a driver that runs our model step by
+step over a paged KV cache like a minimal model runner."""
+
+from __future__ import annotations
+
+import torch
+import transformers
+
+from engine.attention import AttentionMetadata
+from engine.kv_cache import KVCache
+
+ATOL = 1e-4
+TINY = dict(
+    vocab_size=96, hidden_size=64, intermediate_size=112, num_hidden_layers=2,
+    num_attention_heads=4, num_key_value_heads=2, head_dim=16, max_position_embeddings=128,
+)
+LLAMA3_ROPE = {
+    "rope_type": "llama3", "rope_theta": 10000.0, "factor": 8.0, "low_freq_factor": 1.0,
+    "high_freq_factor": 4.0, "original_max_position_embeddings": 32,
+}
+def make_hf_model(config_cls, overrides: dict) -> transformers.PreTrainedModel:
+    """A tiny random HF model, weights large enough that every op moves the logits."""
+    torch.manual_seed(0)
+    config = config_cls(**{**TINY, **overrides})
+    model = transformers.AutoModelForCausalLM.from_config(config, dtype=torch.float32).eval()
+    with torch.no_grad():
+        for name, param in model.named_parameters():
+            if "norm" in name:
+                param.uniform_(0.5, 1.5)
+            else:
+                param.normal_(0.0, 0.1)
+    return model
+
+
+def hf_logits(hf, tokens: list[int]) -> torch.Tensor:
+    """HF's ``[len, vocab]`` float32 logits for one unpadded sequence."""
+    with torch.no_grad():
+        return hf(torch.tensor([tokens])).logits[0].float()
+
+
+def tokens(n: int, seed: int) -> list[int]:
+    """``n`` reproducible random token ids of the tiny vocabulary."""
+    return torch.randint(0, TINY["vocab_size"], (n,), generator=torch.Generator().manual_seed(seed)).tolist()
+
+
+class PagedRunner:
+    """Runs steps of new tokens for a few sequences, handing out blocks from a shared pool.
+
+    Blocks come from the pool in the order sequences need them, so two sequences that grow
+    together get interleaved, non-contiguous block tables.
+    """
+
+    def __init__(self, model, block_size: int = 4, num_blocks: int = 64, dtype=None) -> None:
+        self.model = model
+        self.block_size = block_size
+        dtype = dtype or next(model.parameters()).dtype
+        self.kv_cache = KVCache(model.config, num_blocks, block_size, dtype, "cpu")
+        self.free = list(range(num_blocks - 1, -1, -1))  # reversed: block ids fall as seqs grow
+        self.tables: dict[int, list[int]] = {}
+        self.computed: dict[int, int] = {}
+
+    def step(self, chunks: list[tuple[int, list[int]]]) -> list[torch.Tensor]:
+        """Run one step; ``chunks`` is ``(seq_id, new token ids)`` with one-token (decode)
+        chunks first. Returns each chunk's ``[len, vocab]`` float32 logits."""
+        ids, positions, slots, seq_lens, tables, q_lens = [], [], [], [], [], []
+        for seq, tokens in chunks:
+            start = self.computed.get(seq, 0)
+            table = self.tables.setdefault(seq, [])
+            end = start + len(tokens)
+            while len(table) * self.block_size < end:
+                table.append(self.free.pop())
+            for pos in range(start, end):
+                slots.append(table[pos // self.block_size] * self.block_size + pos % self.block_size)
+            ids += tokens
+            positions += range(start, end)
+            seq_lens.append(end)
+            tables.append(table)
+            q_lens.append(len(tokens))
+            self.computed[seq] = end
+        num_decodes = next((i for i, n in enumerate(q_lens) if n != 1), len(q_lens))
+        width = max(len(t) for t in tables)
+        metadata = AttentionMetadata(
+            slot_mapping=torch.tensor(slots, dtype=torch.int64),
+            block_tables=torch.tensor([t + [0] * (width - len(t)) for t in tables], dtype=torch.int32),
+            seq_lens=torch.tensor(seq_lens, dtype=torch.int32),
+            query_start_loc=torch.tensor([0] + q_lens, dtype=torch.int32).cumsum(0, dtype=torch.int32),
+            num_decodes=num_decodes,
+            max_query_len=max(q_lens[num_decodes:], default=0),
+            max_seq_len=max(seq_lens),
+            max_decode_seq_len=max(seq_lens[:num_decodes], default=0),
+        )
+        hidden = self.model(
+            torch.tensor(ids, dtype=torch.int64), torch.tensor(positions, dtype=torch.int64),
+            self.kv_cache, metadata,
+        )
+        return list(self.model.compute_logits(hidden).split(q_lens))

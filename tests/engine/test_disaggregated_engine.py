@@ -1,0 +1,74 @@
+"""The engine's disaggregation hooks: prefill on one engine, blocks copied, decode on another."""
+
+import pytest
+
+from engine import EngineConfig, LLMEngine, SamplingParams
+from engine.block_pool import NoFreeBlocksError
+
+pytestmark = pytest.mark.slow
+PROMPTS = ["The history of the printing press began", "List three prime numbers and explain why"]
+
+
+@pytest.fixture(scope="module")
+def engines():
+    return LLMEngine(None, EngineConfig(num_blocks=64)), LLMEngine(None, EngineConfig(num_blocks=64))
+
+
+def _run(engine, request_id):
+    while True:
+        for out in engine.step():
+            if out.request_id == request_id and out.finished:
+                return out
+
+
+def _disaggregated(prefill, decode, request_id, prompt, params):
+    ids = prefill.tokenize(prompt)
+    first = params.__class__(**{**params.__dict__, "max_tokens": 1, "stop": []})
+    prefill.add_request(request_id, ids, first, hold_blocks=True)
+    first_out = _run(prefill, request_id)
+    src = prefill.prompt_blocks(request_id)
+    dst = decode.reserve_blocks(len(ids))
+    decode.kv_cache.tensor[dst] = prefill.kv_cache.tensor[src]
+    assert prefill.release(request_id)
+    first_tokens = [c.token_ids[0] for c in first_out.outputs]
+    out = decode.add_prefilled_request(request_id, ids, first_tokens, params, dst)
+    return out if out.finished else _run(decode, request_id)
+
+
+@pytest.mark.parametrize(
+    "params",
+    [SamplingParams(max_tokens=24, temperature=0, ignore_eos=True),
+     SamplingParams(max_tokens=16, temperature=0.8, seed=11, n=2)],
+)
+def test_prefill_then_decode_equals_one_engine(engines, params):
+    prefill, decode = engines
+    free = (prefill.num_free_blocks, decode.num_free_blocks)
+    for i, prompt in enumerate(PROMPTS):
+        split = _disaggregated(prefill, decode, f"d{i}", prompt, params)
+        prefill.add_request(f"ref{i}", prompt, params)
+        reference = _run(prefill, f"ref{i}")
+        assert [c.token_ids for c in split.outputs] == [c.token_ids for c in reference.outputs]
+        assert [c.text for c in split.outputs] == [c.text for c in reference.outputs]
+    assert (prefill.num_free_blocks, decode.num_free_blocks) == free
+
+
+def test_reserve_refuses_when_full_and_frees(engines):
+    _, decode = engines
+    free = decode.num_free_blocks
+    with pytest.raises(NoFreeBlocksError):
+        decode.reserve_blocks(16 * (free + 1))
+    blocks = decode.reserve_blocks(40)
+    assert decode.num_free_blocks == free - 3
+    decode.free_blocks(blocks)
+    assert decode.num_free_blocks == free
+
+
+def test_first_token_can_finish_the_request(engines):
+    prefill, decode = engines
+    free = decode.num_free_blocks
+    ids = prefill.tokenize("Hello")
+    blocks = decode.reserve_blocks(len(ids))
+    eos = next(iter(decode.eos_token_ids))
+    out = decode.add_prefilled_request("eos", ids, [eos], SamplingParams(max_tokens=8), blocks)
+    assert out.finished and out.outputs[0].finish_reason == "stop"
+    assert decode.num_free_blocks == free and "eos" not in decode.requests
