@@ -1,0 +1,55 @@
+"""Shared pieces of Tandem's benchmarks: the results record and where it is written."""
+
+from __future__ import annotations
+
+import datetime as dt
+import json
+import os
+import platform
+from pathlib import Path
+
+RESULTS_DIR = Path(__file__).resolve().parent / "results"
+
+
+def versions() -> dict[str, str]:
+    """Versions of the packages that decide the numbers."""
+    import importlib.metadata as md
+
+    out = {"python": platform.python_version()}
+    for name in ("torch", "transformers", "triton", "tandem-serve"):
+        try:
+            out[name] = md.version(name)
+        except md.PackageNotFoundError:
+            pass
+    return out
+
+
+def machine() -> str:
+    """A short description of the CPU host: model name and core count."""
+    name = platform.processor() or platform.machine()
+    try:
+        with open("/proc/cpuinfo") as f:
+            name = next(line.split(":", 1)[1].strip() for line in f if line.startswith("model name"))
+    except (OSError, StopIteration):
+        pass
+    return f"{name}, {os.cpu_count()} cores"
+
+
+def write_result(benchmark: str, metrics: dict[str, float], workload: dict, **keys) -> Path:
+    """Print the result as JSON and write it to ``bench/results/<benchmark>-<UTC time>.json``.
+
+    Args:
+        benchmark: the benchmark's name.
+        metrics: flat name → number map.
+        workload: what was run (shapes, counts, settings).
+        **keys: further top-level keys (``model``, ``machine`` or ``gpu``).
+    """
+    now = dt.datetime.now(dt.timezone.utc)
+    record = {"benchmark": benchmark, **keys, "date": now.isoformat(timespec="seconds"),
+              "versions": versions(), "workload": workload, "metrics": metrics}
+    text = json.dumps(record, indent=2)
+    print(text)
+    RESULTS_DIR.mkdir(parents=True, exist_ok=True)
+    path = RESULTS_DIR / f"{benchmark}-{now:%Y%m%dT%H%M%SZ}.json"
+    path.write_text(text + "\n")
+    return path
