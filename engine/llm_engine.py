@@ -19,6 +19,7 @@ from engine.config import EngineConfig
 from engine.detokenizer import IncrementalDetokenizer
 from engine.kv_cache import KVCache
 from engine.kv_cache_manager import KVCacheManager, cdiv
+from engine.layers.linear import packed_linear_available
 from engine.loader import load_model
 from engine.model_runner import ModelRunner
 from engine.outputs import CompletionOutput, RequestOutput
@@ -89,6 +90,8 @@ class LLMEngine:
         loaded = load_model(model, dtype=self.dtype, device=self.device,
                             attn_backend=get_attention_backend(self.device), load_format=load_format)
         self.model, self.model_config = loaded.model, loaded.config
+        if packed_linear_available(self.device, self.dtype):
+            self.model.pack_for_cpu()
         self.model_id, self.tokenizer = loaded.model_id, loaded.tokenizer
         self.eos_token_ids = set(loaded.config.eos_token_id)
 
@@ -258,6 +261,8 @@ class LLMEngine:
         """
         if len(first_token_ids) != params.n:
             raise ValueError(f"first_token_ids has {len(first_token_ids)} tokens for n={params.n}")
+        if not all(0 <= t < self.model_config.vocab_size for t in first_token_ids):
+            raise ValueError(f"first_token_ids must be in [0, {self.model_config.vocab_size})")
         if len(block_ids) != cdiv(len(prompt_token_ids), self.config.block_size):
             raise ValueError(f"block_ids has {len(block_ids)} blocks for {len(prompt_token_ids)} tokens")
         req = self._new_request(request_id, prompt_token_ids, params)

@@ -16,6 +16,7 @@ from torch import nn
 from engine.attention import AttentionMetadata, PagedAttentionBackend
 from engine.kv_cache import KVCache
 from engine.layers.activation import silu_and_mul
+from engine.layers.linear import pack_linears
 from engine.layers.norm import RMSNorm
 from engine.layers.rotary import RotaryEmbedding, apply_rotary_emb
 from engine.model_config import ModelConfig
@@ -203,8 +204,17 @@ class LlamaForCausalLM(nn.Module):
     @torch.inference_mode()
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
         """``hidden`` ``[n, hidden_size]`` (the rows to sample from) -> ``[n, vocab_size]`` float32 logits."""
-        weight = self.model.embed_tokens.weight if self.lm_head is None else self.lm_head.weight
-        return F.linear(hidden, weight).float()
+        if self.lm_head is not None:
+            return self.lm_head(hidden).float()
+        return F.linear(hidden, self.model.embed_tokens.weight).float()
+
+    def pack_for_cpu(self) -> None:
+        """Move every projection, the logits head included, to oneDNN-packed weights
+        (:mod:`engine.layers.linear`). Call once, after loading, on a float32 CPU model."""
+        if self.lm_head is None:
+            self.lm_head = nn.Linear(self.config.hidden_size, self.config.vocab_size, bias=False)
+            self.lm_head.weight = self.model.embed_tokens.weight
+        pack_linears(self)
 
     def materialize(self, device: torch.device | str) -> None:
         """Allocate (uninitialised) parameters on ``device`` for a model built on the meta device,
