@@ -1,0 +1,442 @@
+"""``AsyncEngine``: one ``LLMEngine`` driven by a dedicated thread, used from asyncio.
+
+The engine is not thread-safe, so exactly one thread (the engine thread) touches it: it runs
+the step loop and executes every command (add, abort, reserve, free, release, ...) that the
+event loop submits through a queue, between two steps. Outputs go back to the event loop with
+``loop.call_soon_threadsafe`` into one queue per request. When there is nothing to step the
+thread sleeps on a condition variable (no busy spin) until a command arrives.
+
+Everything the event loop reads without a round trip (load, block events for the Redis prefix
+index) is published by the engine thread as immutable snapshots after each iteration.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import concurrent.futures
+import contextlib
+import logging
+import threading
+from collections import Counter, deque
+from collections.abc import AsyncIterator, Callable
+from dataclasses import dataclass, replace
+from typing import Any, TypeVar
+
+from engine.block_pool import BlockEvents, NoFreeBlocksError
+from engine.kv_cache_manager import cdiv
+from engine.llm_engine import LLMEngine
+from engine.outputs import CompletionOutput, RequestOutput
+from engine.sampling_params import SamplingParams
+
+logger = logging.getLogger(__name__)
+
+T = TypeVar("T")
+
+
+class EngineError(RuntimeError):
+    """The engine failed while running a request (a step raised); the request was aborted."""
+
+
+class EngineStoppedError(RuntimeError):
+    """The engine thread has shut down; no new work is accepted."""
+
+
+@dataclass(frozen=True)
+class EngineStats:
+    """A snapshot of the engine's load, taken on the engine thread after each iteration.
+
+    Attributes:
+        num_running: requests with a sequence in the running batch.
+        num_waiting: requests queued (not yet admitted, or preempted).
+        num_running_seqs, num_waiting_seqs: the same, counted in sequences.
+        num_free_blocks: unreferenced KV blocks (evictable prefix-cache blocks included).
+        num_total_blocks: KV blocks in the pool.
+        num_held: finished requests whose prompt blocks are held (prefill, until released).
+        block_size: tokens per block.
+        prefix_cache_hit_rate: prompt tokens found in the prefix cache / prompt tokens looked up.
+        num_preemptions: sequences preempted since start.
+    """
+
+    num_running: int = 0
+    num_waiting: int = 0
+    num_running_seqs: int = 0
+    num_waiting_seqs: int = 0
+    num_free_blocks: int = 0
+    num_total_blocks: int = 0
+    num_held: int = 0
+    block_size: int = 16
+    prefix_cache_hit_rate: float = 0.0
+    num_preemptions: int = 0
+
+
+class BlockEventMirror:
+    """Thread-safe copy of the block pool's prefix-cache events and cached set.
+
+    The engine thread ``absorb``s the pool's events after each iteration; the event loop reads
+    ``drain_events``/``cached_hashes`` (the :class:`gateway.registry.BlockEventSource` protocol)
+    without touching the pool. Both reads happen under one lock, so a resync's snapshot and
+    the events drained with it are consistent.
+    """
+
+    def __init__(self) -> None:
+        self._lock = threading.Lock()
+        self._events = BlockEvents()
+        self._cached: set[bytes] = set()
+
+    def absorb(self, events: BlockEvents) -> None:
+        if not events.stored and not events.removed:
+            return
+        net = Counter(events.stored)
+        net.subtract(events.removed)
+        with self._lock:
+            self._events.stored.extend(events.stored)
+            self._events.removed.extend(events.removed)
+            for block_hash, count in net.items():
+                if count > 0:
+                    self._cached.add(block_hash)
+                elif count < 0:
+                    self._cached.discard(block_hash)
+
+    def drain_events(self) -> BlockEvents:
+        with self._lock:
+            events, self._events = self._events, BlockEvents()
+        return events
+
+    def cached_hashes(self) -> list[bytes]:
+        with self._lock:
+            return list(self._cached)
+
+
+class _Stream:
+    """One request's outputs, delivered from the engine thread into the event loop."""
+
+    def __init__(self, loop: asyncio.AbstractEventLoop) -> None:
+        self.loop = loop
+        self.queue: asyncio.Queue[RequestOutput | BaseException] = asyncio.Queue()
+
+    def put(self, item: RequestOutput | BaseException) -> None:  # engine thread
+        with contextlib.suppress(RuntimeError):  # the loop has closed: nobody is listening
+            self.loop.call_soon_threadsafe(self.queue.put_nowait, item)
+
+    async def get(self) -> RequestOutput:
+        """The newest output (outputs are cumulative, so older queued ones are skipped)."""
+        item = await self.queue.get()
+        while not self.queue.empty() and not isinstance(item, BaseException):
+            if isinstance(item, RequestOutput) and item.finished:
+                break
+            item = self.queue.get_nowait()
+        if isinstance(item, BaseException):
+            raise item
+        return item
+
+
+def _snapshot(out: RequestOutput) -> RequestOutput:
+    """A copy the event loop may read while the engine keeps appending to the original."""
+    samples = [CompletionOutput(c.index, c.text, list(c.token_ids), c.finish_reason, c.stop_reason,
+                                list(c.logprobs)) for c in out.outputs]
+    return replace(out, prompt_token_ids=list(out.prompt_token_ids), outputs=samples)
+
+
+class AsyncEngine:
+    """Runs ``engine`` on its own thread; every method is called from one asyncio event loop.
+
+    Args:
+        engine: the engine; from now on only the engine thread may touch it.
+        name: the thread's name (logs).
+
+    Call :meth:`start` before use and ``await`` :meth:`shutdown` at the end.
+    """
+
+    def __init__(self, engine: LLMEngine, name: str = "engine") -> None:
+        self.engine = engine
+        self.block_size = engine.config.block_size
+        self.max_model_len = engine.max_model_len
+        self.vocab_size = engine.model_config.vocab_size
+        self.block_events = BlockEventMirror()
+        self._cv = threading.Condition()
+        self._commands: deque[Callable[[], None]] = deque()
+        self._streams: dict[str, _Stream] = {}  # engine thread only
+        self._stopping = False
+        self._stats = EngineStats()
+        self._thread = threading.Thread(target=self._run, name=name, daemon=True)
+        self._publish()
+
+    # ------------------------------------------------------------ lifecycle
+    def start(self) -> None:
+        self._thread.start()
+
+    async def shutdown(self) -> None:
+        """Abort every request (their streams end with ``finish_reason="abort"``), release held
+        blocks, and stop the thread."""
+        if not self._thread.is_alive():
+            return
+        await self.abort_all()
+        with self._cv:
+            self._stopping = True
+            self._cv.notify()
+        await asyncio.to_thread(self._thread.join)
+
+    @property
+    def is_running(self) -> bool:
+        return self._thread.is_alive() and not self._stopping
+
+    # ------------------------------------------------------------- requests
+    async def generate(self, request_id: str, prompt_ids: list[int], params: SamplingParams,
+                       hold_blocks: bool = False) -> AsyncIterator[RequestOutput]:
+        """Run a request; yields its cumulative output each time it gains tokens, the last one
+        finished. Closing or cancelling the iterator early aborts the request (blocks freed at
+        the engine's next iteration), held blocks included.
+
+        Raises:
+            ValueError: bad prompt or duplicate ``request_id`` (nothing was queued).
+            EngineError: the engine failed while running the request.
+        """
+        stream = _Stream(asyncio.get_running_loop())
+
+        def add() -> None:
+            self.engine.add_request(request_id, prompt_ids, params, hold_blocks=hold_blocks)
+            self._streams[request_id] = stream
+
+        await self._call_owned(request_id, add)
+        async for out in self._follow(request_id, stream):
+            yield out
+
+    async def add_prefilled(self, request_id: str, prompt_ids: list[int], first_token_ids: list[int],
+                            params: SamplingParams, block_ids: list[int]) -> AsyncIterator[RequestOutput]:
+        """Join a request whose prompt KV fills ``block_ids`` to the running batch (see
+        ``LLMEngine.add_prefilled_request``); yields its output so far first, then as for
+        :meth:`generate`.
+
+        Takes ownership of ``block_ids`` whatever happens: if the engine refuses the request
+        they are freed.
+
+        Raises:
+            ValueError: wrong number of first tokens or blocks, bad prompt, duplicate id.
+        """
+        stream = _Stream(asyncio.get_running_loop())
+
+        def add() -> RequestOutput:
+            try:
+                out = self.engine.add_prefilled_request(request_id, prompt_ids, first_token_ids,
+                                                        params, block_ids)
+            except BaseException:
+                self.engine.free_blocks(block_ids)
+                raise
+            if not out.finished:
+                self._streams[request_id] = stream
+            return _snapshot(out)
+
+        first = await self._call_owned(request_id, add)
+        if first.finished:
+            yield first
+            return
+        stream.put(first)
+        async for out in self._follow(request_id, stream):
+            yield out
+
+    async def _call_owned(self, request_id: str, fn: Callable[[], T]) -> T:
+        # Shielded: a command that takes ownership (of blocks) must run even if we are cancelled
+        # while it is queued; the abort queued behind it then undoes it.
+        try:
+            return await asyncio.shield(asyncio.wrap_future(self._submit(fn)))
+        except asyncio.CancelledError:
+            self.abort(request_id)  # the command may have run: undo it (FIFO: abort runs after)
+            raise
+
+    async def _follow(self, request_id: str, stream: _Stream) -> AsyncIterator[RequestOutput]:
+        finished = False
+        try:
+            while True:
+                out = await stream.get()
+                finished = out.finished
+                yield out
+                if finished:
+                    return
+        except EngineError:
+            finished = True  # the engine already aborted it
+            raise
+        finally:
+            if not finished:
+                self.abort(request_id)
+
+    def abort(self, request_id: str) -> concurrent.futures.Future[bool]:
+        """Abort a request wherever it is (queued, running, held) and free its blocks; its stream
+        ends with ``finish_reason="abort"``. Returns at once (safe in a cancelled task); the
+        future says whether the engine knew the request."""
+        def abort() -> bool:
+            held = self.engine.release(request_id)
+            out = self.engine.abort_request(request_id)
+            self._deliver_final(request_id, out)
+            return held or out is not None
+        return self._submit(abort)
+
+    async def abort_all(self) -> int:
+        """Abort every request and release every held one; returns how many there were."""
+        def abort_all() -> int:
+            ids = list(self.engine.requests) + list(self.engine.held)
+            for request_id in ids:
+                self.engine.release(request_id)
+                self._deliver_final(request_id, self.engine.abort_request(request_id))
+            return len(ids)
+        return await self.call(abort_all)
+
+    def _deliver_final(self, request_id: str, out: RequestOutput | None) -> None:
+        stream = self._streams.pop(request_id, None)
+        if stream is not None and out is not None:
+            stream.put(_snapshot(out))
+
+    # ------------------------------------------------------- disaggregation
+    async def prompt_blocks(self, request_id: str) -> list[int]:
+        """Blocks of a held request's prompt, in order. Raises ``KeyError`` if it is not held."""
+        return await self.call(lambda: list(self.engine.prompt_blocks(request_id)))
+
+    def release(self, request_id: str) -> concurrent.futures.Future[bool]:
+        """Free a held request's blocks (returns at once, like :meth:`abort`)."""
+        return self._submit(lambda: self.engine.release(request_id))
+
+    async def reserve_blocks(self, num_tokens: int, headroom: bool = True) -> list[int]:
+        """Allocate blocks for ``num_tokens`` tokens of incoming KV.
+
+        Args:
+            headroom: also leave one free block per running or waiting sequence, so that a new
+                reservation does not force the running batch into preemption at its next block
+                boundary (admission control: back-pressure goes to the caller instead).
+
+        Raises:
+            NoFreeBlocksError: the pool cannot hold them now.
+        """
+        def reserve() -> list[int]:
+            if headroom:
+                sched = self.engine.scheduler
+                needed = cdiv(num_tokens, self.block_size) + len(sched.running) + len(sched.waiting)
+                if needed > self.engine.num_free_blocks:
+                    raise NoFreeBlocksError(
+                        f"{num_tokens} tokens need {cdiv(num_tokens, self.block_size)} blocks plus "
+                        f"{needed - cdiv(num_tokens, self.block_size)} of headroom for running "
+                        f"sequences; {self.engine.num_free_blocks} free")
+            return self.engine.reserve_blocks(num_tokens)
+
+        future = self._submit(reserve)
+        try:
+            return await asyncio.wrap_future(future)
+        except asyncio.CancelledError:
+            # The caller is gone; if the blocks were (or are being) allocated, give them back.
+            def undo(f: concurrent.futures.Future[list[int]]) -> None:
+                if not f.cancelled() and f.exception() is None:
+                    self.free_blocks(f.result())
+            future.add_done_callback(undo)
+            raise
+
+    def free_blocks(self, block_ids: list[int]) -> concurrent.futures.Future[None]:
+        """Return reserved blocks to the pool (returns at once; usable as a sync callback, e.g.
+        ``ReservationTable``'s ``free_blocks``)."""
+        ids = list(block_ids)
+        return self._submit(lambda: self.engine.free_blocks(ids))
+
+    @property
+    def kv_cache(self):
+        """The KV cache tensor ``[num_blocks, L, 2, bs, kvh, d]``. Only read or write blocks that
+        no request of the engine uses (held or reserved ones)."""
+        return self.engine.kv_cache.tensor
+
+    # ---------------------------------------------------------------- stats
+    def stats(self) -> EngineStats:
+        """The latest snapshot (no round trip to the engine thread)."""
+        return self._stats
+
+    async def num_free_blocks(self) -> int:
+        """Free blocks after every command queued before this one has run (exact, for tests)."""
+        return await self.call(lambda: self.engine.num_free_blocks)
+
+    def _publish(self) -> None:  # engine thread (or before it starts)
+        engine, sched = self.engine, self.engine.scheduler
+        self._stats = EngineStats(
+            num_running=len({s.request_id for s in sched.running}),
+            num_waiting=len({s.request_id for s in sched.waiting}),
+            num_running_seqs=len(sched.running),
+            num_waiting_seqs=len(sched.waiting),
+            num_free_blocks=engine.num_free_blocks,
+            num_total_blocks=engine.num_blocks,
+            num_held=len(engine.held),
+            block_size=self.block_size,
+            prefix_cache_hit_rate=engine.prefix_cache_hit_rate,
+            num_preemptions=sched.num_preemptions,
+        )
+        self.block_events.absorb(engine.block_pool.drain_events())
+
+    # ------------------------------------------------------- engine thread
+    def _submit(self, fn: Callable[[], T]) -> concurrent.futures.Future[T]:
+        future: concurrent.futures.Future[T] = concurrent.futures.Future()
+
+        def command() -> None:
+            if not future.set_running_or_notify_cancel():
+                return
+            try:
+                future.set_result(fn())
+            except BaseException as exc:  # noqa: BLE001 (handed to the caller)
+                future.set_exception(exc)
+
+        with self._cv:
+            if self._stopping or not self._thread.is_alive() and self._thread.ident is not None:
+                future.set_exception(EngineStoppedError("the engine has shut down"))
+                return future
+            self._commands.append(command)
+            self._cv.notify()
+        return future
+
+    async def call(self, fn: Callable[[], T]) -> T:
+        """Run ``fn()`` on the engine thread between two steps and return its result."""
+        return await asyncio.wrap_future(self._submit(fn))
+
+    def _run(self) -> None:
+        progress: Any = None
+        stalled = False
+        while True:
+            with self._cv:
+                while not self._commands and not self._stopping and (
+                        stalled or not self.engine.scheduler.has_unfinished):
+                    self._cv.wait()
+                commands, self._commands = self._commands, deque()
+                stopping = self._stopping
+            for command in commands:
+                command()
+            if stopping and not commands:
+                self._publish()
+                return
+            if commands:
+                stalled = False
+            if self.engine.scheduler.has_unfinished and not stalled:
+                before = self._progress_key()
+                try:
+                    outputs = self.engine.step()
+                except Exception as exc:  # noqa: BLE001 (fails the requests, not the thread)
+                    logger.exception("engine step failed; aborting %d requests", len(self.engine.requests))
+                    self._fail_all(exc)
+                    outputs = []
+                for out in outputs:
+                    stream = self._streams.get(out.request_id)
+                    if stream is not None:
+                        stream.put(_snapshot(out))
+                        if out.finished:
+                            del self._streams[out.request_id]
+                # Nothing could be scheduled (e.g. waiting sequences need blocks that reservations
+                # or held requests own): sleep until a command changes something.
+                progress = self._progress_key()
+                stalled = not outputs and progress == before
+            self._publish()
+
+    def _progress_key(self) -> tuple:
+        sched = self.engine.scheduler
+        return tuple((s.request_id, s.index, s.num_computed_tokens, s.status)
+                     for s in [*sched.running, *sched.waiting])
+
+    def _fail_all(self, exc: Exception) -> None:
+        error = EngineError(f"engine step failed: {type(exc).__name__}: {exc}")
+        for request_id in list(self.engine.requests):
+            try:
+                self.engine.abort_request(request_id)
+            except Exception:  # noqa: BLE001
+                logger.exception("aborting %s after a failed step failed too", request_id)
+            stream = self._streams.pop(request_id, None)
+            if stream is not None:
+                stream.put(error)

@@ -1,0 +1,1 @@
+"""The prefill worker: computes prompt KV, pushes it to a decode worker, returns the first token."""

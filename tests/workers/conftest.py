@@ -1,0 +1,94 @@
+"""A prefill worker and a decode worker in one process, each with its own engine, on real
+grpc.aio servers on loopback ephemeral ports (and the shared Redis under a test key prefix)."""
+
+from __future__ import annotations
+
+import contextlib
+import uuid
+from collections.abc import AsyncIterator
+from dataclasses import dataclass
+
+import grpc
+import pytest
+import redis
+
+from decode_worker.server import DecodeServicer
+from engine import EngineConfig, LLMEngine
+from engine.serving import AsyncEngine, WorkerSettings
+from engine.serving.metrics import WorkerMetrics
+from engine.serving.server import WorkerServer
+from gateway.registry import Role
+from kvtransfer import GRPC_MESSAGE_OPTIONS
+from prefill_worker.server import PrefillServicer
+from protos.tandem.v1 import worker_pb2_grpc
+
+REDIS_URL = "redis://127.0.0.1:6379/0"
+
+
+@pytest.fixture(scope="session")
+def engines() -> tuple[LLMEngine, LLMEngine]:
+    """(prefill, decode) engines on the real SmolLM2-135M-Instruct. The prefill engine's small
+    token budget makes a long prompt take many steps (so a test can abort it mid-prefill)."""
+    prefill = LLMEngine(None, EngineConfig(num_blocks=96, block_size=16, max_num_batched_tokens=128))
+    decode = LLMEngine(None, EngineConfig(num_blocks=64, block_size=16))
+    return prefill, decode
+
+
+@pytest.fixture
+def key_prefix():
+    """A unique Redis key prefix; its keys are deleted afterwards."""
+    client = redis.Redis.from_url(REDIS_URL, socket_timeout=2)
+    prefix = f"test-workers-{uuid.uuid4().hex}"
+    yield prefix
+    keys = list(client.scan_iter(match=f"tandem:{prefix}:*", count=1000))
+    if keys:
+        client.delete(*keys)
+    client.close()
+
+
+@dataclass
+class Worker:
+    server: WorkerServer
+    engine: AsyncEngine
+    channel: grpc.aio.Channel
+    stub: object
+
+    @property
+    def address(self) -> str:
+        return self.server.address
+
+
+@dataclass
+class Pair:
+    prefill: Worker
+    decode: Worker
+
+
+def settings(**overrides) -> WorkerSettings:
+    return WorkerSettings(**{"listen": "127.0.0.1:0", "redis_url": "", "drain_timeout_s": 5.0, **overrides})
+
+
+@contextlib.asynccontextmanager
+async def worker(llm: LLMEngine, role: Role, **overrides) -> AsyncIterator[Worker]:
+    engine = AsyncEngine(llm, name=f"{role}-engine")
+    engine.start()
+    s = settings(**overrides)
+    metrics = WorkerMetrics(str(role), engine.stats)
+    if role is Role.PREFILL:
+        servicer, stub_cls = PrefillServicer(engine, s, metrics), worker_pb2_grpc.PrefillWorkerStub
+    else:
+        servicer, stub_cls = DecodeServicer(engine, s, metrics), worker_pb2_grpc.DecodeWorkerStub
+    server = WorkerServer(s, role, engine, servicer, metrics, publish_blocks=role is Role.PREFILL)
+    await server.start()
+    channel = grpc.aio.insecure_channel(server.address, options=GRPC_MESSAGE_OPTIONS)
+    try:
+        yield Worker(server, engine, channel, stub_cls(channel))
+    finally:
+        await channel.close()
+        await server.shutdown()
+
+
+@contextlib.asynccontextmanager
+async def pair(engines, **overrides) -> AsyncIterator[Pair]:
+    async with worker(engines[0], Role.PREFILL, **overrides) as p, worker(engines[1], Role.DECODE, **overrides) as d:
+        yield Pair(p, d)
