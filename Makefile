@@ -18,7 +18,7 @@ $(STAMP): pyproject.toml
 	touch $(STAMP)
 
 run: install
-	$(VENV)/bin/tandem offline-chat "What is the capital of France? Answer in one sentence, then name two sights there."
+	$(VENV)/bin/tandem demo
 
 test: install
 	$(PY) -m pytest

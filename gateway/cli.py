@@ -1,0 +1,284 @@
+"""The ``tandem`` command line.
+
+Servers: ``tandem gateway``, ``tandem prefill``, ``tandem decode`` (each reads ``TANDEM_*``
+variables; flags win), ``tandem serve --local`` (a whole cluster on loopback until Ctrl-C) and
+``tandem demo`` (the same, one chat prompt answered, then a clean shutdown). Clients of a
+running gateway: ``tandem generate "..."`` and ``tandem chat``. In-process engine:
+``tandem offline-chat``.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import os
+import runpy
+import signal
+import sys
+import threading
+
+import typer
+from rich.console import Console
+
+app = typer.Typer(help="Tandem: disaggregated prefill/decode LLM serving over gRPC.", no_args_is_help=True)
+console = Console()
+err_console = Console(stderr=True)
+
+DEMO_PROMPT = "What is the capital of France? Answer in one sentence, then name two sights there."
+_WORKER_PASSTHROUGH = {"allow_extra_args": True, "ignore_unknown_options": True, "help_option_names": []}
+
+
+def _setup_logging(verbose: bool) -> None:
+    logging.basicConfig(level=logging.DEBUG if verbose else logging.INFO,
+                        format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+
+
+@app.command("offline-chat")
+def offline_chat(
+    message: str = typer.Argument(..., help="The user message."),
+    model: str = typer.Option(None, help="HF directory, GGUF file, ORG/NAME or preset (default: SmolLM2-135M-Instruct)."),
+    max_tokens: int = typer.Option(128, help="New tokens at most."),
+    temperature: float = typer.Option(0.0, help="0 = greedy."),
+    system: str = typer.Option(None, help="Optional system prompt."),
+    verbose: bool = typer.Option(False, "--verbose", "-v"),
+) -> None:
+    """Answer one chat message with the in-process engine, streaming the reply."""
+    _setup_logging(verbose)
+    from engine import LLMEngine, SamplingParams
+    from engine.llm import apply_chat_template
+
+    engine = LLMEngine(model)
+    messages = ([{"role": "system", "content": system}] if system else []) + [
+        {"role": "user", "content": message}
+    ]
+    prompt = apply_chat_template(engine.tokenizer, messages)
+    engine.add_request("cli", prompt, SamplingParams(max_tokens=max_tokens, temperature=temperature))
+    console.print(f"[bold]user:[/bold] {message}\n[bold]assistant:[/bold] ", end="")
+    printed = 0
+    while engine.has_unfinished_requests:
+        for out in engine.step():
+            text = out.outputs[0].text
+            console.print(text[printed:], end="", markup=False, highlight=False)
+            printed = len(text)
+    console.print()
+
+
+# ----------------------------------------------------------------------------- servers
+
+
+@app.command("gateway")
+def gateway_cmd(
+    listen: str = typer.Option(None, help="host:port to bind (env TANDEM_GATEWAY_ADDR, default 127.0.0.1:50051)."),
+    model: str = typer.Option(None, help="Model (env TANDEM_MODEL; default SmolLM2-135M-Instruct). Tokenizer only."),
+    redis_url: str = typer.Option(None, help="Cluster Redis (env TANDEM_REDIS_URL)."),
+    redis_key_prefix: str = typer.Option(None, help="Deployment name in Redis keys (env TANDEM_REDIS_KEY_PREFIX)."),
+    block_size: int = typer.Option(None, help="Tokens per KV block; must equal the workers' (env TANDEM_BLOCK_SIZE)."),
+    kv_dtype: str = typer.Option(None, help="Workers' KV dtype for block hashes (env TANDEM_KV_DTYPE / TANDEM_DTYPE)."),
+    max_model_len: int = typer.Option(None, help="Longest prompt + output (env TANDEM_MAX_MODEL_LEN)."),
+    metrics_port: int = typer.Option(None, help="Prometheus port, 0 = off (env TANDEM_METRICS_PORT, default 9400)."),
+    static_prefill: list[str] = typer.Option(None, help="Prefill worker address when there is no Redis (repeat)."),
+    static_decode: list[str] = typer.Option(None, help="Decode worker address when there is no Redis (repeat)."),
+    log_level: str = typer.Option(None, help="DEBUG, INFO, WARNING (env TANDEM_LOG_LEVEL)."),
+) -> None:
+    """Run the public gRPC gateway (every other setting: TANDEM_* variables, see gateway/settings.py)."""
+    from pydantic import ValidationError
+
+    from gateway.server import serve, setup_logging
+    from gateway.settings import GatewaySettings
+
+    flags = {k: v for k, v in locals().items() if v not in (None, []) and k not in ("ValidationError", "serve",
+                                                                                    "setup_logging", "GatewaySettings")}
+    try:
+        settings = GatewaySettings(**flags)
+    except ValidationError as exc:
+        err_console.print(f"[red]bad setting:[/red] {exc}")
+        raise typer.Exit(2) from None
+    setup_logging(settings.log_level)
+    asyncio.run(serve(settings))
+
+
+def _run_worker(module: str, args: list[str]) -> None:
+    sys.argv = [f"python -m {module}", *args]
+    runpy.run_module(module, run_name="__main__", alter_sys=True)
+
+
+@app.command("prefill", context_settings=_WORKER_PASSTHROUGH, add_help_option=False)
+def prefill_cmd(ctx: typer.Context) -> None:
+    """Run a prefill worker (all flags go to `python -m prefill_worker`; try `tandem prefill --help`)."""
+    _run_worker("prefill_worker", ctx.args)
+
+
+@app.command("decode", context_settings=_WORKER_PASSTHROUGH, add_help_option=False)
+def decode_cmd(ctx: typer.Context) -> None:
+    """Run a decode worker (all flags go to `python -m decode_worker`; try `tandem decode --help`)."""
+    _run_worker("decode_worker", ctx.args)
+
+
+def _run_local(model: str | None, listen: str, prefill: int, decode: int, once: str | None, max_tokens: int,
+               temperature: float, timeout_s: float, quiet: bool, quiet_after_ready: bool = False) -> int:
+    """Start a LocalCluster, then answer ``once`` or serve until a signal; stop it. Returns an exit code."""
+    from rich.markup import escape
+
+    from gateway.launcher import ClusterError, LocalCluster
+
+    _setup_logging(False)
+    styles = ["cyan", "magenta", "green", "yellow", "blue"]
+    colors: dict[str, str] = {}
+
+    ready = threading.Event()
+
+    def sink(name: str, line: str) -> None:
+        line = line.rsplit("\r", 1)[-1]  # a progress bar: its latest state only
+        important = any(word in line for word in ("WARNING", "ERROR", "Traceback", "Error"))
+        if not line.strip() or (not important and (quiet or (quiet_after_ready and ready.is_set()))):
+            return
+        color = colors.setdefault(name, styles[len(colors) % len(styles)])
+        err_console.print(f"[{color}]{name:>9}[/{color}] | {escape(line)}", highlight=False, soft_wrap=True)
+
+    stop = threading.Event()
+    previous = {sig: signal.signal(sig, lambda *_: stop.set()) for sig in (signal.SIGTERM, signal.SIGINT)}
+    cluster = LocalCluster(model=model, gateway_addr=listen, num_prefill=prefill, num_decode=decode, sink=sink)
+    try:
+        with err_console.status("starting the local cluster (loading the model)...") as status:
+            cluster.start(timeout_s=timeout_s, on_wait=lambda text: status.update(text))
+            from gateway.client import wait_routable
+
+            wait_routable(cluster.gateway_addr, timeout_s=30)
+        ready.set()
+        err_console.print(f"[bold green]cluster ready[/bold green]: gateway at {cluster.gateway_addr} "
+                          f"({prefill} prefill + {decode} decode, redis {cluster.redis_url or 'none'})")
+        if once is not None:
+            return _ask(cluster.gateway_addr, [{"role": "user", "content": once}], max_tokens, temperature)
+        err_console.print("serving; Ctrl-C stops everything")
+        while not stop.wait(0.5):
+            if dead := cluster.dead():
+                err_console.print(f"[red]{', '.join(dead)} exited; shutting the cluster down[/red]")
+                return 1
+        return 0
+    except ClusterError as exc:
+        err_console.print(f"[red]cluster failed:[/red] {exc}")
+        return 1
+    finally:
+        err_console.print("stopping the cluster...")
+        cluster.stop()
+        for sig, handler in previous.items():
+            signal.signal(sig, handler)
+        err_console.print("stopped")
+
+
+@app.command("serve")
+def serve_cmd(
+    local: bool = typer.Option(False, "--local", help="Start Redis, workers and a gateway on this machine."),
+    model: str = typer.Option(None, help="Model for every process (default SmolLM2-135M-Instruct)."),
+    listen: str = typer.Option("127.0.0.1:50051", help="The gateway's address."),
+    prefill: int = typer.Option(1, min=1, help="Prefill workers."),
+    decode: int = typer.Option(1, min=1, help="Decode workers."),
+    once: str = typer.Option(None, help="Answer this one chat prompt, then shut down."),
+    max_tokens: int = typer.Option(128, help="With --once: new tokens at most."),
+    temperature: float = typer.Option(0.0, help="With --once: 0 = greedy."),
+    timeout: float = typer.Option(600, help="Seconds to wait for every process to be SERVING."),
+    quiet: bool = typer.Option(False, "--quiet", "-q", help="Show only warnings and errors of the processes."),
+) -> None:
+    """Run a whole cluster locally (Redis, 1 prefill, 1 decode, gateway) until Ctrl-C / SIGTERM."""
+    if not local:
+        err_console.print("only --local is implemented; for a multi-host deployment run `tandem gateway`, "
+                          "`tandem prefill` and `tandem decode` (see docs/deployment.md)")
+        raise typer.Exit(2)
+    raise typer.Exit(_run_local(model, listen, prefill, decode, once, max_tokens, temperature, timeout, quiet))
+
+
+@app.command("demo")
+def demo_cmd(
+    prompt: str = typer.Argument(DEMO_PROMPT, help="The chat prompt."),
+    model: str = typer.Option(None, help="Model (default SmolLM2-135M-Instruct)."),
+    listen: str = typer.Option(None, help="The gateway's address (default: a free loopback port)."),
+    max_tokens: int = typer.Option(128, help="New tokens at most."),
+    temperature: float = typer.Option(0.0, help="0 = greedy."),
+    quiet: bool = typer.Option(False, "--quiet", "-q", help="Show only warnings and errors of the processes."),
+    verbose: bool = typer.Option(False, "--verbose", "-v", help="Keep showing the processes' logs after startup."),
+) -> None:
+    """Start the local cluster, stream the answer to one chat prompt through the gateway, shut down.
+
+    The processes' logs show while the model loads; once the cluster is ready only their
+    warnings and errors do (``--verbose``: everything), so the answer reads cleanly.
+    """
+    from gateway.launcher import free_port
+
+    listen = listen or f"127.0.0.1:{free_port()}"
+    raise typer.Exit(_run_local(model, listen, 1, 1, prompt, max_tokens, temperature, 600, quiet,
+                                quiet_after_ready=not verbose))
+
+
+# ----------------------------------------------------------------------------- clients
+
+
+def _ask(addr: str, messages: list[dict[str, str]], max_tokens: int, temperature: float,
+         prompt: str | None = None) -> int:
+    """Stream one answer to the terminal; returns an exit code. Appends the answer to ``messages``."""
+    import grpc
+
+    from gateway import client
+    from protos.tandem.v1 import gateway_pb2
+
+    params = client.sampling(max_tokens, temperature)
+    request = (gateway_pb2.GenerateRequest(prompt=prompt, sampling=params) if prompt is not None
+               else client.chat_request(messages, params))
+    if prompt is None:
+        console.print(f"[bold]user:[/bold] {messages[-1]['content']}")
+    console.print("[bold]assistant:[/bold] ", end="")
+    try:
+        out = client.stream(addr, request, lambda text: console.print(text, end="", markup=False, highlight=False))
+    except grpc.RpcError as exc:
+        console.print()
+        err_console.print(f"[red]{exc.code().name}[/red]: {exc.details()}")
+        return 1
+    except KeyboardInterrupt:
+        console.print("\n[dim](cancelled)[/dim]")
+        return 130
+    console.print()
+    usage = out.usage
+    if usage is not None:
+        err_console.print(f"[dim]{out.finish_reason.removeprefix('FINISH_REASON_').lower()}, "
+                          f"{usage.prompt_tokens} prompt tokens ({usage.cached_prompt_tokens} cached), "
+                          f"{usage.completion_tokens} generated[/dim]")
+    messages.append({"role": "assistant", "content": out.text})
+    return 0
+
+
+@app.command("generate")
+def generate_cmd(
+    prompt: str = typer.Argument(..., help="The prompt."),
+    addr: str = typer.Option(os.environ.get("TANDEM_GATEWAY_ADDR", "127.0.0.1:50051"), help="Gateway address."),
+    max_tokens: int = typer.Option(128, help="New tokens at most."),
+    temperature: float = typer.Option(0.0, help="0 = greedy."),
+    chat: bool = typer.Option(True, "--chat/--raw", help="Apply the chat template (default) or send raw text."),
+) -> None:
+    """Stream a completion of PROMPT from a running gateway."""
+    messages = [{"role": "user", "content": prompt}]
+    raise typer.Exit(_ask(addr, messages, max_tokens, temperature, None if chat else prompt))
+
+
+@app.command("chat")
+def chat_cmd(
+    addr: str = typer.Option(os.environ.get("TANDEM_GATEWAY_ADDR", "127.0.0.1:50051"), help="Gateway address."),
+    max_tokens: int = typer.Option(256, help="New tokens at most per answer."),
+    temperature: float = typer.Option(0.7, help="0 = greedy."),
+    system: str = typer.Option(None, help="Optional system prompt."),
+) -> None:
+    """Chat with a running gateway (keeps the history; empty line or Ctrl-D ends)."""
+    messages = [{"role": "system", "content": system}] if system else []
+    while True:
+        try:
+            text = console.input("[bold green]you>[/bold green] ").strip()
+        except (EOFError, KeyboardInterrupt):
+            console.print()
+            return
+        if not text:
+            return
+        messages.append({"role": "user", "content": text})
+        if _ask(addr, messages, max_tokens, temperature) != 0:
+            messages.pop()
+
+
+if __name__ == "__main__":
+    app()

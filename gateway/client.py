@@ -1,0 +1,87 @@
+"""A small synchronous client of the public Gateway API (used by ``tandem generate/chat/demo``)."""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Callable, Iterator
+from dataclasses import dataclass, field
+
+import grpc
+
+from protos.tandem.v1 import gateway_pb2, gateway_pb2_grpc
+
+
+@dataclass
+class Completion:
+    """One streamed answer (sample 0), assembled."""
+
+    text: str = ""
+    token_ids: list[int] = field(default_factory=list)
+    finish_reason: str = ""
+    usage: gateway_pb2.Usage | None = None
+
+
+def sampling(max_tokens: int, temperature: float) -> gateway_pb2.SamplingParams:
+    return gateway_pb2.SamplingParams(max_tokens=max_tokens, temperature=temperature)
+
+
+def chat_request(messages: list[dict[str, str]], params: gateway_pb2.SamplingParams) -> gateway_pb2.GenerateRequest:
+    chat = gateway_pb2.ChatMessages(messages=[gateway_pb2.ChatMessage(**m) for m in messages])
+    return gateway_pb2.GenerateRequest(chat=chat, sampling=params)
+
+
+def stream(address: str, request: gateway_pb2.GenerateRequest, on_text: Callable[[str], None],
+           timeout_s: float | None = None) -> Completion:
+    """Run one Generate call, calling ``on_text`` with each new piece of sample 0's text.
+
+    Raises:
+        grpc.RpcError: the call failed (its ``code()`` and ``details()`` say why).
+    """
+    out = Completion()
+    with grpc.insecure_channel(address) as channel:
+        call = gateway_pb2_grpc.GatewayStub(channel).Generate(request, timeout=timeout_s)
+        try:
+            for message in call:
+                if message.index != 0:
+                    continue
+                out.token_ids += message.token_ids
+                if message.text:
+                    out.text += message.text
+                    on_text(message.text)
+                if message.finish_reason:
+                    out.finish_reason = gateway_pb2.FinishReason.Name(message.finish_reason)
+                if message.HasField("usage"):
+                    out.usage = message.usage
+        except BaseException:
+            call.cancel()
+            raise
+    return out
+
+
+def responses(address: str, request: gateway_pb2.GenerateRequest,
+              timeout_s: float | None = None) -> Iterator[gateway_pb2.GenerateResponse]:
+    """All messages of one Generate call."""
+    with grpc.insecure_channel(address) as channel:
+        yield from gateway_pb2_grpc.GatewayStub(channel).Generate(request, timeout=timeout_s)
+
+
+def wait_routable(address: str, timeout_s: float = 30.0) -> None:
+    """Block until the gateway can route a request (workers registered and seen), with a 1-token probe.
+
+    Raises:
+        TimeoutError: still UNAVAILABLE after ``timeout_s``.
+        grpc.RpcError: any other failure.
+    """
+    probe = gateway_pb2.GenerateRequest(request_id="readiness-probe", prompt="Hi",
+                                        sampling=gateway_pb2.SamplingParams(max_tokens=1, temperature=0))
+    deadline = time.monotonic() + timeout_s
+    while True:
+        try:
+            list(responses(address, probe, timeout_s=max(5.0, timeout_s)))
+            return
+        except grpc.RpcError as exc:
+            if exc.code() != grpc.StatusCode.UNAVAILABLE or time.monotonic() > deadline:
+                if exc.code() == grpc.StatusCode.UNAVAILABLE:
+                    raise TimeoutError(f"gateway {address} still cannot route: {exc.details()}") from exc
+                raise
+            time.sleep(0.25)

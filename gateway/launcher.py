@@ -1,0 +1,252 @@
+"""A local cluster on loopback: Redis, prefill and decode workers and a gateway, as processes.
+
+``tandem serve --local`` and the end-to-end tests use :class:`LocalCluster`. Redis comes from
+``TANDEM_REDIS_URL`` when set, else a private ``redis-server`` (from PATH, free port, temp
+dir, no persistence); without either, the workers run unregistered and the gateway is given
+their addresses (``gateway.static_cluster``: load-only routing), and the log says so.
+
+Every child runs in its own process group (a terminal's Ctrl-C reaches only the launcher,
+which then stops them in order: gateway first so it drains, then workers, then Redis) and
+gets SIGTERM if the launcher dies.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import logging
+import os
+import shutil
+import signal
+import socket
+import subprocess
+import sys
+import tempfile
+import threading
+import time
+from collections import deque
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from pathlib import Path
+
+from gateway.healthcheck import check
+
+logger = logging.getLogger(__name__)
+
+_PR_SET_PDEATHSIG = 1
+
+
+def free_port() -> int:
+    """A currently free loopback TCP port."""
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def _child_setup() -> None:  # runs in the child between fork and exec
+    os.setpgid(0, 0)
+    try:
+        ctypes.CDLL("libc.so.6", use_errno=True).prctl(_PR_SET_PDEATHSIG, signal.SIGTERM)
+    except OSError:
+        pass
+
+
+@dataclass
+class Child:
+    """One process of the cluster; its output goes line by line to ``sink`` (tagged with the name)."""
+
+    name: str
+    argv: list[str]
+    env: dict[str, str]
+    address: str | None = None  # gRPC address to health-check
+    proc: subprocess.Popen | None = None
+    tail: deque = field(default_factory=lambda: deque(maxlen=40))
+
+    def start(self, sink: Callable[[str, str], None], log_dir: Path | None) -> None:
+        log = open(log_dir / f"{self.name}.log", "ab") if log_dir else None
+        self.proc = subprocess.Popen(self.argv, env=self.env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
+                                     stdin=subprocess.DEVNULL, preexec_fn=_child_setup)
+        threading.Thread(target=self._pump, args=(sink, log), daemon=True, name=f"log-{self.name}").start()
+
+    def _pump(self, sink: Callable[[str, str], None], log) -> None:
+        for raw in self.proc.stdout:
+            line = raw.decode(errors="replace").rstrip("\n")
+            self.tail.append(line)
+            if log:
+                log.write(raw)
+                log.flush()
+            sink(self.name, line)
+        if log:
+            log.close()
+
+    @property
+    def alive(self) -> bool:
+        return self.proc is not None and self.proc.poll() is None
+
+    def signal(self, sig: int) -> None:
+        if self.alive:
+            self.proc.send_signal(sig)
+
+    def wait(self, timeout_s: float) -> None:
+        """Wait for exit; SIGKILL after ``timeout_s``."""
+        if self.proc is None:
+            return
+        try:
+            self.proc.wait(timeout_s)
+        except subprocess.TimeoutExpired:
+            logger.warning("%s did not exit within %.0f s: killing it", self.name, timeout_s)
+            self.proc.kill()
+            self.proc.wait()
+
+
+class ClusterError(RuntimeError):
+    """A process of the cluster failed to start or died."""
+
+
+class LocalCluster:
+    """Redis + ``num_prefill`` prefill + ``num_decode`` decode workers + a gateway, on loopback.
+
+    Args:
+        model: model for all processes (``None``: the default).
+        gateway_addr: the gateway's listen address (``None``: 127.0.0.1 on a free port).
+        num_prefill, num_decode: pool sizes.
+        env: extra ``TANDEM_*`` settings for every process (e.g. ``TANDEM_NUM_BLOCKS``).
+        worker_env: extra settings per worker name (``prefill-0``, ``decode-1``...).
+        redis: ``"auto"`` (TANDEM_REDIS_URL, else redis-server, else none), a URL, or ``None`` (none).
+        sink: receives ``(process name, log line)``; default: print ``[name] line`` to stderr.
+        log_dir: also write each process' output to ``log_dir/<name>.log``.
+    """
+
+    def __init__(self, model: str | None = None, gateway_addr: str | None = None, num_prefill: int = 1,
+                 num_decode: int = 1, env: dict[str, str] | None = None,
+                 worker_env: dict[str, dict[str, str]] | None = None, redis: str | None = "auto",
+                 sink: Callable[[str, str], None] | None = None, log_dir: Path | None = None) -> None:
+        self.model = model
+        self.gateway_addr = gateway_addr or f"127.0.0.1:{free_port()}"
+        self.num_prefill, self.num_decode = num_prefill, num_decode
+        self.env = dict(env or {})
+        self.worker_env = worker_env or {}
+        self.redis_mode = redis
+        self.sink = sink or (lambda name, line: print(f"[{name}] {line}", file=sys.stderr, flush=True))
+        self.log_dir = log_dir
+        self.redis_url: str | None = None
+        self.redis: Child | None = None
+        self.workers: dict[str, Child] = {}
+        self.gateway: Child | None = None
+        self._tmp: tempfile.TemporaryDirectory | None = None
+
+    # -- start -----------------------------------------------------------------------------
+
+    def start(self, timeout_s: float = 600.0, on_wait: Callable[[str], None] | None = None) -> None:
+        """Start everything and wait until every process reports SERVING.
+
+        Raises:
+            ClusterError: a process exited, or ``timeout_s`` passed; everything is stopped.
+        """
+        try:
+            self._start_redis()
+            base = {**os.environ, "PYTHONUNBUFFERED": "1", **self.env}
+            if self.model:
+                base["TANDEM_MODEL"] = self.model
+            base["TANDEM_REDIS_URL"] = self.redis_url or ""
+            for role, count in (("prefill", self.num_prefill), ("decode", self.num_decode)):
+                for i in range(count):
+                    name, address = f"{role}-{i}", f"127.0.0.1:{free_port()}"
+                    env = {**base, "TANDEM_WORKER_ID": f"{role}-{i}-{os.getpid()}", **self.worker_env.get(name, {})}
+                    self.workers[name] = Child(name, [sys.executable, "-m", f"{role}_worker", "--listen", address],
+                                               env, address)
+            gw_env = {**base, "TANDEM_GATEWAY_ADDR": self.gateway_addr}
+            if not self.redis_url:
+                gw_env["TANDEM_STATIC_PREFILL"] = ",".join(w.address for n, w in self.workers.items() if n[0] == "p")
+                gw_env["TANDEM_STATIC_DECODE"] = ",".join(w.address for n, w in self.workers.items() if n[0] == "d")
+            self.gateway = Child("gateway", [sys.executable, "-m", "gateway", "--listen", self.gateway_addr],
+                                 gw_env, self.gateway_addr)
+            for child in [*self.workers.values(), self.gateway]:
+                child.start(self.sink, self.log_dir)
+            self._wait_healthy(timeout_s, on_wait)
+        except BaseException:
+            self.stop()
+            raise
+
+    def _start_redis(self) -> None:
+        if self.redis_mode not in ("auto", None):
+            self.redis_url = self.redis_mode
+            return
+        if self.redis_mode is None:
+            return
+        if os.environ.get("TANDEM_REDIS_URL"):
+            self.redis_url = os.environ["TANDEM_REDIS_URL"]
+            logger.info("using Redis at %s (TANDEM_REDIS_URL)", self.redis_url)
+            return
+        binary = shutil.which("redis-server")
+        if binary is None:
+            logger.warning("no TANDEM_REDIS_URL and no redis-server on PATH: workers run unregistered and the "
+                           "gateway routes on load only over their fixed addresses (no prefix-aware routing)")
+            return
+        self._tmp = tempfile.TemporaryDirectory(prefix="tandem-redis-")
+        port = free_port()
+        self.redis = Child("redis", [binary, "--bind", "127.0.0.1", "--port", str(port), "--dir", self._tmp.name,
+                                     "--save", "", "--appendonly", "no"], dict(os.environ))
+        self.redis.start(lambda name, line: None, self.log_dir)
+        self.redis_url = f"redis://127.0.0.1:{port}/0"
+        import redis as redis_sync
+
+        client = redis_sync.Redis(port=port, socket_timeout=0.5, socket_connect_timeout=0.5)
+        deadline = time.monotonic() + 10
+        while True:
+            try:
+                client.ping()
+                break
+            except redis_sync.ConnectionError:
+                if not self.redis.alive or time.monotonic() > deadline:
+                    raise ClusterError(f"redis-server did not start: {list(self.redis.tail)[-5:]}")
+                time.sleep(0.05)
+        client.close()
+        logger.info("started redis-server at %s", self.redis_url)
+
+    def _wait_healthy(self, timeout_s: float, on_wait: Callable[[str], None] | None) -> None:
+        deadline = time.monotonic() + timeout_s
+        pending = {c.name: c for c in [*self.workers.values(), self.gateway]}
+        while pending:
+            for name, child in list(pending.items()):
+                if not child.alive:
+                    raise ClusterError(f"{name} exited with {child.proc.returncode}; last lines:\n"
+                                       + "\n".join(list(child.tail)[-15:]))
+                if check(child.address, timeout_s=1.0):
+                    del pending[name]
+            if on_wait is not None:
+                on_wait(f"waiting for {', '.join(pending) or 'nothing'} to report SERVING")
+            if pending and time.monotonic() > deadline:
+                raise ClusterError(f"not SERVING after {timeout_s:.0f} s: {sorted(pending)}")
+            if pending:
+                time.sleep(0.5)
+
+    # -- run and stop ----------------------------------------------------------------------
+
+    def dead(self) -> list[str]:
+        """Names of cluster processes that have exited."""
+        return [c.name for c in self.children() if c.proc is not None and not c.alive]
+
+    def children(self) -> list[Child]:
+        return [c for c in [self.gateway, *self.workers.values(), self.redis] if c is not None]
+
+    def stop(self, timeout_s: float = 30.0) -> None:
+        """SIGTERM the gateway (it drains), then the workers, then Redis; SIGKILL stragglers."""
+        if self.gateway is not None:
+            self.gateway.signal(signal.SIGTERM)
+            self.gateway.wait(timeout_s)
+        for worker in self.workers.values():
+            worker.signal(signal.SIGTERM)
+        for worker in self.workers.values():
+            worker.wait(timeout_s)
+        if self.redis is not None:
+            self.redis.signal(signal.SIGTERM)
+            self.redis.wait(5)
+        if self._tmp is not None:
+            self._tmp.cleanup()
+            self._tmp = None
+
+    def __enter__(self) -> LocalCluster:
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.stop()

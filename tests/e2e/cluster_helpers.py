@@ -1,0 +1,118 @@
+"""Helpers of the end-to-end tests: a real LocalCluster (worker + gateway processes on loopback)
+and small gRPC utilities (worker stats, streaming calls)."""
+
+from __future__ import annotations
+
+import time
+from pathlib import Path
+
+import grpc
+
+from gateway.launcher import LocalCluster
+from protos.tandem.v1 import gateway_pb2, gateway_pb2_grpc, worker_pb2, worker_pb2_grpc
+
+SP = gateway_pb2.SamplingParams
+
+
+def start_cluster(tmp: Path, key_prefix: str, redis_url: str, num_prefill: int, num_decode: int,
+                  env: dict[str, str] | None = None, worker_env: dict | None = None) -> LocalCluster:
+    """Start workers and a gateway (logs in ``tmp``); wait until a request can be routed."""
+    from gateway.client import wait_routable
+
+    base = {"TANDEM_REDIS_KEY_PREFIX": key_prefix, "TANDEM_METRICS_PORT": "0", "TANDEM_LOG_LEVEL": "INFO",
+            "TANDEM_REGISTRY_TTL_S": "3", "TANDEM_HEARTBEAT_INTERVAL_S": "0.5",
+            "TANDEM_KV_CACHE_MEMORY_BYTES": str(64 << 20), "TANDEM_DRAIN_TIMEOUT_S": "5",
+            "TANDEM_MAX_MODEL_LEN": "2048", **(env or {})}
+    cluster = LocalCluster(num_prefill=num_prefill, num_decode=num_decode, env=base, worker_env=worker_env,
+                           redis=redis_url, sink=lambda name, line: None, log_dir=tmp)
+    cluster.start(timeout_s=300)
+    try:
+        wait_routable(cluster.gateway_addr, timeout_s=30)
+    except BaseException:
+        cluster.stop()
+        raise
+    return cluster
+
+
+def gateway_stub(cluster: LocalCluster) -> tuple[grpc.Channel, gateway_pb2_grpc.GatewayStub]:
+    channel = grpc.insecure_channel(cluster.gateway_addr)
+    return channel, gateway_pb2_grpc.GatewayStub(channel)
+
+
+def stats(address: str, role: str) -> worker_pb2.WorkerStats:
+    with grpc.insecure_channel(address) as channel:
+        stub = (worker_pb2_grpc.PrefillWorkerStub if role == "prefill" else worker_pb2_grpc.DecodeWorkerStub)(channel)
+        return stub.GetStats(worker_pb2.GetStatsRequest(), timeout=5)
+
+
+def free_blocks(cluster: LocalCluster) -> dict[str, int]:
+    """Free KV blocks of every live worker, by name."""
+    return {name: stats(w.address, name.split("-")[0]).num_free_blocks
+            for name, w in cluster.workers.items() if w.alive}
+
+
+def wait_free_blocks(cluster: LocalCluster, expected: dict[str, int], within_s: float) -> dict[str, int]:
+    """Poll until every worker in ``expected`` is back to its free-block count; returns the last reading."""
+    deadline = time.monotonic() + within_s
+    while True:
+        now = free_blocks(cluster)
+        if all(now.get(k) == v for k, v in expected.items()) or time.monotonic() > deadline:
+            return now
+        time.sleep(0.05)
+
+
+def collect(stub, request, timeout_s: float = 120) -> dict:
+    """Run one Generate call; per sample: token ids, text, finish reason; plus usage and messages."""
+    samples: dict[int, dict] = {}
+    usage = None
+    for message in stub.Generate(request, timeout=timeout_s):
+        s = samples.setdefault(message.index, {"token_ids": [], "text": "", "finish": 0})
+        s["token_ids"] += message.token_ids
+        s["text"] += message.text
+        if message.finish_reason:
+            s["finish"] = message.finish_reason
+        if message.HasField("usage"):
+            usage = message.usage
+    return {"samples": samples, "usage": usage}
+
+
+def log_text(tmp: Path, name: str) -> str:
+    path = tmp / f"{name}.log"
+    return path.read_text(errors="replace") if path.exists() else ""
+
+
+class PrivateRedis:
+    """A ``redis-server`` of the test's own, on a free loopback port, that the test may kill and restart."""
+
+    def __init__(self, directory: Path) -> None:
+        from gateway.launcher import free_port
+
+        self.directory, self.port = directory, free_port()
+        self.url = f"redis://127.0.0.1:{self.port}/0"
+        self.proc = None
+
+    def start(self) -> None:
+        import subprocess
+
+        import redis
+
+        self.proc = subprocess.Popen(["redis-server", "--bind", "127.0.0.1", "--port", str(self.port), "--dir",
+                                      str(self.directory), "--save", "", "--appendonly", "no"],
+                                     stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+        client = redis.Redis(port=self.port, socket_timeout=0.5, socket_connect_timeout=0.5)
+        deadline = time.monotonic() + 5
+        while True:
+            try:
+                client.ping()
+                break
+            except redis.ConnectionError:
+                if time.monotonic() > deadline:
+                    raise
+                time.sleep(0.05)
+        client.close()
+
+    def kill(self) -> None:
+        if self.proc is not None:
+            self.proc.kill()
+            self.proc.wait()
+            self.proc = None

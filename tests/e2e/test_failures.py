@@ -1,0 +1,148 @@
+"""End to end under failure: overload, a corrupted KV chunk, Redis going away and coming back,
+a decode worker killed mid-request. One prefill + two decode workers with small KV pools and a
+private redis-server (this module kills it), all real processes on loopback."""
+
+from __future__ import annotations
+
+import signal
+import threading
+import time
+import uuid
+from concurrent.futures import ThreadPoolExecutor
+from pathlib import Path
+
+import grpc
+import pytest
+import redis
+
+from protos.tandem.v1 import gateway_pb2
+
+from .cluster_helpers import SP, PrivateRedis, collect, free_blocks, gateway_stub, log_text, start_cluster, stats, \
+    wait_free_blocks
+
+pytestmark = pytest.mark.slow
+DECODE_BLOCKS = 40
+CORRUPT_TAG = "corrupt-me"
+ROOT = Path(__file__).resolve().parents[2]
+
+
+def _corrupt_hook_exists() -> bool:
+    sources = [*ROOT.glob("prefill_worker/*.py"), *ROOT.glob("kvtransfer/*.py"), *ROOT.glob("engine/serving/*.py")]
+    return any("TANDEM_TEST_CORRUPT_KV" in p.read_text() for p in sources)
+
+
+@pytest.fixture(scope="module")
+def env(tmp_path_factory):
+    tmp = tmp_path_factory.mktemp("failures")
+    private = PrivateRedis(tmp)
+    private.start()
+    decode_env = {"TANDEM_NUM_BLOCKS": str(DECODE_BLOCKS)}
+    cluster = start_cluster(
+        tmp, f"test-fail-{uuid.uuid4().hex[:8]}", private.url, num_prefill=1, num_decode=2,
+        env={"TANDEM_ADMIT_WAIT_S": "3"},
+        worker_env={"decode-0": decode_env, "decode-1": decode_env,
+                    "prefill-0": {"TANDEM_TEST_CORRUPT_KV": CORRUPT_TAG}})
+    cluster.tmp, cluster.private_redis = tmp, private
+    channel, stub = gateway_stub(cluster)
+    yield cluster, stub
+    channel.close()
+    cluster.stop()
+    private.kill()
+
+
+def _req(prompt: str, max_tokens: int, request_id: str = "", **kw) -> gateway_pb2.GenerateRequest:
+    return gateway_pb2.GenerateRequest(request_id=request_id, prompt=prompt,
+                                       sampling=SP(max_tokens=max_tokens, temperature=0, **kw))
+
+
+def test_overload_queues_or_refuses_never_crashes_or_leaks(env):
+    cluster, stub = env
+    before = free_blocks(cluster)
+    prompt = "Summarize the history of the Roman Empire in detail. " * 8  # about 90 tokens: 6 blocks
+
+    def one(i: int):
+        try:
+            out = collect(stub, _req(prompt + str(i), 48, ignore_eos=True), timeout_s=120)
+            return "OK", len(out["samples"][0]["token_ids"])
+        except grpc.RpcError as exc:
+            return exc.code().name, exc.details()
+
+    with ThreadPoolExecutor(24) as pool:  # ~24 x 9 blocks wanted, 2 x 40 in the decode pool
+        results = list(pool.map(one, range(24)))
+    codes = {code for code, _ in results}
+    assert codes <= {"OK", "RESOURCE_EXHAUSTED"}, results
+    assert all(n == 48 for code, n in results if code == "OK"), results
+    assert "OK" in codes
+    assert wait_free_blocks(cluster, before, within_s=3) == before
+    assert not cluster.dead()
+
+
+def test_corrupted_kv_chunk_fails_that_request_only(env):
+    if not _corrupt_hook_exists():
+        pytest.skip("the prefill worker has no TANDEM_TEST_CORRUPT_KV hook yet")
+    cluster, stub = env
+    before = free_blocks(cluster)
+    with pytest.raises(grpc.RpcError) as info:
+        collect(stub, _req("Hello there, how are you today?", 8, request_id=f"{CORRUPT_TAG}-1"))
+    assert info.value.code() == grpc.StatusCode.DATA_LOSS, info.value.details()
+    assert wait_free_blocks(cluster, before, within_s=2) == before
+    out = collect(stub, _req("Hello there, how are you today?", 8))
+    assert len(out["samples"][0]["token_ids"]) > 0
+
+
+def test_redis_outage_keeps_serving_and_recovers(env):
+    cluster, stub = env
+    private = cluster.private_redis
+    private.kill()
+    for i in range(4):  # load-only routing on last-known workers
+        out = collect(stub, _req(f"Redis is down, request {i}:", 4), timeout_s=30)
+        assert len(out["samples"][0]["token_ids"]) == 4
+        time.sleep(0.3)
+    assert "routing on last-known workers" in log_text(cluster.tmp, "gateway")
+    private.start()
+    client = redis.Redis.from_url(private.url)
+    deadline = time.monotonic() + 10
+    while time.monotonic() < deadline and not list(client.scan_iter(match="tandem:*:worker:decode-*")):
+        time.sleep(0.2)
+    assert list(client.scan_iter(match="tandem:*:worker:decode-*")), "workers did not re-register"
+    deadline = time.monotonic() + 10
+    while time.monotonic() < deadline and "Redis reachable again" not in log_text(cluster.tmp, "gateway"):
+        time.sleep(0.2)
+    assert "Redis reachable again" in log_text(cluster.tmp, "gateway")
+    out = collect(stub, _req("Redis is back:", 4))
+    assert len(out["samples"][0]["token_ids"]) == 4
+
+
+def test_killed_decode_worker_fails_its_stream_others_keep_flowing(env):
+    cluster, stub = env
+    outcome: dict = {}
+    got_tokens = threading.Event()
+
+    def victim() -> None:
+        try:
+            for message in stub.Generate(_req("Write a long poem about the ocean.", 500, ignore_eos=True), timeout=120):
+                if message.token_ids:
+                    got_tokens.set()
+            outcome["code"] = "OK"
+        except grpc.RpcError as exc:
+            outcome["code"] = exc.code()
+
+    thread = threading.Thread(target=victim)
+    thread.start()
+    assert got_tokens.wait(60)
+    time.sleep(0.3)
+    holder = next(name for name, w in cluster.workers.items()
+                  if name.startswith("decode") and stats(w.address, "decode").num_running > 0)
+    worker = cluster.workers[holder]
+    worker.proc.send_signal(signal.SIGKILL)
+    thread.join(30)
+    assert outcome.get("code") == grpc.StatusCode.UNAVAILABLE, outcome
+    for i in range(4):  # the dead worker stays listed until its TTL: Admit fails, retried transparently
+        out = collect(stub, _req(f"After the crash, request {i}:", 4), timeout_s=30)
+        assert len(out["samples"][0]["token_ids"]) == 4
+    client = redis.Redis.from_url(cluster.private_redis.url)
+    worker_id = worker.env["TANDEM_WORKER_ID"]
+    deadline = time.monotonic() + 6
+    while time.monotonic() < deadline and list(client.scan_iter(match=f"tandem:*:worker:{worker_id}*")):
+        time.sleep(0.2)
+    assert not list(client.scan_iter(match=f"tandem:*:worker:{worker_id}*")), "dead worker's keys did not expire"
