@@ -300,21 +300,38 @@ def test_shutdown_drains_in_flight_and_refuses_new_work(engines, key_prefix):
     asyncio.run(main())
 
 
-def test_engine_failure_fails_the_request_not_the_thread(engines):
+def test_engine_failure_fails_the_request_not_the_thread(engines, monkeypatch):
     decode = engines[1]
+    free = decode.num_free_blocks
 
     async def main():
         engine = AsyncEngine(decode)
         engine.start()
         try:
             blocks = await engine.reserve_blocks(20)
-            bad_token = decode.model_config.vocab_size + 5  # the servicer refuses it; the engine does not
-            with pytest.raises(EngineError, match="engine step failed"):
+            bad_token = decode.model_config.vocab_size + 5  # the engine refuses it and frees the blocks
+            with pytest.raises(ValueError, match="first_token_ids"):
                 async for _ in engine.add_prefilled("bad", list(range(1, 21)), [bad_token],
                                                     SamplingParams(max_tokens=4), blocks):
                     pass
+            assert await engine.num_free_blocks() == free
+
+            execute = decode.runner.execute
+            calls = []
+
+            def fail_once(step):
+                calls.append(step)
+                if len(calls) == 1:
+                    raise RuntimeError("injected step failure")
+                return execute(step)
+
+            monkeypatch.setattr(decode.runner, "execute", fail_once)
+            with pytest.raises(EngineError, match="engine step failed"):
+                async for _ in engine.generate("doomed", [4, 5, 6], SamplingParams(max_tokens=3)):
+                    pass
             outs = [o async for o in engine.generate("good", [1, 2, 3], SamplingParams(max_tokens=3, temperature=0))]
             assert outs[-1].finished and len(outs[-1].outputs[0].token_ids) == 3
+            assert await engine.num_free_blocks() == free
         finally:
             await engine.shutdown()
 
