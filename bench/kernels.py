@@ -1,0 +1,341 @@
+"""Benchmark of the Triton paged-attention kernels on a CUDA GPU.
+
+Decode: bf16, 32 query heads, 8 KV heads, head_dim 128, shuffled block tables over a
+block-major pool; time and achieved bandwidth (K+V bytes read / time) of
+``kernels.paged_decode_attention`` beside ``scaled_dot_product_attention`` on the same data
+laid out contiguously (the ceiling) and gather-then-SDPA (a naive paged engine). Prefill:
+TFLOP/s of ``kernels.paged_prefill_attention`` for a 512-token chunk over a cached prefix.
+
+Times are medians of CUDA-graph replays, as the decode worker runs them: each graph holds
+several calls rotating over input sets that together span far more than L2, so neither launch
+overhead nor a warm cache flatters anyone. ``paged_decode_eager_us_*`` adds the eager time
+(``triton.testing.do_bench``, L2 flushed per call), host launch overhead included.
+
+Prints the results as JSON and writes ``<out-dir>/kernels-<gpu>-<date>.json``. ``--sweep``
+times tuning variants instead (tile sizes, warps, stages, split counts), writes
+``<out-dir>/sweep.json`` and prints the best ones.
+
+Usage: python bench/kernels.py [--sweep [NxCTX ...]] [--out-dir DIR]
+"""
+
+from __future__ import annotations
+
+import argparse
+import datetime
+import itertools
+import json
+import math
+import platform
+import re
+import statistics
+import sys
+from pathlib import Path
+
+import torch
+import torch.nn.functional as F
+import triton
+from triton.testing import do_bench
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+import kernels  # noqa: E402
+import kernels.reference as reference  # noqa: E402
+from kernels.decode_attention import MIN_SPLIT_TOKENS, launch_paged_decode, num_kv_splits  # noqa: E402
+from kernels.prefill_attention import launch_paged_prefill  # noqa: E402
+
+Q_HEADS, KV_HEADS, HEAD_DIM, DTYPE = 32, 8, 128, torch.bfloat16
+DECODE_SHAPES = [(1, 8192), (16, 2048), (64, 2048), (128, 1024), (256, 1024), (64, 8192), (256, 4096)]
+BLOCK_SIZES = [8, 32, 64, 128]
+PREFILL_CACHED = [0, 2048, 8192]
+PREFILL_CHUNK = 512
+SWEEP_SHAPES = [(1, 8192), (16, 2048), (64, 2048), (128, 1024)]
+ROTATE_BYTES = 256 * 2**20  # rotate input sets until they span this much, well past L2
+SCALE = HEAD_DIM ** -0.5
+
+
+def _eager_ms(fn) -> float:
+    return do_bench(fn, warmup=25, rep=100, return_mode="median")
+
+
+def _graph_ms(sets: list, fn, min_calls: int = 16, reps: int = 20) -> float:
+    """Median milliseconds of one ``fn(input_set)``, replayed from a CUDA graph of calls that
+    rotate over ``sets``."""
+    for inputs in sets:  # compile and warm up outside the capture
+        fn(inputs)
+    torch.cuda.synchronize()
+    calls = len(sets) * math.ceil(min_calls / len(sets))
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        for i in range(calls):
+            fn(sets[i % len(sets)])
+    graph.replay()
+    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+    times = []
+    for _ in range(reps):
+        start.record()
+        graph.replay()
+        end.record()
+        end.synchronize()
+        times.append(start.elapsed_time(end) / calls)
+    return statistics.median(times)
+
+
+def _rel_err(out: torch.Tensor, ref: torch.Tensor) -> float:
+    return float((out.double() - ref.double()).norm() / ref.double().norm())
+
+
+class DecodeInputs:
+    """One decode batch: a 2-layer block-major pool, its layer-1 views, shuffled block tables,
+    and the same K/V laid out contiguously ``[num_seqs, KV_HEADS, context, HEAD_DIM]``."""
+
+    def __init__(self, num_seqs: int, context: int, block_size: int, gen: torch.Generator):
+        blocks_per_seq = context // block_size
+        num_blocks = num_seqs * blocks_per_seq
+        self.pool = torch.randn(num_blocks, 2, 2, block_size, KV_HEADS, HEAD_DIM, device="cuda", dtype=DTYPE)
+        self.k_cache, self.v_cache = self.pool[:, 1, 0], self.pool[:, 1, 1]
+        perm = torch.randperm(num_blocks, generator=gen).to(torch.int32)
+        self.block_tables = perm.view(num_seqs, blocks_per_seq).cuda()
+        self.seq_lens = torch.full((num_seqs,), context, dtype=torch.int32, device="cuda")
+        self.q = torch.randn(num_seqs, Q_HEADS, HEAD_DIM, device="cuda", dtype=DTYPE)
+        self.out = torch.empty_like(self.q)
+        self.context = context
+
+    def contiguous_kv(self) -> tuple[torch.Tensor, torch.Tensor]:
+        return self.gather(self.k_cache), self.gather(self.v_cache)
+
+    def gather(self, cache: torch.Tensor) -> torch.Tensor:
+        ctx = cache[self.block_tables.long()]  # [num_seqs, blocks, block_size, KV_HEADS, HEAD_DIM]
+        return ctx.flatten(1, 2).transpose(1, 2).contiguous()
+
+    def kv_bytes(self) -> int:
+        return 2 * self.q.shape[0] * self.context * KV_HEADS * HEAD_DIM * self.pool.element_size()
+
+
+def _sdpa_decode(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
+    """Decode with the query heads of each KV head folded into the query-length axis, so K/V
+    are read once per KV head (no mask is needed for one query token)."""
+    num_seqs = q.shape[0]
+    qf = q.view(num_seqs, KV_HEADS, Q_HEADS // KV_HEADS, HEAD_DIM)
+    return F.scaled_dot_product_attention(qf, k, v, scale=SCALE).reshape(num_seqs, Q_HEADS, HEAD_DIM)
+
+
+def _sdpa_decode_gqa(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
+    return F.scaled_dot_product_attention(q.unsqueeze(2), k, v, scale=SCALE, enable_gqa=True).squeeze(2)
+
+
+def _decode_reference(inp: DecodeInputs) -> torch.Tensor:
+    """kernels.reference in chunks of sequences, to bound its float32 working set."""
+    chunk = max(1, 32768 // inp.context)
+    parts = [
+        reference.paged_decode_attention(
+            inp.q[s:s + chunk], inp.k_cache, inp.v_cache, inp.block_tables[s:s + chunk],
+            inp.seq_lens[s:s + chunk], SCALE, max_seq_len=inp.context,
+        )
+        for s in range(0, inp.q.shape[0], chunk)
+    ]
+    return torch.cat(parts)
+
+
+def _input_sets(num_seqs: int, context: int, block_size: int, gen: torch.Generator) -> list[DecodeInputs]:
+    first = DecodeInputs(num_seqs, context, block_size, gen)
+    count = min(8, max(1, math.ceil(ROTATE_BYTES / first.pool.numel() / first.pool.element_size())))
+    return [first] + [DecodeInputs(num_seqs, context, block_size, gen) for _ in range(count - 1)]
+
+
+def _rotating(sets: list, fn):
+    cycle = itertools.cycle(sets)
+    return lambda: fn(next(cycle))
+
+
+def _paged(inp: DecodeInputs, **knobs):
+    return launch_paged_decode(inp.q, inp.k_cache, inp.v_cache, inp.block_tables, inp.seq_lens, SCALE,
+                               out=inp.out, max_seq_len=inp.context, **knobs)
+
+
+def bench_decode(metrics: dict, gen: torch.Generator) -> None:
+    for num_seqs, context in DECODE_SHAPES:
+        tag = f"{num_seqs}x{context}"
+        sets = _input_sets(num_seqs, context, 16, gen)
+        nbytes = sets[0].kv_bytes()
+        paged_ms = _graph_ms(sets, _paged)
+        metrics[f"paged_decode_eager_us_{tag}"] = _eager_ms(_rotating(sets, _paged)) * 1e3
+        metrics[f"paged_decode_max_rel_err_{tag}"] = _rel_err(_paged(sets[0]), _decode_reference(sets[0]))
+        gather_ms = _graph_ms(sets, lambda s: _sdpa_decode(s.q, *s.contiguous_kv()))
+        contiguous = [(s.q, *s.contiguous_kv()) for s in sets]
+        del sets
+        fold_ms = _graph_ms(contiguous, lambda c: _sdpa_decode(*c))
+        gqa_ms = _graph_ms(contiguous, lambda c: _sdpa_decode_gqa(*c))
+        sdpa_ms = min(fold_ms, gqa_ms)
+        del contiguous
+        torch.cuda.empty_cache()
+        metrics[f"paged_decode_us_{tag}"] = paged_ms * 1e3
+        metrics[f"paged_decode_tbps_{tag}"] = nbytes / paged_ms / 1e9
+        sms = torch.cuda.get_device_properties(0).multi_processor_count
+        metrics[f"paged_decode_splits_{tag}"] = num_kv_splits(num_seqs, KV_HEADS, context, sms)
+        metrics[f"sdpa_us_{tag}"] = sdpa_ms * 1e3
+        metrics[f"sdpa_tbps_{tag}"] = nbytes / sdpa_ms / 1e9
+        metrics[f"sdpa_gqa_tbps_{tag}"] = nbytes / gqa_ms / 1e9
+        metrics[f"gather_sdpa_tbps_{tag}"] = nbytes / gather_ms / 1e9
+        metrics[f"paged_decode_vs_sdpa_{tag}"] = sdpa_ms / paged_ms
+        print(f"decode {tag:>9}: paged {metrics[f'paged_decode_tbps_{tag}']:.2f} TB/s, "
+              f"sdpa {metrics[f'sdpa_tbps_{tag}']:.2f} (gqa layout {metrics[f'sdpa_gqa_tbps_{tag}']:.2f}), "
+              f"gather+sdpa {metrics[f'gather_sdpa_tbps_{tag}']:.2f}", flush=True)
+    for block_size in BLOCK_SIZES:
+        tag = f"64x2048_bs{block_size}"
+        sets = _input_sets(64, 2048, block_size, gen)
+        paged_ms = _graph_ms(sets, _paged)
+        metrics[f"paged_decode_tbps_{tag}"] = sets[0].kv_bytes() / paged_ms / 1e9
+        metrics[f"paged_decode_max_rel_err_{tag}"] = _rel_err(_paged(sets[0]), _decode_reference(sets[0]))
+        print(f"decode {tag}: paged {metrics[f'paged_decode_tbps_{tag}']:.2f} TB/s", flush=True)
+        del sets
+
+
+class PrefillInputs:
+    """One sequence: ``cached`` tokens already in the cache plus a chunk of new ones (written)."""
+
+    def __init__(self, cached: int, chunk: int, gen: torch.Generator, block_size: int = 16):
+        seq_len = cached + chunk
+        num_blocks = triton.cdiv(seq_len, block_size)
+        pool = torch.randn(num_blocks, 2, 2, block_size, KV_HEADS, HEAD_DIM, device="cuda", dtype=DTYPE)
+        self.k_cache, self.v_cache = pool[:, 1, 0], pool[:, 1, 1]
+        self.block_tables = torch.randperm(num_blocks, generator=gen).to(torch.int32).view(1, -1).cuda()
+        self.cu = torch.tensor([0, chunk], dtype=torch.int32, device="cuda")
+        self.seq_lens = torch.tensor([seq_len], dtype=torch.int32, device="cuda")
+        self.q = torch.randn(chunk, Q_HEADS, HEAD_DIM, device="cuda", dtype=DTYPE)
+        self.out = torch.empty_like(self.q)
+        # Causal: query j of the chunk sees cached + j + 1 keys; 2 matmuls of 2 FLOP per MAC.
+        self.flops = 4 * Q_HEADS * HEAD_DIM * sum(cached + j + 1 for j in range(chunk))
+
+    def run(self, config=None):
+        return launch_paged_prefill(self.q, self.k_cache, self.v_cache, self.block_tables, self.cu,
+                                    self.seq_lens, SCALE, out=self.out, max_query_len=self.q.shape[0],
+                                    config=config)
+
+
+def bench_prefill(metrics: dict, gen: torch.Generator) -> None:
+    for cached in PREFILL_CACHED:
+        tag = f"{PREFILL_CHUNK}_over_{cached}"
+        sets = [PrefillInputs(cached, PREFILL_CHUNK, gen) for _ in range(4)]
+        ms = _graph_ms(sets, lambda s: s.run())
+        inp = sets[0]
+        ref = reference.paged_prefill_attention(inp.q, inp.k_cache, inp.v_cache, inp.block_tables, inp.cu,
+                                                inp.seq_lens, SCALE)
+        metrics[f"prefill_tflops_{tag}"] = inp.flops / ms / 1e9
+        metrics[f"prefill_max_rel_err_{tag}"] = _rel_err(inp.run(), ref)
+        if cached == 0:
+            q = inp.q.transpose(0, 1).unsqueeze(0)
+            k = torch.randn(1, KV_HEADS, PREFILL_CHUNK, HEAD_DIM, device="cuda", dtype=DTYPE)
+            v = torch.randn_like(k)
+            sdpa_ms = _graph_ms([(q, k, v)], lambda c: F.scaled_dot_product_attention(*c, is_causal=True,
+                                                                                         enable_gqa=True))
+            metrics[f"sdpa_prefill_tflops_{tag}"] = inp.flops / sdpa_ms / 1e9
+        print(f"prefill {tag}: {metrics[f'prefill_tflops_{tag}']:.1f} TFLOP/s", flush=True)
+
+
+def copy_bandwidth() -> float:
+    """Device-to-device copy, bytes read + written per second (TB/s): the memory ceiling."""
+    src = torch.randn(2**28, device="cuda")
+    dst = torch.empty_like(src)
+    ms = _eager_ms(lambda: dst.copy_(src))
+    return 2 * src.numel() * src.element_size() / ms / 1e9
+
+
+def sweep(gen: torch.Generator, shapes: list[tuple[int, int]]) -> list[dict]:
+    """Decode tile configs x split counts at ``shapes``, then (for a full sweep) prefill tile
+    configs; returns one row per variant."""
+    rows = []
+    sms = torch.cuda.get_device_properties(0).multi_processor_count
+    for num_seqs, context in shapes:
+        sets = _input_sets(num_seqs, context, 16, gen)
+        nbytes = sets[0].kv_bytes()
+        tag = f"{num_seqs}x{context}"
+        splits_list = [s for s in (1, 2, 4, 8, 16, 32, 64)
+                       if s * MIN_SPLIT_TOKENS <= context and num_seqs * KV_HEADS * s <= 4 * sms]
+        for block_n, warps, stages, splits in itertools.product([32, 64, 128], [2, 4, 8], [2, 3, 4], splits_list):
+            knobs = dict(block_n=block_n, num_warps=warps, num_stages=stages, num_splits=splits)
+            try:
+                ms = _graph_ms(sets, lambda s: _paged(s, **knobs))
+            except triton.runtime.errors.OutOfResources as err:
+                print(f"decode {knobs}: {err}", flush=True)
+                continue
+            rows.append(dict(kernel="decode", shape=tag, variant=f"n{block_n}w{warps}s{stages}x{splits}",
+                             us=ms * 1e3, tbps=nbytes / ms / 1e9))
+        del sets
+        torch.cuda.empty_cache()
+    if shapes != SWEEP_SHAPES:
+        return rows
+    configs = [(64, 64, 4, 3), (64, 64, 4, 4), (128, 64, 8, 3), (128, 128, 8, 3)]
+    for cached in PREFILL_CACHED:
+        sets = [PrefillInputs(cached, PREFILL_CHUNK, gen) for _ in range(4)]
+        inp = sets[0]
+        for config in configs:
+            try:
+                ms = _graph_ms(sets, lambda s: s.run(config))
+            except triton.runtime.errors.OutOfResources as err:
+                print(f"prefill config {config}: {err}", flush=True)
+                continue
+            rows.append(dict(kernel="prefill", shape=f"512_over_{cached}",
+                             variant="m{}n{}w{}s{}".format(*config), us=ms * 1e3, tflops=inp.flops / ms / 1e9))
+    return rows
+
+
+def _print_sweep(rows: list[dict]) -> None:
+    print("\nsweep: best variants per (kernel, shape); decode variant = n<BLOCK_N>w<warps>s<stages>x<splits>")
+    for kernel, shape in sorted({(r["kernel"], r["shape"]) for r in rows}):
+        group = [r for r in rows if (r["kernel"], r["shape"]) == (kernel, shape)]
+        group.sort(key=lambda r: r["us"])
+        for row in group[:6]:
+            unit = f"{row['tbps']:.2f} TB/s" if "tbps" in row else f"{row['tflops']:.1f} TFLOP/s"
+            print(f"  {kernel:7} {shape:14} {row['variant']:14} {row['us']:9.1f} us  {unit}")
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--sweep", nargs="*", metavar="NxCTX",
+                        help="time tuning variants instead (decode at these shapes; all, and prefill, if none named)")
+    parser.add_argument("--out-dir", type=Path, default=Path(__file__).resolve().parent / "results")
+    args = parser.parse_args()
+    if not torch.cuda.is_available():
+        raise SystemExit("bench/kernels.py needs a CUDA GPU")
+    gen = torch.Generator().manual_seed(0)
+    if args.sweep is not None:
+        shapes = [tuple(map(int, s.split("x"))) for s in args.sweep] or SWEEP_SHAPES
+        rows = sweep(gen, shapes)
+        args.out_dir.mkdir(parents=True, exist_ok=True)
+        (args.out_dir / "sweep.json").write_text(json.dumps(rows, indent=1) + "\n")
+        _print_sweep(rows)
+        return
+    props = torch.cuda.get_device_properties(0)
+    gpu = re.sub(r"[^a-z0-9]+", "-", props.name.lower().replace("nvidia", "")).strip("-")
+    date = datetime.date.today().isoformat()
+    metrics: dict[str, float] = {"d2d_copy_tbps": copy_bandwidth()}
+    print(f"{props.name}: device-to-device copy {metrics['d2d_copy_tbps']:.2f} TB/s", flush=True)
+    bench_decode(metrics, gen)
+    bench_prefill(metrics, gen)
+    result = {
+        "benchmark": "kernels",
+        "gpu": props.name,
+        "date": date,
+        "versions": {"torch": torch.__version__, "triton": triton.__version__, "cuda": torch.version.cuda,
+                     "python": platform.python_version()},
+        "workload": {
+            "dtype": "bfloat16", "num_q_heads": Q_HEADS, "num_kv_heads": KV_HEADS, "head_dim": HEAD_DIM,
+            "block_size": 16, "decode_shapes": [f"{n}x{c}" for n, c in DECODE_SHAPES],
+            "decode_block_sizes_at_64x2048": BLOCK_SIZES, "prefill_chunk": PREFILL_CHUNK,
+            "prefill_cached": PREFILL_CACHED, "sm_count": props.multi_processor_count,
+            "timing": "median of CUDA-graph replays, >= 16 calls per graph rotating over input sets "
+                      "spanning >= 256 MiB; *_eager_us_*: triton.testing.do_bench median, L2 flushed, "
+                      "host launch overhead included",
+            "bandwidth": "K+V bytes read once / time, TB/s",
+        },
+        "metrics": {k: round(v, 6) for k, v in metrics.items()},
+    }
+    args.out_dir.mkdir(parents=True, exist_ok=True)
+    path = args.out_dir / f"kernels-{gpu}-{date}.json"
+    path.write_text(json.dumps(result, indent=2) + "\n")
+    print(json.dumps(result, indent=2))
+    print(f"wrote {path}")
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,28 @@
+"""Paged-attention kernels: Triton entry points; pure-PyTorch references in :mod:`kernels.reference`.
+
+The Triton modules load on first use of an entry point (module ``__getattr__``), so
+``import kernels.reference`` works where Triton, an optional dependency, is not installed.
+"""
+
+from __future__ import annotations
+
+import importlib
+
+_ENTRY_POINTS = {
+    "paged_decode_attention": "kernels.decode_attention",
+    "paged_prefill_attention": "kernels.prefill_attention",
+    "write_kv_cache": "kernels.cache_write",
+}
+
+__all__ = list(_ENTRY_POINTS)
+
+
+def __getattr__(name: str):
+    module = _ENTRY_POINTS.get(name)
+    if module is None:
+        raise AttributeError(f"module 'kernels' has no attribute {name!r}")
+    return getattr(importlib.import_module(module), name)
+
+
+def __dir__() -> list[str]:
+    return sorted(list(globals()) + __all__)

@@ -1,0 +1,66 @@
+"""Helpers shared by the Triton entry points: where a kernel may run and what it computes in."""
+
+from __future__ import annotations
+
+import functools
+import os
+
+import torch
+import triton.language as tl
+
+_TL_DTYPES = {torch.float32: tl.float32, torch.float16: tl.float16, torch.bfloat16: tl.bfloat16}
+
+
+def check_device(*tensors: torch.Tensor) -> torch.device:
+    """Return the tensors' common device; raise if a Triton kernel cannot run there.
+
+    Raises:
+        RuntimeError: a CPU tensor without ``TRITON_INTERPRET=1`` (the kernels never fall back
+            to :mod:`kernels.reference` on their own), or tensors on different devices.
+    """
+    device = tensors[0].device
+    if any(t.device != device for t in tensors):
+        raise RuntimeError(f"kernel inputs are on different devices: {[str(t.device) for t in tensors]}")
+    if device.type == "cpu" and os.environ.get("TRITON_INTERPRET") != "1":
+        raise RuntimeError(
+            "Triton kernels got CPU tensors: run on a CUDA device, set TRITON_INTERPRET=1 before "
+            "importing kernels, or use kernels.reference"
+        )
+    if device.type not in ("cpu", "cuda"):
+        raise RuntimeError(f"Triton kernels run on CUDA devices, got {device}")
+    return device
+
+
+def check_cache(k_cache: torch.Tensor, v_cache: torch.Tensor) -> None:
+    """Raise ValueError unless K and V caches are matching 4-D float tensors."""
+    if k_cache.dim() != 4 or k_cache.shape != v_cache.shape:
+        raise ValueError(
+            "k_cache and v_cache must both be [num_blocks, block_size, num_kv_heads, head_dim], "
+            f"got {tuple(k_cache.shape)} and {tuple(v_cache.shape)}"
+        )
+    if k_cache.dtype not in _TL_DTYPES or v_cache.dtype != k_cache.dtype:
+        raise ValueError(f"cache dtype must be float32, float16 or bfloat16, got {k_cache.dtype}/{v_cache.dtype}")
+
+
+def dot_inputs(dtype: torch.dtype, device: torch.device) -> tuple[tl.dtype, str]:
+    """Return the dtype fed to ``tl.dot`` and its ``input_precision`` for a cache of ``dtype``.
+
+    float32 uses exact ("ieee") products rather than tf32. Under the CPU interpreter bfloat16 is
+    widened to float32 because the interpreter's ``tl.dot`` multiplies the raw bf16 bit
+    patterns (seen with Triton 3.9).
+    """
+    if dtype == torch.bfloat16 and device.type == "cpu":
+        return tl.float32, "ieee"
+    return _TL_DTYPES[dtype], "ieee" if dtype == torch.float32 else "tf32"
+
+
+@functools.lru_cache(maxsize=None)
+def _cuda_sm_count(index: int) -> int:
+    return torch.cuda.get_device_properties(index).multi_processor_count
+
+
+def sm_count(device: torch.device) -> int:
+    """Streaming multiprocessors of ``device``; the interpreter pretends to have 4."""
+    if device.type != "cuda":
+        return 4
+    return _cuda_sm_count(device.index if device.index is not None else torch.cuda.current_device())

@@ -1,0 +1,290 @@
+"""Paged decode attention: one new query token per sequence over its paged KV cache.
+
+PagedAttention (Kwon et al., SOSP 2023) addressing, FlashAttention-2 online softmax (Dao,
+2023) and Flash-Decoding's split-KV (Dao et al., 2023): the context of each (sequence, KV head)
+is cut into ``num_splits`` contiguous slices, one program per slice computes a partial output
+and its log-sum-exp, and a second kernel merges the slices. One program serves all query heads
+of its KV head (GQA/MQA groups padded to 16 rows for ``tl.dot``), so K and V are read once.
+"""
+
+from __future__ import annotations
+
+import math
+
+import torch
+import triton
+import triton.language as tl
+
+from kernels._launch import check_cache, check_device, dot_inputs, sm_count
+
+__all__ = ["launch_paged_decode", "num_kv_splits", "paged_decode_attention"]
+
+# Split heuristic: about one program per SM (each keeps two or three K/V tiles in flight), but no
+# slice shorter than MIN_SPLIT_TOKENS tokens.
+MIN_SPLIT_TOKENS = 128
+MAX_SPLITS = 64
+_LOG2E = 1.0 / math.log(2.0)
+
+
+@triton.jit
+def _decode_split_kernel(
+    q_ptr, k_ptr, v_ptr, block_tables_ptr, seq_lens_ptr, out_ptr, lse_ptr, scale_log2,
+    stride_qs, stride_qh, stride_qd,
+    stride_kb, stride_kt, stride_kh, stride_kd,
+    stride_vb, stride_vt, stride_vh, stride_vd,
+    stride_bts,
+    stride_os, stride_oh, stride_osp, stride_od,
+    stride_ls, stride_lh, stride_lsp, num_splits,
+    GROUP: tl.constexpr, HEAD_DIM: tl.constexpr, PAGE: tl.constexpr,
+    BLOCK_H: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_N: tl.constexpr,
+    DOT_DTYPE: tl.constexpr, DOT_PRECISION: tl.constexpr, STORE_LSE: tl.constexpr,
+):
+    seq = tl.program_id(0)
+    kv_head = tl.program_id(1)
+    split = tl.program_id(2)
+    seq_len = tl.load(seq_lens_ptr + seq)
+    # Slice length depends only on this sequence's length: correct for any launch-time max_seq_len.
+    split_len = tl.cdiv(tl.cdiv(seq_len, num_splits), BLOCK_N) * BLOCK_N
+    start = split * split_len
+    end = tl.minimum(start + split_len, seq_len)
+
+    offs_h = tl.arange(0, BLOCK_H)
+    offs_d = tl.arange(0, BLOCK_D)
+    offs_n = tl.arange(0, BLOCK_N)
+    heads = kv_head * GROUP + offs_h
+    hd_mask = (offs_h < GROUP)[:, None] & (offs_d < HEAD_DIM)[None, :]
+    q = tl.load(
+        q_ptr + seq.to(tl.int64) * stride_qs + heads[:, None] * stride_qh + offs_d[None, :] * stride_qd,
+        mask=hd_mask, other=0.0,
+    ).to(DOT_DTYPE)
+
+    k_base = k_ptr + kv_head * stride_kh + offs_d[None, :] * stride_kd
+    v_base = v_ptr + kv_head * stride_vh + offs_d[None, :] * stride_vd
+    table = block_tables_ptr + seq.to(tl.int64) * stride_bts
+    m_i = tl.full([BLOCK_H], float("-inf"), dtype=tl.float32)
+    l_i = tl.zeros([BLOCK_H], dtype=tl.float32)
+    acc = tl.zeros([BLOCK_H, BLOCK_D], dtype=tl.float32)
+    # Physical block of each token of the next tile, loaded one tile ahead: the K/V loads then
+    # depend on no load of their own iteration, so the software pipeliner can give them
+    # num_stages - 1 buffers instead of one.
+    next_block = tl.load(table + (start + offs_n) // PAGE, mask=start + offs_n < end, other=0)
+    for tile in range(start, end, BLOCK_N):
+        pos = tile + offs_n
+        n_mask = pos < end
+        block = next_block.to(tl.int64)
+        after = pos + BLOCK_N
+        next_block = tl.load(table + after // PAGE, mask=after < end, other=0)
+        row = pos % PAGE
+        nd_mask = n_mask[:, None] & (offs_d < HEAD_DIM)[None, :]
+        k = tl.load(k_base + block[:, None] * stride_kb + row[:, None] * stride_kt, mask=nd_mask, other=0.0)
+        qk = tl.dot(q, tl.trans(k.to(DOT_DTYPE)), input_precision=DOT_PRECISION) * scale_log2
+        qk = tl.where(n_mask[None, :], qk, float("-inf"))
+        m_new = tl.maximum(m_i, tl.max(qk, 1))
+        alpha = tl.exp2(m_i - m_new)
+        p = tl.exp2(qk - m_new[:, None])
+        l_i = l_i * alpha + tl.sum(p, 1)
+        v = tl.load(v_base + block[:, None] * stride_vb + row[:, None] * stride_vt, mask=nd_mask, other=0.0)
+        acc = acc * alpha[:, None] + tl.dot(p.to(DOT_DTYPE), v.to(DOT_DTYPE), input_precision=DOT_PRECISION)
+        m_i = m_new
+
+    # An empty slice (short sequence, many splits) stores output 0 and LSE -inf: weight 0 in the merge.
+    nonempty = l_i > 0.0
+    l_safe = tl.where(nonempty, l_i, 1.0)
+    out = acc / l_safe[:, None]
+    o_ptrs = out_ptr + seq.to(tl.int64) * stride_os + split * stride_osp + heads[:, None] * stride_oh
+    tl.store(o_ptrs + offs_d[None, :] * stride_od, out.to(out_ptr.dtype.element_ty), mask=hd_mask)
+    if STORE_LSE:
+        lse = tl.where(nonempty, (m_i + tl.log2(l_safe)) * 0.6931471805599453, float("-inf"))  # * ln 2
+        l_ptrs = lse_ptr + seq.to(tl.int64) * stride_ls + split * stride_lsp + heads * stride_lh
+        tl.store(l_ptrs, lse, mask=offs_h < GROUP)
+
+
+@triton.jit
+def _decode_merge_kernel(
+    part_ptr, part_lse_ptr, out_ptr, lse_ptr,
+    stride_ps, stride_ph, stride_psp,
+    stride_pls, stride_plh,
+    stride_os, stride_oh, stride_od,
+    stride_ls, stride_lh, num_splits,
+    HEAD_DIM: tl.constexpr, BLOCK_S: tl.constexpr, BLOCK_D: tl.constexpr,
+    STORE_LSE: tl.constexpr,
+):
+    seq = tl.program_id(0).to(tl.int64)
+    head = tl.program_id(1)
+    offs_s = tl.arange(0, BLOCK_S)
+    offs_d = tl.arange(0, BLOCK_D)
+    s_mask = offs_s < num_splits
+    d_mask = offs_d < HEAD_DIM
+    part_lse = tl.load(part_lse_ptr + seq * stride_pls + head * stride_plh + offs_s, mask=s_mask,
+                       other=float("-inf"))
+    m = tl.max(part_lse, 0)
+    m = tl.where(m == float("-inf"), 0.0, m)  # seq_len 0 (a padding slot): every slice is empty
+    w = tl.exp(part_lse - m)
+    part = tl.load(
+        part_ptr + seq * stride_ps + head * stride_ph + offs_s[:, None] * stride_psp + offs_d[None, :],
+        mask=s_mask[:, None] & d_mask[None, :], other=0.0,
+    )
+    total = tl.sum(w, 0)
+    total_safe = tl.where(total > 0.0, total, 1.0)
+    out = tl.sum(part * w[:, None], 0) / total_safe
+    tl.store(out_ptr + seq * stride_os + head * stride_oh + offs_d * stride_od,
+             out.to(out_ptr.dtype.element_ty), mask=d_mask)
+    if STORE_LSE:
+        lse = tl.where(total > 0.0, m + tl.log(total_safe), float("-inf"))
+        tl.store(lse_ptr + seq * stride_ls + head * stride_lh, lse)
+
+
+def num_kv_splits(num_seqs: int, num_kv_heads: int, max_seq_len: int, num_sms: int) -> int:
+    """Slices per (sequence, KV head) for split-KV decode.
+
+    Aims for about ``num_sms`` programs, so one long sequence and hundreds of short ones both fill
+    the GPU and a batch that already fills it is not split, without slices under
+    ``MIN_SPLIT_TOKENS`` tokens. ``max_seq_len`` is rounded up to a power of two first, so a
+    captured CUDA graph serves a whole length bucket.
+    """
+    bucket = triton.next_power_of_2(max(1, max_seq_len))
+    wanted = round(num_sms / (num_seqs * num_kv_heads))
+    return max(1, min(wanted, bucket // MIN_SPLIT_TOKENS, MAX_SPLITS))
+
+
+def _default_config(
+    device: torch.device, head_dim: int, dtype: torch.dtype, programs_per_sm: float,
+) -> tuple[int, int, int]:
+    """(BLOCK_N, num_warps, num_stages) for the split kernel; K+V tiles of all stages fit in
+    shared memory. Measured on an H100 (docs/kernels.md): with under two programs per SM a
+    third stage keeps enough bytes in flight; with more, two stages leave room for more
+    resident programs."""
+    if device.type == "cpu":
+        return 32, 1, 1
+    if head_dim > 128 or dtype == torch.float32:
+        return 32, 4, 2
+    return 64, 4, 3 if programs_per_sm < 2 else 2
+
+
+def launch_paged_decode(
+    q: torch.Tensor,
+    k_cache: torch.Tensor,
+    v_cache: torch.Tensor,
+    block_tables: torch.Tensor,
+    seq_lens: torch.Tensor,
+    scale: float,
+    out: torch.Tensor | None = None,
+    return_lse: bool = False,
+    max_seq_len: int | None = None,
+    num_splits: int | None = None,
+    block_n: int | None = None,
+    num_warps: int | None = None,
+    num_stages: int | None = None,
+) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
+    """:func:`paged_decode_attention` with its tuning knobs exposed (tests and benchmarks).
+
+    ``num_splits`` overrides :func:`num_kv_splits`; ``block_n`` (tokens per tile, a power of two
+    >= 16), ``num_warps`` and ``num_stages`` override the per-device defaults.
+    """
+    device = check_device(q, k_cache, v_cache, block_tables, seq_lens)
+    check_cache(k_cache, v_cache)
+    num_seqs, num_q_heads, head_dim = q.shape
+    _, page, num_kv_heads, cache_head_dim = k_cache.shape
+    if cache_head_dim != head_dim or num_q_heads % num_kv_heads:
+        raise ValueError(
+            f"q {tuple(q.shape)} does not fit cache {tuple(k_cache.shape)}: head_dim must match and "
+            "num_q_heads must be a multiple of num_kv_heads"
+        )
+    if out is None:
+        out = torch.empty_like(q)
+    elif out.shape != q.shape:
+        raise ValueError(f"out {tuple(out.shape)} must have q's shape {tuple(q.shape)}")
+    # Without return_lse the kernels never store through lse; out stands in as its pointer.
+    lse = torch.empty(num_seqs, num_q_heads, dtype=torch.float32, device=device) if return_lse else out
+    if num_seqs == 0:
+        return (out, lse) if return_lse else out
+    if num_splits is None:
+        if max_seq_len is None:
+            max_seq_len = int(seq_lens.max())
+        num_splits = num_kv_splits(num_seqs, num_kv_heads, max_seq_len, sm_count(device))
+    programs_per_sm = num_seqs * num_kv_heads * num_splits / sm_count(device)
+    default_n, default_warps, default_stages = _default_config(
+        device, head_dim, k_cache.dtype, programs_per_sm)
+    block_n = block_n or default_n
+    dot_dtype, precision = dot_inputs(k_cache.dtype, device)
+    group = num_q_heads // num_kv_heads
+    block_d = triton.next_power_of_2(head_dim)
+    meta = dict(
+        GROUP=group, HEAD_DIM=head_dim, PAGE=page,
+        BLOCK_H=max(16, triton.next_power_of_2(group)), BLOCK_D=block_d, BLOCK_N=block_n,
+        DOT_DTYPE=dot_dtype, DOT_PRECISION=precision,
+        num_warps=num_warps or default_warps, num_stages=num_stages or default_stages,
+    )
+    cache_args = (*k_cache.stride(), *v_cache.stride(), block_tables.stride(0))
+    grid = (num_seqs, num_kv_heads, num_splits)
+    if num_splits == 1:
+        _decode_split_kernel[grid](
+            q, k_cache, v_cache, block_tables, seq_lens, out, lse, scale * _LOG2E,
+            *q.stride(), *cache_args,
+            out.stride(0), out.stride(1), 0, out.stride(2),
+            lse.stride(0), lse.stride(1), 0, 1,
+            STORE_LSE=return_lse, **meta,
+        )
+        return (out, lse) if return_lse else out
+
+    part = torch.empty(num_seqs, num_q_heads, num_splits, head_dim, dtype=torch.float32, device=device)
+    part_lse = torch.empty(num_seqs, num_q_heads, num_splits, dtype=torch.float32, device=device)
+    _decode_split_kernel[grid](
+        q, k_cache, v_cache, block_tables, seq_lens, part, part_lse, scale * _LOG2E,
+        *q.stride(), *cache_args,
+        part.stride(0), part.stride(1), part.stride(2), part.stride(3),
+        *part_lse.stride(), num_splits,
+        STORE_LSE=True, **meta,
+    )
+    _decode_merge_kernel[(num_seqs, num_q_heads)](
+        part, part_lse, out, lse,
+        part.stride(0), part.stride(1), part.stride(2),
+        part_lse.stride(0), part_lse.stride(1),
+        *out.stride(), lse.stride(0), lse.stride(1), num_splits,
+        HEAD_DIM=head_dim, BLOCK_S=triton.next_power_of_2(num_splits),
+        BLOCK_D=block_d, STORE_LSE=return_lse, num_warps=4 if device.type == "cuda" else 1,
+    )
+    return (out, lse) if return_lse else out
+
+
+def paged_decode_attention(
+    q: torch.Tensor,
+    k_cache: torch.Tensor,
+    v_cache: torch.Tensor,
+    block_tables: torch.Tensor,
+    seq_lens: torch.Tensor,
+    scale: float,
+    out: torch.Tensor | None = None,
+    return_lse: bool = False,
+    max_seq_len: int | None = None,
+) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
+    """Attention of one new query token per sequence over its paged context (Triton).
+
+    Split-KV (Flash-Decoding) over PagedAttention blocks with FlashAttention-2 online softmax;
+    CUDA-graph safe when ``max_seq_len`` is given: no host sync, and the launch shapes depend only
+    on ``num_seqs`` and the power-of-two bucket of ``max_seq_len``.
+
+    Args:
+        q: ``[num_seqs, num_q_heads, head_dim]``, any strides.
+        k_cache, v_cache: ``[num_blocks, block_size, num_kv_heads, head_dim]``, any strides,
+            float32/float16/bfloat16; ``num_q_heads % num_kv_heads == 0`` (MHA, GQA, MQA).
+        block_tables: ``[num_seqs, max_blocks_per_seq]`` int32.
+        seq_lens: ``[num_seqs]`` int32, tokens in the cache including the new one (>= 1; a
+            padding slot of a CUDA-graph batch may hold 0 and gets output 0, LSE -inf).
+        scale: softmax scale, usually ``head_dim ** -0.5``.
+        out: optional ``[num_seqs, num_q_heads, head_dim]`` output buffer (any strides).
+        return_lse: also return the natural-log log-sum-exp ``[num_seqs, num_q_heads]`` float32.
+        max_seq_len: an upper bound of ``max(seq_lens)``; sizes the split grid (a host sync
+            computes it when None). Results never depend on it.
+
+    Returns:
+        ``[num_seqs, num_q_heads, head_dim]`` in q's dtype (and the LSE if asked).
+
+    Raises:
+        ValueError: shapes or dtypes that do not fit together.
+        RuntimeError: CPU tensors without ``TRITON_INTERPRET=1``.
+    """
+    return launch_paged_decode(
+        q, k_cache, v_cache, block_tables, seq_lens, scale,
+        out=out, return_lse=return_lse, max_seq_len=max_seq_len,
+    )
