@@ -6,6 +6,7 @@ tokens into text and finish decisions. Both workers and the offline :class:`engi
 
 from __future__ import annotations
 
+import gc
 import itertools
 import logging
 from dataclasses import dataclass
@@ -119,6 +120,9 @@ class LLMEngine:
     def _num_blocks_from_budget(self) -> int:
         per_block = KVCache.bytes_per_block(self.model_config, self.config.block_size, self.dtype)
         if self.device.type == "cuda":
+            # Memory this process's caching allocator holds but no tensor uses is ours to take.
+            gc.collect()
+            torch.cuda.empty_cache()
             free, total = torch.cuda.mem_get_info(self.device)
             activations = self._activation_bytes()
             budget = int(total * self.config.gpu_memory_utilization) - (total - free) - activations

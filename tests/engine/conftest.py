@@ -60,5 +60,6 @@ def hf_greedy(model, prompt_ids: list[int], max_new_tokens: int = MAX_NEW_TOKENS
         max_new_tokens=max_new_tokens, do_sample=False, eos_token_id=None, pad_token_id=0
     )
     with torch.inference_mode():
-        out = model.generate(torch.tensor([prompt_ids]), generation_config=config)
+        ids = torch.tensor([prompt_ids])
+        out = model.generate(ids, attention_mask=torch.ones_like(ids), generation_config=config)
     return out[0, len(prompt_ids) :].tolist()

@@ -39,7 +39,7 @@ def smollm2_random_dir(tmp_path_factory):
 def test_fp32_greedy_matches_hf_on_gpu(smollm2_random_dir):
     path, hf = smollm2_random_dir
     hf = hf.to("cuda").eval()
-    llm = LLM(model=str(path), device="cuda", dtype="float32", block_size=16)
+    llm = LLM(model=str(path), device="cuda", dtype="float32", block_size=16, gpu_memory_utilization=0.3)
     prompts = [[(97 * i + 13 * j) % 49152 for j in range(20 + 37 * i)] for i in range(6)]
     free = llm.engine.num_free_blocks
     outs = llm.generate(prompts, SamplingParams(max_tokens=32, temperature=0, ignore_eos=True), use_tqdm=False)
@@ -50,7 +50,8 @@ def test_fp32_greedy_matches_hf_on_gpu(smollm2_random_dir):
     hf.generation_config.eos_token_id = None
     for prompt, out in zip(prompts, outs):
         with torch.inference_mode():
-            ref = hf.generate(torch.tensor([prompt], device="cuda"), generation_config=config)
+            ids = torch.tensor([prompt], device="cuda")  # token 0 is also the pad id: pass the mask
+            ref = hf.generate(ids, attention_mask=torch.ones_like(ids), generation_config=config)
         assert out.outputs[0].token_ids == ref[0, len(prompt):].tolist()
 
 
