@@ -113,6 +113,9 @@ class LLMEngine:
         self.runner = ModelRunner(self.model, self.kv_cache, bs, self.max_model_len)
         self.requests: dict[str, _Request] = {}
         self.held: dict[str, list[Sequence]] = {}  # finished requests whose blocks are kept
+        # False after a step that could schedule nothing (every waiting sequence needs blocks
+        # that reservations or held requests own): callers may sleep until something changes.
+        self.last_step_ran = False
         self._arrivals = itertools.count()
         logger.info("engine ready: %s on %s (%s), %d KV blocks of %d tokens, max_model_len %d",
                     self.model_id, self.device, self.dtype, self.num_blocks, bs, self.max_model_len)
@@ -313,6 +316,7 @@ class LLMEngine:
             are removed from the engine and their blocks freed.
         """
         step = self.scheduler.schedule()
+        self.last_step_ran = not step.is_empty
         if step.is_empty:
             return []
         result = self.runner.execute(step)

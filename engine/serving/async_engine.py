@@ -20,7 +20,7 @@ import threading
 from collections import Counter, deque
 from collections.abc import AsyncIterator, Callable
 from dataclasses import dataclass, replace
-from typing import Any, TypeVar
+from typing import TypeVar
 
 from engine.block_pool import BlockEvents, NoFreeBlocksError
 from engine.kv_cache_manager import cdiv
@@ -389,7 +389,6 @@ class AsyncEngine:
         return await asyncio.wrap_future(self._submit(fn))
 
     def _run(self) -> None:
-        progress: Any = None
         stalled = False
         while True:
             with self._cv:
@@ -406,7 +405,6 @@ class AsyncEngine:
             if commands:
                 stalled = False
             if self.engine.scheduler.has_unfinished and not stalled:
-                before = self._progress_key()
                 try:
                     outputs = self.engine.step()
                 except Exception as exc:  # noqa: BLE001 (fails the requests, not the thread)
@@ -421,14 +419,8 @@ class AsyncEngine:
                             del self._streams[out.request_id]
                 # Nothing could be scheduled (e.g. waiting sequences need blocks that reservations
                 # or held requests own): sleep until a command changes something.
-                progress = self._progress_key()
-                stalled = not outputs and progress == before
+                stalled = not self.engine.last_step_ran
             self._publish()
-
-    def _progress_key(self) -> tuple:
-        sched = self.engine.scheduler
-        return tuple((s.request_id, s.index, s.num_computed_tokens, s.status)
-                     for s in [*sched.running, *sched.waiting])
 
     def _fail_all(self, exc: Exception) -> None:
         error = EngineError(f"engine step failed: {type(exc).__name__}: {exc}")
