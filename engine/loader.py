@@ -110,7 +110,7 @@ def load_model(
         _load_safetensors(net, source.path, model)
     net.eval()
     tokenizer = load_tokenizer(source.path) if source.path is not None else None
-    config.eos_token_id = _merge_eos(config, source.path, tokenizer)
+    config.eos_token_id = merge_eos_token_ids(config, source.path, tokenizer)
     return LoadedModel(net, config, source.model_id, tokenizer, source.path)
 
 
@@ -246,7 +246,7 @@ def _load_safetensors(net: LlamaForCausalLM, path: Path, model: Any) -> None:
         raise ValueError(f"model={model!r}: checkpoint lacks {sorted(pending)[:5]} ({len(pending)} in all)")
 
 
-def _merge_eos(
+def merge_eos_token_ids(
     config: ModelConfig, path: Path | None, tokenizer: PreTrainedTokenizerBase | None
 ) -> list[int]:
     """End-of-sequence ids from config.json, generation_config.json and the tokenizer, in that order."""

@@ -74,7 +74,7 @@ def load_model_meta(settings: GatewaySettings) -> Model:
     Raises:
         ValueError: the model cannot be found, or has no tokenizer.
     """
-    from engine.loader import _merge_eos, load_tokenizer, resolve_model
+    from engine.loader import merge_eos_token_ids, load_tokenizer, resolve_model
     from engine.model_config import ModelConfig
 
     source = resolve_model(settings.model)
@@ -88,7 +88,7 @@ def load_model_meta(settings: GatewaySettings) -> Model:
     kv_dtype = settings.resolved_kv_dtype()
     meta = ModelMeta(
         model_id=source.model_id, max_model_len=int(max_model_len), block_size=settings.block_size,
-        vocab_size=config.vocab_size, eos_token_ids=frozenset(_merge_eos(config, source.path, tokenizer)),
+        vocab_size=config.vocab_size, eos_token_ids=frozenset(merge_eos_token_ids(config, source.path, tokenizer)),
         kv_dtype=kv_dtype, hash_seed=hash_seed(source.model_id, settings.block_size, kv_dtype))
     return Model(meta, tokenizer)
 
