@@ -64,8 +64,7 @@ class DecodeServicer(worker_pb2_grpc.DecodeWorkerServicer):
             self._expiry.cancel()
             with contextlib.suppress(asyncio.CancelledError):
                 await self._expiry
-        for reservation_id in list(self.table._by_id):  # noqa: SLF001 (no public listing)
-            self.table.release(reservation_id, "worker shutting down")
+        self.table.release_all("worker shutting down")
 
     # ----------------------------------------------------------------- RPCs
     async def Admit(self, request: worker_pb2.AdmitRequest, context):  # noqa: N802

@@ -225,6 +225,13 @@ class ReservationTable:
         reservation_id = self._by_request.get(request_id)
         return reservation_id is not None and self.release(reservation_id, reason)
 
+    def release_all(self, reason: str) -> int:
+        """``release`` every live reservation (a worker shutting down); return how many."""
+        reservation_ids = list(self._by_id)
+        for reservation_id in reservation_ids:
+            self.release(reservation_id, reason)
+        return len(reservation_ids)
+
     def expire(self) -> list[str]:
         """Release every reservation whose lease has ended; return their ids."""
         now = self._clock()

@@ -97,3 +97,12 @@ def test_expiry_task_frees_on_real_clock() -> None:
         return freed
 
     assert asyncio.run(scenario()) == [9]
+
+
+def test_release_all_frees_every_reservation_once() -> None:
+    table, freed, _ = make_table()
+    table.reserve("a", [1, 2])
+    table.reserve("b", [3])
+    assert table.release_all("shutting down") == 2
+    assert sorted(freed) == [1, 2, 3] and len(table) == 0
+    assert table.release_all("again") == 0 and sorted(freed) == [1, 2, 3]
