@@ -3,7 +3,8 @@
 ``tandem serve --local`` and the end-to-end tests use :class:`LocalCluster`. Redis comes from
 ``TANDEM_REDIS_URL`` when set, else a private ``redis-server`` (from PATH, free port, temp
 dir, no persistence); without either, the workers run unregistered and the gateway is given
-their addresses (``gateway.static_cluster``: load-only routing), and the log says so.
+their addresses (``gateway.static_cluster``: loads from GetStats, an in-process prefix index
+built from the gateway's own routing), and the log says so.
 
 Every child runs in its own process group (a terminal's Ctrl-C reaches only the launcher,
 which then stops them in order: gateway first so it drains, then workers, then Redis) and
@@ -180,7 +181,7 @@ class LocalCluster:
         binary = shutil.which("redis-server")
         if binary is None:
             logger.warning("no TANDEM_REDIS_URL and no redis-server on PATH: workers run unregistered and the "
-                           "gateway routes on load only over their fixed addresses (no prefix-aware routing)")
+                           "gateway routes over their fixed addresses with an in-process prefix index")
             return
         self._tmp = tempfile.TemporaryDirectory(prefix="tandem-redis-")
         port = free_port()

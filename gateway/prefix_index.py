@@ -75,6 +75,9 @@ class PrefixIndex:
             pipe.pexpire(key, self.ns.ttl_ms)
             await pipe.execute()
 
+    def note_routed(self, worker_id: str, block_hashes: Sequence[bytes]) -> None:
+        """Nothing to do: with Redis, the workers' own block events are the truth."""
+
     async def resync(self, worker_id: str, hashes: Iterable[bytes]) -> None:
         """Replace the worker's whole set with ``hashes`` atomically (on (re)connect).
 

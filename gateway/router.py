@@ -266,6 +266,7 @@ class ClusterView:
         cached = await self._cached_runs(prefills, block_hashes)
         prefill = pick_prefill(prefills, cached, block_size, self.policy, self._rng)
         assert prefill is not None  # prefills is not empty
+        self.index.note_routed(prefill.worker_id, block_hashes)
         self._in_flight.add(prefill.worker_id, 1)
         self._in_flight.add(decode.worker_id, 1, prompt_blocks)
         return Route(prefill, decode, cached.get(prefill.worker_id, 0), prompt_blocks)

@@ -233,12 +233,12 @@ class Gateway:
 
             self._redis = redis_client(s.redis_url)
             return ClusterView(WorkerRegistry(self._redis, ns), PrefixIndex(self._redis, ns))
-        from gateway.static_cluster import NoPrefixIndex, StaticRegistry
+        from gateway.static_cluster import RoutedPrefixIndex, StaticRegistry
 
-        logger.warning("no Redis configured: routing on load only over static workers prefill=%s decode=%s",
-                       s.static_prefill, s.static_decode)
+        logger.warning("no Redis configured: static workers prefill=%s decode=%s, in-process prefix index "
+                       "built from this gateway's own routing", s.static_prefill, s.static_decode)
         registry = StaticRegistry(self._clients, {Role.PREFILL: s.static_prefill, Role.DECODE: s.static_decode}, ns)
-        return ClusterView(registry, NoPrefixIndex())
+        return ClusterView(registry, RoutedPrefixIndex())
 
     async def _refresh_loop(self) -> None:
         while True:

@@ -3,17 +3,20 @@
 The fallback of ``tandem serve --local`` when no ``redis-server`` exists: the workers run
 without a registry and the gateway is given their addresses. :class:`StaticRegistry` stands
 in for ``WorkerRegistry`` under the unchanged ``ClusterView`` (same in-flight accounting and
-load-only picks); :class:`NoPrefixIndex` reports no cached blocks, so routing is load-only:
-prefix caching still works inside each prefill worker, only the gateway cannot aim for it.
+picks); :class:`RoutedPrefixIndex` stands in for the Redis prefix index, built from the
+gateway's own routing decisions, so prefix-aware routing keeps working approximately.
 """
 
 from __future__ import annotations
 
 import asyncio
 import re
+from collections import OrderedDict
+from collections.abc import Sequence
 
 import grpc
 
+from gateway.prefix_index import leading_run
 from gateway.registry import ClusterNamespace, Role, WorkerInfo, WorkerLoad
 from protos.tandem.v1 import worker_pb2
 
@@ -53,8 +56,36 @@ class StaticRegistry:
         return WorkerInfo(static_worker_id(role, address), role, address, load)
 
 
-class NoPrefixIndex:
-    """``PrefixIndex.cached_runs`` that knows nothing: routing on load alone."""
+class RoutedPrefixIndex:
+    """An in-process, approximate prefix index: which prompts this gateway sent to which worker.
 
-    async def cached_runs(self, worker_ids, block_hashes) -> dict[str, int]:
-        return {}
+    With no Redis, workers cannot report their cached blocks, so the gateway remembers what it
+    routed (the approach of SGLang's cache-aware router): a worker that prefilled a prompt is
+    assumed to hold its full blocks until ``capacity_blocks`` newer hashes push them out (LRU).
+    A wrong guess costs only a prefix-cache miss, never a wrong result.
+
+    Args:
+        capacity_blocks: hashes remembered per worker.
+    """
+
+    def __init__(self, capacity_blocks: int = 1 << 16) -> None:
+        self.capacity_blocks = capacity_blocks
+        self._held: dict[str, OrderedDict[bytes, None]] = {}
+
+    async def cached_runs(self, worker_ids: Sequence[str], block_hashes: Sequence[bytes]) -> dict[str, int]:
+        """Per worker, how many leading ``block_hashes`` it was sent (same contract as
+        ``PrefixIndex.cached_runs``)."""
+        runs = {}
+        for worker_id in worker_ids:
+            held = self._held.get(worker_id, {})
+            runs[worker_id] = leading_run([h in held for h in block_hashes])
+        return runs
+
+    def note_routed(self, worker_id: str, block_hashes: Sequence[bytes]) -> None:
+        """Remember that ``worker_id`` prefills a prompt with these full-block hashes."""
+        held = self._held.setdefault(worker_id, OrderedDict())
+        for block_hash in block_hashes:
+            held[block_hash] = None
+            held.move_to_end(block_hash)
+        while len(held) > self.capacity_blocks:
+            held.popitem(last=False)

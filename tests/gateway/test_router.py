@@ -238,3 +238,32 @@ def test_redis_outage_degrades_to_last_known_state_and_recovers(private_redis):
         await gateway_client.aclose()
 
     asyncio.run(main())
+
+
+def test_in_process_index_learns_from_routing_when_there_is_no_redis(key_prefix, redis_url):
+    """The no-Redis fallback: ``RoutedPrefixIndex`` remembers what the view routed where."""
+    from gateway.static_cluster import RoutedPrefixIndex
+
+    async def main():
+        client = redis_client(redis_url)
+        registry = WorkerRegistry(client, _ns(key_prefix))
+        for p in ("p0", "p1"):
+            await _register(registry, p, Role.PREFILL, total_blocks=100, free_blocks=100)
+        await _register(registry, "d0", Role.DECODE, total_blocks=100, free_blocks=100)
+        index = RoutedPrefixIndex(capacity_blocks=6)
+        view = ClusterView(registry, index, RoutingPolicy(load_cost_tokens=8), random.Random(0))
+        await view.refresh()
+        first = await view.choose(H, len(PROMPT), BLOCK_SIZE)
+        assert first.cached_blocks == 0
+        view.prefill_done(first)
+        view.decode_done(first)
+        again = await view.choose(H, len(PROMPT), BLOCK_SIZE)
+        assert (again.prefill.worker_id, again.cached_blocks) == (first.prefill.worker_id, 6)
+        other = "p1" if first.prefill.worker_id == "p0" else "p0"
+        assert (await index.cached_runs([other], H)) == {other: 0}
+        # LRU bound: three newer hashes push out the oldest three, so the leading run is gone.
+        index.note_routed(first.prefill.worker_id, [bytes([i]) * 16 for i in range(3)])
+        assert (await index.cached_runs([first.prefill.worker_id], H)) == {first.prefill.worker_id: 0}
+        await client.aclose()
+
+    asyncio.run(main())
