@@ -157,7 +157,6 @@ class Scheduler:
     def _preempt(self, seq: Sequence, out: SchedulerOutput) -> None:
         self.kv.free(seq)
         seq.status = SequenceStatus.WAITING
-        seq.num_preemptions += 1
         self.num_preemptions += 1
         self.waiting.appendleft(seq)
         out.preempted.append(seq)

@@ -53,10 +53,6 @@ class Sequence:
     num_cached_tokens: int = -1
     generator: torch.Generator | None = None
     forks: list["Sequence"] = field(default_factory=list)
-    finish_reason: str | None = None
-    stop_reason: str | int | None = None
-    logprobs: list[dict[int, float]] = field(default_factory=list)
-    num_preemptions: int = 0
 
     @property
     def num_tokens(self) -> int:
