@@ -21,6 +21,10 @@ def versions() -> dict[str, str]:
             out[name] = md.version(name)
         except md.PackageNotFoundError:
             pass
+    import torch
+
+    if torch.cuda.is_available():
+        out["cuda"] = torch.version.cuda
     return out
 
 
@@ -35,13 +39,16 @@ def machine() -> str:
     return f"{name}, {os.cpu_count()} cores"
 
 
-def write_result(benchmark: str, metrics: dict[str, float], workload: dict, **keys) -> Path:
-    """Print the result as JSON and write it to ``bench/results/<benchmark>-<UTC time>.json``.
+def write_result(benchmark: str, metrics: dict[str, float], workload: dict, tag: str = "",
+                 out_dir: Path = RESULTS_DIR, **keys) -> Path:
+    """Print the result as JSON and write it to ``<out_dir>/<benchmark>[-<tag>]-<UTC time>.json``.
 
     Args:
         benchmark: the benchmark's name.
         metrics: flat name → number map.
         workload: what was run (shapes, counts, settings).
+        tag: an optional part of the file name (e.g. the GPU's name).
+        out_dir: where to write (default ``bench/results``).
         **keys: further top-level keys (``model``, ``machine`` or ``gpu``).
     """
     now = dt.datetime.now(dt.timezone.utc)
@@ -49,7 +56,7 @@ def write_result(benchmark: str, metrics: dict[str, float], workload: dict, **ke
               "versions": versions(), "workload": workload, "metrics": metrics}
     text = json.dumps(record, indent=2)
     print(text)
-    RESULTS_DIR.mkdir(parents=True, exist_ok=True)
-    path = RESULTS_DIR / f"{benchmark}-{now:%Y%m%dT%H%M%SZ}.json"
+    out_dir.mkdir(parents=True, exist_ok=True)
+    path = out_dir / f"{benchmark}{'-' + tag if tag else ''}-{now:%Y%m%dT%H%M%SZ}.json"
     path.write_text(text + "\n")
     return path

@@ -21,11 +21,9 @@ Usage: python bench/kernels.py [--sweep [NxCTX ...]] [--out-dir DIR]
 from __future__ import annotations
 
 import argparse
-import datetime
 import itertools
 import json
 import math
-import platform
 import re
 import statistics
 import sys
@@ -38,7 +36,7 @@ from triton.testing import do_bench
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-import kernels  # noqa: E402
+from bench.common import write_result  # noqa: E402
 import kernels.reference as reference  # noqa: E402
 from kernels.decode_attention import MIN_SPLIT_TOKENS, launch_paged_decode, num_kv_splits  # noqa: E402
 from kernels.prefill_attention import launch_paged_prefill  # noqa: E402
@@ -306,34 +304,23 @@ def main() -> None:
         _print_sweep(rows)
         return
     props = torch.cuda.get_device_properties(0)
-    gpu = re.sub(r"[^a-z0-9]+", "-", props.name.lower().replace("nvidia", "")).strip("-")
-    date = datetime.date.today().isoformat()
     metrics: dict[str, float] = {"d2d_copy_tbps": copy_bandwidth()}
     print(f"{props.name}: device-to-device copy {metrics['d2d_copy_tbps']:.2f} TB/s", flush=True)
     bench_decode(metrics, gen)
     bench_prefill(metrics, gen)
-    result = {
-        "benchmark": "kernels",
-        "gpu": props.name,
-        "date": date,
-        "versions": {"torch": torch.__version__, "triton": triton.__version__, "cuda": torch.version.cuda,
-                     "python": platform.python_version()},
-        "workload": {
-            "dtype": "bfloat16", "num_q_heads": Q_HEADS, "num_kv_heads": KV_HEADS, "head_dim": HEAD_DIM,
-            "block_size": 16, "decode_shapes": [f"{n}x{c}" for n, c in DECODE_SHAPES],
-            "decode_block_sizes_at_64x2048": BLOCK_SIZES, "prefill_chunk": PREFILL_CHUNK,
-            "prefill_cached": PREFILL_CACHED, "sm_count": props.multi_processor_count,
-            "timing": "median of CUDA-graph replays, >= 16 calls per graph rotating over input sets "
-                      "spanning >= 256 MiB; *_eager_us_*: triton.testing.do_bench median, L2 flushed, "
-                      "host launch overhead included",
-            "bandwidth": "K+V bytes read once / time, TB/s",
-        },
-        "metrics": {k: round(v, 6) for k, v in metrics.items()},
+    workload = {
+        "dtype": "bfloat16", "num_q_heads": Q_HEADS, "num_kv_heads": KV_HEADS, "head_dim": HEAD_DIM,
+        "block_size": 16, "decode_shapes": [f"{n}x{c}" for n, c in DECODE_SHAPES],
+        "decode_block_sizes_at_64x2048": BLOCK_SIZES, "prefill_chunk": PREFILL_CHUNK,
+        "prefill_cached": PREFILL_CACHED, "sm_count": props.multi_processor_count,
+        "timing": "median of CUDA-graph replays, >= 16 calls per graph rotating over input sets "
+                  "spanning >= 256 MiB; *_eager_us_*: triton.testing.do_bench median, L2 flushed, "
+                  "host launch overhead included",
+        "bandwidth": "K+V bytes read once / time, TB/s",
     }
-    args.out_dir.mkdir(parents=True, exist_ok=True)
-    path = args.out_dir / f"kernels-{gpu}-{date}.json"
-    path.write_text(json.dumps(result, indent=2) + "\n")
-    print(json.dumps(result, indent=2))
+    tag = re.sub(r"[^a-z0-9]+", "-", props.name.lower().replace("nvidia", "")).strip("-")
+    path = write_result("kernels", {k: round(v, 6) for k, v in metrics.items()}, workload, tag=tag,
+                        out_dir=args.out_dir, gpu=props.name)
     print(f"wrote {path}")
 
 

@@ -17,7 +17,7 @@ from gateway.prefix_index import PrefixIndex
 from gateway.registry import ClusterNamespace, Role, WorkerRegistry, redis_client
 from protos.tandem.v1 import gateway_pb2, kvtransfer_pb2, worker_pb2
 
-from .conftest import REDIS_URL, pair, worker
+from .conftest import REDIS_URL, pair
 
 pytestmark = pytest.mark.slow
 
