@@ -9,32 +9,26 @@ import threading
 import time
 import uuid
 from concurrent.futures import ThreadPoolExecutor
-from pathlib import Path
 
 import grpc
 import pytest
 import redis
 
 from protos.tandem.v1 import gateway_pb2
+from tests.redis_server import RedisServer
 
-from .cluster_helpers import SP, PrivateRedis, collect, free_blocks, gateway_stub, log_text, start_cluster, stats, \
+from .cluster_helpers import SP, collect, free_blocks, gateway_stub, log_text, start_cluster, stats, \
     wait_free_blocks
 
 pytestmark = pytest.mark.slow
 DECODE_BLOCKS = 40
 CORRUPT_TAG = "corrupt-me"
-ROOT = Path(__file__).resolve().parents[2]
-
-
-def _corrupt_hook_exists() -> bool:
-    sources = [*ROOT.glob("prefill_worker/*.py"), *ROOT.glob("kvtransfer/*.py"), *ROOT.glob("engine/serving/*.py")]
-    return any("TANDEM_TEST_CORRUPT_KV" in p.read_text() for p in sources)
 
 
 @pytest.fixture(scope="module")
 def env(tmp_path_factory):
     tmp = tmp_path_factory.mktemp("failures")
-    private = PrivateRedis(tmp)
+    private = RedisServer(tmp)
     private.start()
     decode_env = {"TANDEM_NUM_BLOCKS": str(DECODE_BLOCKS)}
     cluster = start_cluster(
@@ -78,8 +72,6 @@ def test_overload_queues_or_refuses_never_crashes_or_leaks(env):
 
 
 def test_corrupted_kv_chunk_fails_that_request_only(env):
-    if not _corrupt_hook_exists():
-        pytest.skip("the prefill worker has no TANDEM_TEST_CORRUPT_KV hook yet")
     cluster, stub = env
     before = free_blocks(cluster)
     with pytest.raises(grpc.RpcError) as info:
