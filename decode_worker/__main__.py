@@ -1,23 +1,10 @@
 """``python -m decode_worker [flags]``: run a decode worker until SIGTERM.
 
-Every flag also reads from an environment variable ``TANDEM_<NAME>`` (flags win):
-
-  --listen HOST:PORT          gRPC listen address (default 127.0.0.1:0 = any free port)
-  --advertise HOST:PORT       address peers dial (default: the listen address; a wildcard host
-                              becomes this host's IP)
-  --redis-url URL             cluster Redis, e.g. redis://127.0.0.1:6379/0 ("" = no registration)
-  --redis-key-prefix NAME     deployment name in Redis keys (default "default")
-  --registry-ttl-s S, --heartbeat-interval-s S, --worker-id ID
-  --model PATH|ORG/NAME|PRESET  ("" = SmolLM2-135M-Instruct), --load-format auto|dummy
-  --block-size N, --num-blocks N, --kv-cache-memory-bytes B, --gpu-memory-utilization F,
-  --max-num-seqs N, --max-num-batched-tokens N, --max-model-len N, --device D, --dtype D, --seed N
-  --lease-s S                 default lease of a reservation (Admit until Decode claims it)
-  --drain-timeout-s S         on SIGTERM, time in-flight requests get to finish (default 30)
-  --metrics-port P            Prometheus /metrics port (0 = off)
-  --log-level LEVEL
-
-Once serving it logs ``... listening on <advertised address> ...`` and gRPC health reports
-SERVING; on SIGTERM/SIGINT it drains and exits 0.
+Flags and their ``TANDEM_<NAME>`` environment variables are the fields of
+:class:`engine.serving.settings.WorkerSettings` (``--help`` lists them; flags win); here
+``--lease-s`` is the default lease of a reservation (Admit until Decode claims it). Once serving it
+logs ``... listening on <advertised address> ...`` and gRPC health reports SERVING; on
+SIGTERM/SIGINT it drains and exits 0.
 """
 
 from __future__ import annotations
