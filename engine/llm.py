@@ -61,10 +61,10 @@ class LLM:
             params = [params or SamplingParams()] * len(prompts)
         if len(params) != len(prompts):
             raise ValueError(f"params has {len(params)} entries for {len(prompts)} prompts")
-        for prompt in prompts:
-            self.engine.validate_prompt(self.engine.tokenize(prompt))
         ids = [f"offline-{next(self._ids)}" for _ in prompts]
         try:
+            # add_request validates; a bad prompt stops here and the finally drops the rest
+            # (queued requests hold no blocks until the scheduler admits them).
             for request_id, prompt, p in zip(ids, prompts, params):
                 self.engine.add_request(request_id, prompt, p)
             return self._run(ids, use_tqdm)
