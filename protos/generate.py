@@ -1,4 +1,7 @@
-"""Regenerate the Python stubs of ``protos/**/*.proto`` (``*_pb2.py``, ``*_pb2.pyi``, ``*_pb2_grpc.py``).
+"""Regenerate the Python stubs of ``protos/**/*.proto`` (``*_pb2.py``, ``*_pb2.pyi``, ``*_pb2_grpc.py``)
+and ``protos/tandem/v1/descriptors.binpb``, the ``FileDescriptorSet`` of Tandem's own files with
+their comments (source info), which server reflection serves so that ``grpcurl describe`` shows
+each field's documentation.
 
 Run ``python -m protos.generate`` from the repository root after editing a ``.proto``; commit the
 sources and the stubs together (``tests/protos/test_stubs.py`` fails when they drift apart).
@@ -11,11 +14,12 @@ The include root is the repository root, so a file is known to protoc as
 
 from __future__ import annotations
 
+import subprocess
 import sys
 from importlib.resources import files
 from pathlib import Path
 
-from grpc_tools import protoc
+from protos import DESCRIPTOR_SET
 
 REPO_ROOT = Path(__file__).resolve().parent.parent
 SUFFIXES = ("_pb2.py", "_pb2.pyi", "_pb2_grpc.py")
@@ -27,8 +31,9 @@ def proto_sources(root: Path = REPO_ROOT) -> list[str]:
 
 
 def generated_paths(root: Path = REPO_ROOT) -> list[str]:
-    """Return the stub files that the sources under ``root`` produce, relative to ``root``, sorted."""
-    return sorted(src.removesuffix(".proto") + suffix for src in proto_sources(root) for suffix in SUFFIXES)
+    """Return the files that the sources under ``root`` produce, relative to ``root``, sorted."""
+    stubs = [src.removesuffix(".proto") + suffix for src in proto_sources(root) for suffix in SUFFIXES]
+    return sorted([*stubs, DESCRIPTOR_SET])
 
 
 def generate(out_dir: Path = REPO_ROOT) -> list[Path]:
@@ -41,13 +46,17 @@ def generate(out_dir: Path = REPO_ROOT) -> list[Path]:
     Returns:
         The written stub files, sorted.
 
+    protoc runs in a child process (``python -m grpc_tools.protoc``): grpc_tools carries its own
+    copy of the protobuf C++ runtime, and a process that has loaded it aborts when another
+    library with its own copy (NIXL's) registers the same descriptors.
+
     Raises:
         RuntimeError: protoc failed (its messages are on stderr).
     """
     out_dir.mkdir(parents=True, exist_ok=True)
     well_known = files("grpc_tools") / "_proto"  # google/protobuf/*.proto
     args = [
-        "grpc_tools.protoc",
+        sys.executable, "-m", "grpc_tools.protoc",
         f"--proto_path={REPO_ROOT}",
         f"--proto_path={well_known}",
         f"--python_out={out_dir}",
@@ -55,8 +64,15 @@ def generate(out_dir: Path = REPO_ROOT) -> list[Path]:
         f"--grpc_python_out={out_dir}",
         *proto_sources(),
     ]
-    if protoc.main(args) != 0:
-        raise RuntimeError("protoc failed: " + " ".join(args))
+    (out_dir / DESCRIPTOR_SET).parent.mkdir(parents=True, exist_ok=True)
+    described = [
+        sys.executable, "-m", "grpc_tools.protoc", f"--proto_path={REPO_ROOT}", "--include_source_info",
+        f"--descriptor_set_out={out_dir / DESCRIPTOR_SET}",
+        *(src for src in proto_sources() if src.startswith("protos/tandem/")),
+    ]
+    for command in (args, described):
+        if subprocess.run(command, cwd=REPO_ROOT).returncode != 0:
+            raise RuntimeError("protoc failed: " + " ".join(command))
     return [out_dir / rel for rel in generated_paths()]
 
 

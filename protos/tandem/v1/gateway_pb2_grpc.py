@@ -59,24 +59,27 @@ class GatewayServicer:
     def Generate(self, request, context):
         """Generates one or more completions of a prompt, streaming new tokens as they are sampled.
         The last message of each sample carries its finish_reason; the last message of the stream
-        carries usage. Errors: INVALID_ARGUMENT (bad input or sampling parameters, prompt longer
-        than max_model_len), RESOURCE_EXHAUSTED (over capacity, retry later), UNAVAILABLE (no
-        worker), DEADLINE_EXCEEDED (the call's deadline passed). Cancelling the call stops
-        generation and frees its resources.
+        (only it) carries usage. Errors: INVALID_ARGUMENT (bad input or sampling parameters, prompt
+        longer than max_model_len - 1 tokens; the message starts with the field's name),
+        RESOURCE_EXHAUSTED (over capacity, retry later), UNAVAILABLE (no worker can serve it now),
+        DEADLINE_EXCEEDED (the call's deadline passed). Cancelling the call stops generation and
+        frees its resources.
         """
         context.set_code(grpc.StatusCode.UNIMPLEMENTED)
         context.set_details('Method not implemented!')
         raise NotImplementedError('Method not implemented!')
 
     def Tokenize(self, request, context):
-        """Tokenizes a prompt or a chat exactly as Generate would.
+        """Tokenizes a prompt or a chat exactly as Generate would. Errors: INVALID_ARGUMENT (no input,
+        or text for a model without a tokenizer).
         """
         context.set_code(grpc.StatusCode.UNIMPLEMENTED)
         context.set_details('Method not implemented!')
         raise NotImplementedError('Method not implemented!')
 
     def GetModelInfo(self, request, context):
-        """Describes the served model.
+        """Describes the served model. Errors: UNAVAILABLE (no worker has registered yet: the limits
+        are the workers').
         """
         context.set_code(grpc.StatusCode.UNIMPLEMENTED)
         context.set_details('Method not implemented!')

@@ -14,8 +14,24 @@ class KVBlockLayout(_message.Message):
     block_shape: _containers.RepeatedScalarFieldContainer[int]
     def __init__(self, dtype: _Optional[str] = ..., block_shape: _Optional[_Iterable[int]] = ...) -> None: ...
 
+class NixlSource(_message.Message):
+    __slots__ = ("agent_metadata", "agent_name", "base_address", "num_blocks", "memory_type", "device_id")
+    AGENT_METADATA_FIELD_NUMBER: _ClassVar[int]
+    AGENT_NAME_FIELD_NUMBER: _ClassVar[int]
+    BASE_ADDRESS_FIELD_NUMBER: _ClassVar[int]
+    NUM_BLOCKS_FIELD_NUMBER: _ClassVar[int]
+    MEMORY_TYPE_FIELD_NUMBER: _ClassVar[int]
+    DEVICE_ID_FIELD_NUMBER: _ClassVar[int]
+    agent_metadata: bytes
+    agent_name: str
+    base_address: int
+    num_blocks: int
+    memory_type: str
+    device_id: int
+    def __init__(self, agent_metadata: _Optional[bytes] = ..., agent_name: _Optional[str] = ..., base_address: _Optional[int] = ..., num_blocks: _Optional[int] = ..., memory_type: _Optional[str] = ..., device_id: _Optional[int] = ...) -> None: ...
+
 class KVChunk(_message.Message):
-    __slots__ = ("reservation_id", "request_id", "first_block_index", "num_blocks", "layout", "data", "crc32")
+    __slots__ = ("reservation_id", "request_id", "first_block_index", "num_blocks", "layout", "data", "crc32", "source_block_ids", "nixl_source", "has_crc32")
     RESERVATION_ID_FIELD_NUMBER: _ClassVar[int]
     REQUEST_ID_FIELD_NUMBER: _ClassVar[int]
     FIRST_BLOCK_INDEX_FIELD_NUMBER: _ClassVar[int]
@@ -23,6 +39,9 @@ class KVChunk(_message.Message):
     LAYOUT_FIELD_NUMBER: _ClassVar[int]
     DATA_FIELD_NUMBER: _ClassVar[int]
     CRC32_FIELD_NUMBER: _ClassVar[int]
+    SOURCE_BLOCK_IDS_FIELD_NUMBER: _ClassVar[int]
+    NIXL_SOURCE_FIELD_NUMBER: _ClassVar[int]
+    HAS_CRC32_FIELD_NUMBER: _ClassVar[int]
     reservation_id: str
     request_id: str
     first_block_index: int
@@ -30,7 +49,10 @@ class KVChunk(_message.Message):
     layout: KVBlockLayout
     data: bytes
     crc32: int
-    def __init__(self, reservation_id: _Optional[str] = ..., request_id: _Optional[str] = ..., first_block_index: _Optional[int] = ..., num_blocks: _Optional[int] = ..., layout: _Optional[_Union[KVBlockLayout, _Mapping]] = ..., data: _Optional[bytes] = ..., crc32: _Optional[int] = ...) -> None: ...
+    source_block_ids: _containers.RepeatedScalarFieldContainer[int]
+    nixl_source: NixlSource
+    has_crc32: bool
+    def __init__(self, reservation_id: _Optional[str] = ..., request_id: _Optional[str] = ..., first_block_index: _Optional[int] = ..., num_blocks: _Optional[int] = ..., layout: _Optional[_Union[KVBlockLayout, _Mapping]] = ..., data: _Optional[bytes] = ..., crc32: _Optional[int] = ..., source_block_ids: _Optional[_Iterable[int]] = ..., nixl_source: _Optional[_Union[NixlSource, _Mapping]] = ..., has_crc32: _Optional[bool] = ...) -> None: ...
 
 class TransferKVResponse(_message.Message):
     __slots__ = ("num_blocks_received",)

@@ -89,10 +89,10 @@ class DecodeWorkerServicer:
         raise NotImplementedError('Method not implemented!')
 
     def Decode(self, request, context):
-        """Generates the tokens after the first one for a request whose transfer has completed,
-        server streaming. Errors: NOT_FOUND (unknown or expired reservation), FAILED_PRECONDITION
-        (transfer incomplete), INVALID_ARGUMENT. Cancelling the call frees the request's blocks
-        within one decode step.
+        """Generates the tokens after the first one for a request whose transfer has completed (or
+        every token, prefilling locally first, with local_prefill), server streaming. Errors:
+        NOT_FOUND (unknown or expired reservation), FAILED_PRECONDITION (transfer incomplete),
+        INVALID_ARGUMENT. Cancelling the call frees the request's blocks within one decode step.
         """
         context.set_code(grpc.StatusCode.UNIMPLEMENTED)
         context.set_details('Method not implemented!')
