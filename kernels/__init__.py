@@ -1,4 +1,5 @@
-"""Paged-attention kernels: Triton entry points; pure-PyTorch references in :mod:`kernels.reference`.
+"""Tandem's kernels (paged attention, fused layer ops, sampling): Triton entry points; pure-PyTorch
+references with the same signatures in :mod:`kernels.reference`.
 
 The Triton modules load on first use of an entry point (module ``__getattr__``), so
 ``import kernels.reference`` works where Triton, an optional dependency, is not installed.
@@ -12,6 +13,10 @@ _ENTRY_POINTS = {
     "paged_decode_attention": "kernels.decode_attention",
     "paged_prefill_attention": "kernels.prefill_attention",
     "write_kv_cache": "kernels.cache_write",
+    "rms_norm": "kernels.norm",
+    "rotary_embedding": "kernels.rotary",
+    "silu_and_mul": "kernels.activation",
+    "sample_tokens": "kernels.sampling",
 }
 
 __all__ = list(_ENTRY_POINTS)

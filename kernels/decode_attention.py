@@ -17,7 +17,7 @@ import triton.language as tl
 
 from kernels._launch import check_cache, check_device, dot_inputs, sm_count
 
-__all__ = ["launch_paged_decode", "num_kv_splits", "paged_decode_attention"]
+__all__ = ["launch_paged_decode", "launch_variants", "num_kv_splits", "paged_decode_attention"]
 
 # Split heuristic: about one program per SM (each keeps two or three K/V tiles in flight), but no
 # slice shorter than MIN_SPLIT_TOKENS tokens.
@@ -26,7 +26,10 @@ MAX_SPLITS = 64
 _LOG2E = 1.0 / math.log(2.0)
 
 
-@triton.jit
+# Arguments that change with the split count are not value-specialized, so the compiled variants
+# depend only on the constexprs (see launch_variants, which lists them for a warm-up).
+@triton.jit(do_not_specialize=["stride_os", "stride_oh", "stride_osp", "stride_od", "stride_ls", "stride_lh",
+                               "stride_lsp", "num_splits"])
 def _decode_split_kernel(
     q_ptr, k_ptr, v_ptr, block_tables_ptr, seq_lens_ptr, out_ptr, lse_ptr, scale_log2,
     stride_qs, stride_qh, stride_qd,
@@ -38,6 +41,7 @@ def _decode_split_kernel(
     GROUP: tl.constexpr, HEAD_DIM: tl.constexpr, PAGE: tl.constexpr,
     BLOCK_H: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_N: tl.constexpr,
     DOT_DTYPE: tl.constexpr, DOT_PRECISION: tl.constexpr, STORE_LSE: tl.constexpr,
+    KV_EVICTION: tl.constexpr,
 ):
     seq = tl.program_id(0)
     kv_head = tl.program_id(1)
@@ -76,14 +80,16 @@ def _decode_split_kernel(
         next_block = tl.load(table + after // PAGE, mask=after < end, other=0)
         row = pos % PAGE
         nd_mask = n_mask[:, None] & (offs_d < HEAD_DIM)[None, :]
-        k = tl.load(k_base + block[:, None] * stride_kb + row[:, None] * stride_kt, mask=nd_mask, other=0.0)
+        k = tl.load(k_base + block[:, None] * stride_kb + row[:, None] * stride_kt, mask=nd_mask, other=0.0,
+                    eviction_policy=KV_EVICTION)
         qk = tl.dot(q, tl.trans(k.to(DOT_DTYPE)), input_precision=DOT_PRECISION) * scale_log2
         qk = tl.where(n_mask[None, :], qk, float("-inf"))
         m_new = tl.maximum(m_i, tl.max(qk, 1))
         alpha = tl.exp2(m_i - m_new)
         p = tl.exp2(qk - m_new[:, None])
         l_i = l_i * alpha + tl.sum(p, 1)
-        v = tl.load(v_base + block[:, None] * stride_vb + row[:, None] * stride_vt, mask=nd_mask, other=0.0)
+        v = tl.load(v_base + block[:, None] * stride_vb + row[:, None] * stride_vt, mask=nd_mask, other=0.0,
+                    eviction_policy=KV_EVICTION)
         acc = acc * alpha[:, None] + tl.dot(p.to(DOT_DTYPE), v.to(DOT_DTYPE), input_precision=DOT_PRECISION)
         m_i = m_new
 
@@ -99,7 +105,7 @@ def _decode_split_kernel(
         tl.store(l_ptrs, lse, mask=offs_h < GROUP)
 
 
-@triton.jit
+@triton.jit(do_not_specialize=["stride_ps", "stride_ph", "stride_psp", "stride_pls", "stride_plh", "num_splits"])
 def _decode_merge_kernel(
     part_ptr, part_lse_ptr, out_ptr, lse_ptr,
     stride_ps, stride_ph, stride_psp,
@@ -147,6 +153,28 @@ def num_kv_splits(num_seqs: int, num_kv_heads: int, max_seq_len: int, num_sms: i
     return max(1, min(wanted, bucket // MIN_SPLIT_TOKENS, MAX_SPLITS))
 
 
+def launch_variants(
+    num_kv_heads: int, head_dim: int, dtype: torch.dtype, device: torch.device, max_num_seqs: int,
+    max_seq_len: int,
+) -> list[tuple[int, int]]:
+    """One ``(num_seqs, max_seq_len)`` example per distinct compiled kernel variant that
+    :func:`paged_decode_attention` launches for batches of up to ``max_num_seqs`` sequences with
+    contexts of up to ``max_seq_len`` tokens: calling it once with each compiles everything a
+    server will need (the variants differ in the split count's class and the tile config)."""
+    num_sms = sm_count(device)
+    examples: dict[tuple, tuple[int, int]] = {}
+    bucket = 1
+    while True:
+        for num_seqs in range(1, max_num_seqs + 1):
+            splits = num_kv_splits(num_seqs, num_kv_heads, bucket, num_sms)
+            config = _default_config(device, head_dim, dtype, num_seqs * num_kv_heads * splits / num_sms)
+            key = (splits == 1, triton.next_power_of_2(splits), config)
+            examples.setdefault(key, (num_seqs, bucket))
+        if bucket >= max_seq_len:
+            return list(examples.values())
+        bucket *= 2
+
+
 def _default_config(
     device: torch.device, head_dim: int, dtype: torch.dtype, programs_per_sm: float,
 ) -> tuple[int, int, int]:
@@ -175,11 +203,13 @@ def launch_paged_decode(
     block_n: int | None = None,
     num_warps: int | None = None,
     num_stages: int | None = None,
+    kv_eviction: str = "",
 ) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
     """:func:`paged_decode_attention` with its tuning knobs exposed (tests and benchmarks).
 
     ``num_splits`` overrides :func:`num_kv_splits`; ``block_n`` (tokens per tile, a power of two
-    >= 16), ``num_warps`` and ``num_stages`` override the per-device defaults.
+    >= 16), ``num_warps`` and ``num_stages`` override the per-device defaults; ``kv_eviction``
+    is the K/V loads' L2 eviction policy (``""`` or ``"evict_first"``: each byte is read once).
     """
     device = check_device(q, k_cache, v_cache, block_tables, seq_lens)
     check_cache(k_cache, v_cache)
@@ -212,7 +242,7 @@ def launch_paged_decode(
     meta = dict(
         GROUP=group, HEAD_DIM=head_dim, PAGE=page,
         BLOCK_H=max(16, triton.next_power_of_2(group)), BLOCK_D=block_d, BLOCK_N=block_n,
-        DOT_DTYPE=dot_dtype, DOT_PRECISION=precision,
+        DOT_DTYPE=dot_dtype, DOT_PRECISION=precision, KV_EVICTION=kv_eviction,
         num_warps=num_warps or default_warps, num_stages=num_stages or default_stages,
     )
     cache_args = (*k_cache.stride(), *v_cache.stride(), block_tables.stride(0))

@@ -53,7 +53,9 @@ def _attend_tiles(
     return acc, l_i, m_i
 
 
-@triton.jit
+# The engine passes the prefill rows' slices of its step buffers, whose addresses move with the
+# number of decode rows before them: no alignment specialization (one compiled variant).
+@triton.jit(do_not_specialize_on_alignment=["block_tables_ptr", "seq_lens_ptr", "cu_seqlens_q_ptr"])
 def _prefill_kernel(
     q_ptr, k_ptr, v_ptr, out_ptr, block_tables_ptr, cu_seqlens_q_ptr, seq_lens_ptr, scale_log2,
     stride_qt, stride_qh, stride_qd,

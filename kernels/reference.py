@@ -1,10 +1,13 @@
-"""Pure-PyTorch paged attention and KV-cache write: Tandem's CPU path and the kernels' test oracle.
+"""Pure-PyTorch references of Tandem's kernels: the CPU path and the Triton kernels' test oracle.
 
-Same signatures as the Triton entry points in :mod:`kernels`. Every function gathers a
+Same signatures as the Triton entry points in :mod:`kernels`. The attention functions gather a
 sequence's blocks through its block table (PagedAttention, Kwon et al., SOSP 2023) into a
-padded batch and runs one masked ``scaled_dot_product_attention``: no Python loop over
+padded batch and run one masked ``scaled_dot_product_attention``: no Python loop over
 sequences, and no host sync when the caller passes ``max_seq_len``/``max_query_len``.
-Softmax runs in float32 whatever the cache dtype.
+Softmax runs in float32 whatever the cache dtype. The layer functions (``rms_norm``,
+``rotary_embedding``, ``silu_and_mul``) are the unfused PyTorch formulas the CPU path has
+always run; ``sample_tokens`` computes the sampling kernel's counter-based noise bit for bit
+with int64 arithmetic.
 """
 
 from __future__ import annotations
@@ -12,7 +15,8 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
-__all__ = ["paged_decode_attention", "paged_prefill_attention", "write_kv_cache"]
+__all__ = ["paged_decode_attention", "paged_prefill_attention", "rms_norm", "rotary_embedding",
+           "sample_tokens", "silu_and_mul", "write_kv_cache"]
 
 
 def write_kv_cache(
@@ -158,3 +162,138 @@ def paged_prefill_attention(
         out.copy_(result)
         return out
     return result
+
+
+def rms_norm(
+    x: torch.Tensor, weight: torch.Tensor, eps: float, residual: torch.Tensor | None = None,
+) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
+    """``weight * x / sqrt(mean(x**2) + eps)`` over the last dimension (``F.rms_norm``, which
+    reduces in float32).
+
+    Args:
+        x: ``[..., size]``.
+        weight: ``[size]``.
+        eps: added to the mean square.
+        residual: optional, like ``x``: the norm is then taken of ``x + residual``, returned too.
+
+    Returns:
+        ``norm(x)``, or ``(norm(x + residual), x + residual)``.
+    """
+    if residual is None:
+        return F.rms_norm(x, weight.shape, weight, eps)
+    x = x + residual
+    return F.rms_norm(x, weight.shape, weight, eps), x
+
+
+def _rotate_half(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+    x1, x2 = x.chunk(2, dim=-1)
+    return torch.cat((x1 * cos - x2 * sin, x2 * cos + x1 * sin), dim=-1)
+
+
+def rotary_embedding(
+    q: torch.Tensor, k: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Rotate-half RoPE of query and key heads, in their dtype (as HF Llama computes it).
+
+    Args:
+        q: ``[num_tokens, num_q_heads, head_dim]``.
+        k: ``[num_tokens, num_kv_heads, head_dim]``.
+        cos, sin: ``[num_tokens, 1, head_dim // 2]``.
+
+    Returns:
+        New ``(q, k)``: ``x * cat(cos, cos) + rotate_half(x) * cat(sin, sin)`` without the cats.
+    """
+    return _rotate_half(q, cos, sin), _rotate_half(k, cos, sin)
+
+
+def silu_and_mul(x: torch.Tensor) -> torch.Tensor:
+    """SwiGLU: ``[..., 2 * d]`` (gate then up) -> ``silu(gate) * up`` ``[..., d]``, same dtype."""
+    gate, up = x.chunk(2, dim=-1)
+    return F.silu(gate) * up
+
+
+_MASK32 = 0xFFFFFFFF
+_GOLDEN = 0x9E3779B9
+# MurmurHash3 fmix32's multipliers as int64 values congruent to them mod 2^32 and under 2^31 in
+# magnitude: the product with a uint32 fits in int64, so its low 32 bits are exact.
+_FMIX_C1 = 0x85EBCA6B - (1 << 32)
+_FMIX_C2 = 0xC2B2AE35 - (1 << 32)
+
+
+def _fmix32(h: torch.Tensor) -> torch.Tensor:
+    """MurmurHash3's 32-bit finalizer on int64 tensors holding uint32 values."""
+    h = h ^ (h >> 16)
+    h = (h * _FMIX_C1) & _MASK32
+    h = h ^ (h >> 13)
+    h = (h * _FMIX_C2) & _MASK32
+    return h ^ (h >> 16)
+
+
+def gumbel_noise(
+    vocab_size: int, rows: torch.Tensor, seeds: torch.Tensor, sample_indices: torch.Tensor,
+    positions: torch.Tensor, step_seed: tuple[int, int],
+) -> torch.Tensor:
+    """``[len(rows), vocab_size]`` float32 Gumbel noise ``-log(-log u)`` of the sampling kernel
+    (:mod:`kernels.sampling` documents the hash).
+
+    Args:
+        rows: ``[r]`` int64 row numbers in the batch (hashed instead of the sample index by
+            unseeded rows).
+        seeds, sample_indices, positions: ``[r]`` int64, those rows' values (seed -1: unseeded).
+        step_seed: two ints in ``[0, 2^31)`` that unseeded rows use as their seed's words.
+    """
+    unseeded = seeds < 0
+    seed_lo = torch.where(unseeded, step_seed[0], seeds & _MASK32)
+    seed_hi = torch.where(unseeded, step_seed[1], (seeds >> 32) & _MASK32)
+    index = torch.where(unseeded, rows, sample_indices) & _MASK32
+    key1 = _fmix32(seed_lo ^ _GOLDEN)
+    for word in (seed_hi, index, positions & _MASK32):
+        key1 = _fmix32(key1 ^ word)
+    key2 = _fmix32(key1 ^ _GOLDEN)
+    key1, key2 = key1[:, None], key2[:, None]
+    tokens = torch.arange(vocab_size, dtype=torch.int64, device=seeds.device)
+    bits = _fmix32(((_fmix32(key1 ^ tokens) + key1) & _MASK32) ^ key2)
+    u = ((bits >> 9) * 2 + 1).to(torch.float32) * (1.0 / 16777216.0)
+    return -torch.log(-torch.log(u))
+
+
+def sample_tokens(
+    logits: torch.Tensor,
+    temperature: torch.Tensor,
+    thresholds: torch.Tensor,
+    seeds: torch.Tensor,
+    sample_indices: torch.Tensor,
+    positions: torch.Tensor,
+    step_seed: tuple[int, int],
+    random: bool = True,
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """Pick one token per row: the argmax for greedy rows, the Gumbel-max race
+    ``argmax(logit / T + g)`` over tokens with ``logit >= threshold`` for random rows.
+
+    Args:
+        logits: ``[n, vocab]`` float32.
+        temperature: ``[n]`` float32; rows with 0 take the argmax.
+        thresholds: ``[n]`` float32 filter threshold on the raw logits (``-inf``: none).
+        seeds: ``[n]`` int64 request seed in ``[0, 2^63)``, or -1 for an unseeded row.
+        sample_indices: ``[n]`` int64, which of its request's samples each row is.
+        positions: ``[n]`` int64 position of the token being sampled.
+        step_seed: two ints in ``[0, 2^31)``: the seed words of unseeded rows.
+        random: False when every row is greedy.
+
+    Returns:
+        ``(token_ids [n] int64, logprobs [n] float32, lse [n] float32)``: the tokens, their
+        log-probabilities under the untempered distribution, each row's log-sum-exp.
+    """
+    lse = torch.logsumexp(logits, dim=-1)
+    token_ids = logits.argmax(dim=-1)
+    if random:
+        rows = torch.nonzero(temperature > 0).squeeze(1)
+        if rows.numel():
+            sub = logits[rows]
+            noise = gumbel_noise(logits.shape[1], rows, seeds[rows], sample_indices[rows], positions[rows],
+                                 step_seed)
+            keys = sub * (1.0 / temperature[rows])[:, None] + noise
+            keys = keys.masked_fill(sub < thresholds[rows, None], float("-inf"))
+            token_ids[rows] = keys.argmax(dim=-1)
+    logprobs = logits.gather(-1, token_ids[:, None]).squeeze(-1) - lse
+    return token_ids, logprobs, lse
