@@ -7,13 +7,13 @@ part (``paged_decode_attention``) and a prefill part (``paged_prefill_attention`
 
 from __future__ import annotations
 
-import importlib
 from dataclasses import dataclass
 from types import ModuleType
 
 import torch
 
 import kernels.reference
+from engine.layers.ops import ops_for
 
 
 @dataclass
@@ -26,7 +26,6 @@ class AttentionMetadata:
         seq_lens: ``[num_seqs]`` int32 tokens in the cache after this step's writes.
         query_start_loc: ``[num_seqs + 1]`` int32 prefix sums of new tokens per sequence.
         num_decodes: the first ``num_decodes`` sequences have exactly one new token.
-        num_decode_tokens: equals ``num_decodes`` (tokens before the first prefill token).
         max_query_len: host int, the longest prefill chunk (0 when there is none).
         max_seq_len: host int, ``max(seq_lens)``.
         max_decode_seq_len: host int, the longest decode context (0 when there is none).
@@ -40,10 +39,6 @@ class AttentionMetadata:
     max_query_len: int
     max_seq_len: int
     max_decode_seq_len: int
-
-    @property
-    def num_decode_tokens(self) -> int:
-        return self.num_decodes
 
 
 class PagedAttentionBackend:
@@ -99,6 +94,4 @@ class PagedAttentionBackend:
 
 def get_attention_backend(device: torch.device) -> PagedAttentionBackend:
     """Return the Triton backend on CUDA, the PyTorch reference backend elsewhere."""
-    if device.type == "cuda":
-        return PagedAttentionBackend(importlib.import_module("kernels"))
-    return PagedAttentionBackend(kernels.reference)
+    return PagedAttentionBackend(ops_for(device))

@@ -1,12 +1,13 @@
 """Chained block hashes: the key of a full KV block in every prefix cache and in the Redis index.
 
 ``h_i = BLAKE2b-128(h_{i-1} || le_uint32(token_ids of block i))`` with ``h_{-1}`` a seed derived
-from the model id, the block size and the KV cache dtype (DESIGN.md, "Block hash"). A block's
-hash therefore names the whole prefix up to and including that block, so two requests share a
-cached block only if they share every token before it. BLAKE2b with a 128-bit digest keeps
-crafted collisions out of reach (a 64-bit non-cryptographic hash does not: vLLM advisory
-GHSA-rm76-4mrf-v9r8). Gateway and workers call these same functions, so values agree across
-processes (Python's built-in ``hash`` is salted per process and is never used).
+from the model id, the block size and the KV cache dtype (docs/architecture.md, "Block hash").
+A block's hash therefore names the whole prefix up to and including that block, so two
+requests share a cached block only if they share every token before it. BLAKE2b with a 128-bit
+digest keeps crafted collisions out of reach (a 64-bit non-cryptographic hash does not: vLLM
+advisory GHSA-rm76-4mrf-v9r8, docs/references.md). Gateway and workers call these same
+functions, so values agree across processes (Python's built-in ``hash`` is salted per process
+and is never used).
 """
 
 from __future__ import annotations

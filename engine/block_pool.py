@@ -2,14 +2,24 @@
 
 The only code that changes a block's reference count. A block with no references stays in
 the prefix cache (if it has a hash) until the pool needs it: the free list is kept in LRU
-order and :meth:`BlockPool.allocate` takes from its head, evicting the cached hash of each
-block it hands out (vLLM v1's ``BlockPool`` design).
+order (vLLM v1's ``BlockPool`` design). :meth:`BlockPool.allocate` hands out free blocks that
+cache nothing first, so a cached prefix is evicted only when no such block is left, and
+several blocks at once as contiguous runs of ids where it can: a block-major pool makes a run
+one span of bytes, one descriptor of a KV transfer instead of one per block. Only then does it
+take cached blocks from the head of the LRU list, evicting their hashes.
 """
 
 from __future__ import annotations
 
 from collections import OrderedDict
 from dataclasses import dataclass, field
+
+import numpy as np
+
+
+def cdiv(a: int, b: int) -> int:
+    """Ceiling division of non-negative ints: blocks needed for ``a`` tokens of ``b`` per block."""
+    return -(-a // b)
 
 
 class NoFreeBlocksError(RuntimeError):
@@ -42,6 +52,7 @@ class BlockPool:
         self.block_hash: list[bytes | None] = [None] * num_blocks
         # Insertion order is eviction order: the head is the least recently freed block.
         self._free: OrderedDict[int, None] = OrderedDict.fromkeys(range(num_blocks))
+        self._free_uncached: set[int] = set(range(num_blocks))  # free blocks with no hash
         self._cached: dict[bytes, int] = {}
         self._events = BlockEvents()
 
@@ -55,20 +66,54 @@ class BlockPool:
         return len(self._cached)
 
     def allocate(self, count: int) -> list[int]:
-        """Take ``count`` unreferenced blocks (least recently freed first), evicting their hashes.
+        """Take ``count`` unreferenced blocks: those caching nothing first (in contiguous runs of
+        ids, longest first), then cached ones least recently freed first, evicting their hashes.
+
+        Returns:
+            The block ids, each now referenced once.
 
         Raises:
             NoFreeBlocksError: fewer than ``count`` blocks are free; nothing is taken.
         """
         if count > len(self._free):
             raise NoFreeBlocksError(f"asked for {count} blocks, {len(self._free)} free")
-        blocks = []
-        for _ in range(count):
-            block, _ = self._free.popitem(last=False)
-            self._evict(block)
-            self.ref_counts[block] = 1
+        blocks = self._uncached_runs(count)
+        while len(blocks) < count:
+            block = next(iter(self._free))
             blocks.append(block)
+            self._take(block)
+        for block in blocks:
+            self.ref_counts[block] = 1
         return blocks
+
+    def _uncached_runs(self, count: int) -> list[int]:
+        """Take up to ``count`` free uncached blocks, as runs of consecutive ids (longest first)."""
+        if not self._free_uncached:
+            return []
+        if count == 1:
+            block = self._free_uncached.pop()
+            del self._free[block]
+            return [block]
+        ids = np.fromiter(self._free_uncached, dtype=np.int64, count=len(self._free_uncached))
+        ids.sort()
+        breaks = np.flatnonzero(np.diff(ids) != 1) + 1
+        starts = np.concatenate(([0], breaks))
+        lengths = np.diff(np.concatenate((starts, [len(ids)])))
+        blocks: list[int] = []
+        for run in np.argsort(-lengths, kind="stable"):
+            take = min(int(lengths[run]), count - len(blocks))
+            blocks.extend(ids[starts[run]: starts[run] + take].tolist())
+            if len(blocks) == count:
+                break
+        for block in blocks:
+            self._take(block)
+        return blocks
+
+    def _take(self, block: int) -> None:
+        """Take a free block off the free lists, evicting its hash if it caches one."""
+        del self._free[block]
+        self._free_uncached.discard(block)
+        self._evict(block)
 
     def acquire(self, blocks: list[int]) -> None:
         """Add one reference to each block (a prefix-cache hit or a fork), taking unreferenced
@@ -76,6 +121,7 @@ class BlockPool:
         for block in blocks:
             if self.ref_counts[block] == 0:
                 del self._free[block]
+                self._free_uncached.discard(block)
             self.ref_counts[block] += 1
 
     def free(self, blocks: list[int]) -> None:
@@ -91,6 +137,8 @@ class BlockPool:
             self.ref_counts[block] -= 1
             if self.ref_counts[block] == 0:
                 self._free[block] = None
+                if self.block_hash[block] is None:
+                    self._free_uncached.add(block)
 
     def lookup(self, block_hash: bytes) -> int | None:
         """Return the block caching ``block_hash``, or ``None``."""
@@ -114,13 +162,6 @@ class BlockPool:
         """Every hash currently in the prefix cache (for a full resync of the index)."""
         return list(self._cached)
 
-    def reset_prefix_cache(self) -> None:
-        """Forget every cached hash (referenced blocks keep their data, but stop being shared)."""
-        for block_hash, block in self._cached.items():
-            self.block_hash[block] = None
-            self._events.removed.append(block_hash)
-        self._cached.clear()
-
     def _evict(self, block: int) -> None:
         block_hash = self.block_hash[block]
         if block_hash is not None:
@@ -137,6 +178,7 @@ class BlockPool:
         assert all(count >= 0 for count in self.ref_counts)
         free = set(self._free)
         assert free == {b for b, c in enumerate(self.ref_counts) if c == 0}
+        assert self._free_uncached == {b for b in free if self.block_hash[b] is None}
         for block_hash, block in self._cached.items():
             assert self.block_hash[block] == block_hash
         assert sum(h is not None for h in self.block_hash) == len(self._cached)

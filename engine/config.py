@@ -5,6 +5,8 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 SUPPORTED_BLOCK_SIZES = (8, 16, 32, 64, 128)
+# Model / KV cache dtypes by name (``engine.loader.DTYPES`` maps them to torch dtypes).
+DTYPE_NAMES = ("float32", "bfloat16", "float16")
 
 
 @dataclass
@@ -25,7 +27,12 @@ class EngineConfig:
         enable_prefix_caching: reuse cached full blocks across requests.
         dtype: ``"auto"`` (bfloat16 on CUDA, float32 on CPU), ``"float32"``, ``"bfloat16"``, ``"float16"``.
         device: ``"auto"`` (CUDA when available), ``"cpu"`` or ``"cuda[:N]"``.
-        seed: seed of the shared random generator (requests without their own seed).
+        seed: seed of the generator of the per-step seeds of requests without their own seed.
+        cuda_graph_batch_sizes: on CUDA, the batch sizes at which decode-only steps are captured
+            as CUDA graphs at start-up (a step is padded to the next captured size; larger ones
+            run eagerly); ``None``: 1, 2, 4, 8, 16, ... every multiple of 8, up to
+            ``max_num_seqs``. Each must be in ``[1, max_num_batched_tokens]``. Ignored on CPU.
+        enforce_eager: on CUDA, capture no graphs and run every step eagerly.
 
     Raises:
         ValueError: a field is out of range; the message names it.
@@ -42,8 +49,12 @@ class EngineConfig:
     dtype: str = "auto"
     device: str = "auto"
     seed: int = 0
+    cuda_graph_batch_sizes: list[int] | None = None
+    enforce_eager: bool = False
 
     def __post_init__(self) -> None:
+        if self.cuda_graph_batch_sizes is not None:
+            self.cuda_graph_batch_sizes = sorted(set(self.cuda_graph_batch_sizes))
         checks = [
             ("block_size", self.block_size in SUPPORTED_BLOCK_SIZES, f"must be one of {SUPPORTED_BLOCK_SIZES}"),
             ("max_num_seqs", self.max_num_seqs >= 1, "must be >= 1"),
@@ -52,7 +63,11 @@ class EngineConfig:
             ("num_blocks", self.num_blocks is None or self.num_blocks >= 1, "must be >= 1"),
             ("kv_cache_memory_bytes", self.kv_cache_memory_bytes >= 1, "must be >= 1"),
             ("gpu_memory_utilization", 0 < self.gpu_memory_utilization <= 1, "must be in (0, 1]"),
-            ("dtype", self.dtype in ("auto", "float32", "bfloat16", "float16"), "must be auto, float32, bfloat16 or float16"),
+            ("dtype", self.dtype == "auto" or self.dtype in DTYPE_NAMES, f"must be auto or one of {DTYPE_NAMES}"),
+            ("cuda_graph_batch_sizes", self.cuda_graph_batch_sizes is None or (
+                self.cuda_graph_batch_sizes
+                and all(isinstance(n, int) and 1 <= n <= self.max_num_batched_tokens for n in self.cuda_graph_batch_sizes)),
+             "must be a non-empty list of sizes in [1, max_num_batched_tokens]"),
         ]
         for name, ok, message in checks:
             if not ok:

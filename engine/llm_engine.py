@@ -1,36 +1,41 @@
-"""The engine: requests in, one step at a time, outputs out.
+"""The engine core: requests in, one step at a time, token outputs out.
 
-``LLMEngine.step`` runs scheduler → model runner → sampled tokens → scheduler, and turns the
-tokens into text and finish decisions. Both workers and the offline :class:`engine.LLM` drive it.
+``LLMEngine.step`` runs scheduler → model runner → sampled tokens → scheduler, and decides when a
+sample is finished from its tokens alone (EOS, stop token ids, ``max_tokens``, ``max_model_len``).
+Text and stop strings are the front end's (:mod:`engine.output_processor` offline, the gateway
+when serving), as in vLLM's core / front-end split. Both workers and the offline
+:class:`engine.LLM` drive it.
 """
 
 from __future__ import annotations
 
-import gc
+import dataclasses
 import itertools
 import logging
-from dataclasses import dataclass
+import time
+from dataclasses import dataclass, field
 
 import torch
 
 from engine.attention import get_attention_backend
 from engine.block_hash import hash_seed
-from engine.block_pool import BlockPool
+from engine.block_pool import BlockPool, cdiv
 from engine.config import EngineConfig
-from engine.detokenizer import IncrementalDetokenizer
+from engine.cuda_graphs import cuda_graph_sizes
 from engine.kv_cache import KVCache
-from engine.kv_cache_manager import KVCacheManager, cdiv
+from engine.kv_cache_manager import KVCacheManager
 from engine.layers.linear import packed_linear_available
-from engine.loader import load_model
+from engine.loader import DTYPES, load_model
 from engine.model_runner import ModelRunner
-from engine.outputs import CompletionOutput, RequestOutput
+from engine.outputs import CompletionOutput, EngineStats, RequestOutput, StepOutput
+from engine.profiling import MemoryProfile, profile_memory
 from engine.sampling_params import SamplingParams
 from engine.scheduler import Scheduler
 from engine.sequence import Sequence
+from engine.validation import check_prompt
+from engine.warmup import start_up
 
 logger = logging.getLogger(__name__)
-
-_DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 
 
 @dataclass
@@ -40,9 +45,9 @@ class _Request:
     prompt_token_ids: list[int]
     params: SamplingParams
     seqs: list[Sequence]
-    detokenizers: list[IncrementalDetokenizer] | None
     outputs: list[CompletionOutput]
-    hold_blocks: bool = False
+    pin_prompt_blocks: bool = False
+    pinned: list[int] = field(default_factory=list)
 
     @property
     def finished(self) -> bool:
@@ -50,9 +55,8 @@ class _Request:
 
     def to_output(self) -> RequestOutput:
         cached = max(self.seqs[0].num_cached_tokens, 0)
-        return RequestOutput(
-            self.request_id, self.prompt, self.prompt_token_ids, cached, self.outputs, self.finished
-        )
+        return RequestOutput(self.request_id, self.prompt, self.prompt_token_ids, cached, self.outputs,
+                             self.finished, list(self.pinned))
 
 
 def resolve_device(name: str) -> torch.device:
@@ -66,7 +70,7 @@ def resolve_dtype(name: str, device: torch.device) -> torch.dtype:
     """``"auto"`` → bfloat16 on CUDA, float32 elsewhere."""
     if name == "auto":
         return torch.bfloat16 if device.type == "cuda" else torch.float32
-    return _DTYPES[name]
+    return DTYPES[name]
 
 
 class LLMEngine:
@@ -74,9 +78,21 @@ class LLMEngine:
 
     Args:
         model: ``None`` (the default SmolLM2-135M-Instruct), an HF directory, a GGUF file, a
-            hub id ``ORG/NAME``, a preset name or a config dict (see :func:`engine.loader.load_model`).
+            hub id ``ORG/NAME``, a preset name or a config dict (see
+            :func:`engine.model_source.resolve_model`).
         config: cache and scheduler settings.
         load_format: ``"auto"`` or ``"dummy"`` (random weights of the model's real shapes).
+
+    Attributes:
+        model_id, tokenizer: the model's id and :class:`engine.tokenizer.Tokenizer` (``None``
+            for presets and config dicts).
+        max_model_len: tokens per sequence at most (the setting, lowered to what the KV cache
+            holds).
+        kv_cache_dtype: the KV cache's dtype name (``"bfloat16"``, ...).
+        hash_seed: the seed of the prefix cache's chained block hashes (``engine.block_hash``).
+        memory_profile: on CUDA with the KV cache sized from memory, the measured
+            :class:`engine.profiling.MemoryProfile`; else ``None``.
+        startup: how long start-up took, by phase (:class:`engine.outputs.StartupStats`).
 
     Raises:
         ValueError: unknown model, or a setting that cannot work (e.g. too little KV memory).
@@ -84,6 +100,7 @@ class LLMEngine:
 
     def __init__(self, model: str | dict | None = None, config: EngineConfig | None = None,
                  load_format: str = "auto") -> None:
+        started = time.perf_counter()
         self.config = config = config or EngineConfig()
         self.device = resolve_device(config.device)
         self.dtype = resolve_dtype(config.dtype, self.device)
@@ -95,9 +112,16 @@ class LLMEngine:
             self.model.pack_for_cpu()
         self.model_id, self.tokenizer = loaded.model_id, loaded.tokenizer
         self.eos_token_ids = set(loaded.config.eos_token_id)
+        self.vocab_size = loaded.config.vocab_size
+        load_s = time.perf_counter() - started
 
         bs = config.block_size
+        graph_sizes = cuda_graph_sizes(config, self.device)
+        self.memory_profile: MemoryProfile | None = None
+        if self.device.type == "cuda" and not config.num_blocks:
+            self.memory_profile = profile_memory(self.model, config, self.dtype, self.device, graph_sizes)
         self.num_blocks = config.num_blocks or self._num_blocks_from_budget()
+        profile_s = time.perf_counter() - started - load_s
         max_len = min(config.max_model_len or self.model_config.max_position_embeddings,
                       self.num_blocks * bs)
         if config.max_model_len and max_len < config.max_model_len:
@@ -106,29 +130,26 @@ class LLMEngine:
         self.max_model_len = max_len
         self.kv_cache = KVCache(self.model_config, self.num_blocks, bs, self.dtype, self.device)
         self.block_pool = BlockPool(self.num_blocks)
-        seed = hash_seed(self.model_id, bs, str(self.dtype).removeprefix("torch."))
-        self.kv_manager = KVCacheManager(self.block_pool, bs, seed, config.enable_prefix_caching)
+        self.kv_cache_dtype = str(self.dtype).removeprefix("torch.")
+        self.hash_seed = hash_seed(self.model_id, bs, self.kv_cache_dtype)
+        self.kv_manager = KVCacheManager(self.block_pool, bs, self.hash_seed, config.enable_prefix_caching)
         self.scheduler = Scheduler(self.kv_manager, config.max_num_seqs,
                                    config.max_num_batched_tokens, self.max_model_len)
-        self.runner = ModelRunner(self.model, self.kv_cache, bs, self.max_model_len)
+        self.runner = ModelRunner(self.model, self.kv_cache, config.max_num_batched_tokens, config.max_num_seqs,
+                                  self.max_model_len, config.seed)
         self.requests: dict[str, _Request] = {}
-        self.held: dict[str, list[Sequence]] = {}  # finished requests whose blocks are kept
-        # False after a step that could schedule nothing (every waiting sequence needs blocks
-        # that reservations or held requests own): callers may sleep until something changes.
-        self.last_step_ran = False
+        self.pinned: dict[str, list[int]] = {}  # finished requests whose pinned blocks await release
         self._arrivals = itertools.count()
-        logger.info("engine ready: %s on %s (%s), %d KV blocks of %d tokens, max_model_len %d",
-                    self.model_id, self.device, self.dtype, self.num_blocks, bs, self.max_model_len)
+
+        self.startup = start_up(self.runner, config, graph_sizes, started, load_s, profile_s)
+        logger.info("engine ready: %s on %s (%s), %d KV blocks of %d tokens (%d tokens), max_model_len %d, "
+                    "%d CUDA graphs, start-up %.1f s", self.model_id, self.device, self.dtype, self.num_blocks, bs,
+                    self.num_blocks * bs, self.max_model_len, len(graph_sizes), self.startup.total_s)
 
     def _num_blocks_from_budget(self) -> int:
         per_block = KVCache.bytes_per_block(self.model_config, self.config.block_size, self.dtype)
-        if self.device.type == "cuda":
-            # Memory this process's caching allocator holds but no tensor uses is ours to take.
-            gc.collect()
-            torch.cuda.empty_cache()
-            free, total = torch.cuda.mem_get_info(self.device)
-            activations = self._activation_bytes()
-            budget = int(total * self.config.gpu_memory_utilization) - (total - free) - activations
+        if self.memory_profile is not None:
+            budget = self.memory_profile.kv_cache_bytes
         else:
             budget = self.config.kv_cache_memory_bytes
         num_blocks = budget // per_block
@@ -139,19 +160,10 @@ class LLMEngine:
             )
         return num_blocks
 
-    def _activation_bytes(self) -> int:
-        """Upper estimate of one step's activation memory on the GPU (bytes): hidden states,
-        the fused projections' outputs and float32 logits of every sequence."""
-        cfg, tokens = self.model_config, self.config.max_num_batched_tokens
-        width = (cfg.num_attention_heads + 2 * cfg.num_key_value_heads) * cfg.head_dim
-        per_token = 4 * cfg.hidden_size + width + 3 * cfg.intermediate_size
-        elem = torch.empty((), dtype=self.dtype).element_size()
-        logits = 3 * self.config.max_num_seqs * cfg.vocab_size * 4
-        return 2 * tokens * per_token * elem + logits + (512 << 20)
-
     # ----------------------------------------------------------------- requests
     def tokenize(self, prompt: str | list[int]) -> list[int]:
-        """Token ids of a prompt (text is encoded with the model's tokenizer).
+        """Token ids of a prompt: text is encoded with the model's tokenizer, special tokens
+        added as the model's post-processor says (the rule the gateway follows too).
 
         Raises:
             ValueError: text given but the model has no tokenizer.
@@ -159,138 +171,97 @@ class LLMEngine:
         if isinstance(prompt, str):
             if self.tokenizer is None:
                 raise ValueError("prompt: this model has no tokenizer; pass token ids")
-            return self.tokenizer.encode(prompt, add_special_tokens=False)
+            return self.tokenizer.encode(prompt)
         return list(prompt)
 
     def validate_prompt(self, prompt_token_ids: list[int]) -> None:
-        """Raise ``ValueError`` naming ``prompt`` if the prompt is empty, too long or has ids
-        outside the vocabulary."""
-        if not prompt_token_ids:
-            raise ValueError("prompt must not be empty")
-        if len(prompt_token_ids) >= self.max_model_len:
-            raise ValueError(
-                f"prompt is {len(prompt_token_ids)} tokens, longer than max_model_len - 1 = "
-                f"{self.max_model_len - 1}"
-            )
-        vocab = self.model_config.vocab_size
-        if min(prompt_token_ids) < 0 or max(prompt_token_ids) >= vocab:
-            raise ValueError(f"prompt token ids must be in [0, {vocab})")
+        """:func:`engine.validation.check_prompt` with this engine's limits (reads only settings,
+        so any thread may call it).
+
+        Raises:
+            ValueError: naming ``prompt``.
+        """
+        check_prompt(prompt_token_ids, self.max_model_len, self.vocab_size)
 
     def add_request(self, request_id: str, prompt: str | list[int], params: SamplingParams,
-                    hold_blocks: bool = False) -> None:
+                    pin_prompt_blocks: bool = False, release_blocks: list[int] = ()) -> list[int]:
         """Queue a request. Nothing is allocated until the scheduler admits it.
 
         Args:
             request_id: unique among the engine's requests.
             prompt: text or token ids.
             params: how to sample.
-            hold_blocks: keep the prompt's blocks when the request finishes, until
-                :meth:`release` (a prefill worker, until its KV transfer is acknowledged).
+            pin_prompt_blocks: pin each prompt block for the caller as soon as its KV is
+                computed (the last, partial one when the whole prompt is); pinned blocks outlive
+                the request until :meth:`release` (a prefill worker streams them to a decode
+                worker meanwhile). Outputs are also emitted when more blocks are pinned.
+            release_blocks: a reservation (``reserve_blocks``) the request replaces: freed as
+                it is queued, in the same step, so the scheduler finds its cached blocks again and
+                its free ones are the request's to take (a decode worker prefilling locally).
+
+        Returns:
+            The prompt's token ids.
 
         Raises:
-            ValueError: empty or too long prompt, duplicate ``request_id``.
+            ValueError: empty or too long prompt, duplicate ``request_id``; ``release_blocks``
+                are freed all the same.
         """
+        self.free_blocks(list(release_blocks))
         req = self._new_request(request_id, prompt, params)
-        req.hold_blocks = hold_blocks
+        req.pin_prompt_blocks = pin_prompt_blocks
         self.scheduler.add(req.seqs[0])
+        return req.prompt_token_ids
 
     def _new_request(self, request_id: str, prompt: str | list[int], params: SamplingParams) -> _Request:
-        if request_id in self.requests or request_id in self.held:
+        if request_id in self.requests or request_id in self.pinned:
             raise ValueError(f"request_id {request_id!r} is already in use")
         token_ids = self.tokenize(prompt)
         self.validate_prompt(token_ids)
         arrival = next(self._arrivals)
-        seqs = [Sequence(request_id, i, list(token_ids), len(token_ids), params, arrival,
-                         generator=self._generator(params, i)) for i in range(params.n)]
+        seqs = [Sequence(request_id, i, list(token_ids), len(token_ids), params, arrival) for i in range(params.n)]
         seqs[0].forks = seqs[1:]
-        detoks = None
-        if self.tokenizer is not None:
-            backend = self.tokenizer.backend_tokenizer
-            detoks = [IncrementalDetokenizer(backend, token_ids, params.stop) for _ in seqs]
         req = _Request(request_id, prompt if isinstance(prompt, str) else None, token_ids, params,
-                       seqs, detoks, [CompletionOutput(i) for i in range(params.n)])
+                       seqs, [CompletionOutput(i) for i in range(params.n)])
         self.requests[request_id] = req
         return req
 
-    def _generator(self, params: SamplingParams, index: int) -> torch.Generator | None:
-        if params.seed is None:
-            return None
-        gen = torch.Generator(device=self.device)
-        gen.manual_seed(params.seed + index)
-        return gen
+    def check_stop(self, params: SamplingParams, token_id: int, num_output_tokens: int,
+                   num_tokens: int) -> str | None:
+        """Whether a sample that just produced ``token_id`` is finished, from its tokens alone.
 
-    # ------------------------------------------------- disaggregated serving
-    def prompt_blocks(self, request_id: str) -> list[int]:
-        """Block ids holding the prompt's KV of a held request (see ``hold_blocks``), in order.
-
-        Raises:
-            KeyError: the request is not held.
-        """
-        seq = self.held[request_id][0]
-        return seq.block_table[: cdiv(seq.num_prompt_tokens, self.config.block_size)]
-
-    def release(self, request_id: str) -> bool:
-        """Free a held request's blocks. Returns whether the request was held."""
-        seqs = self.held.pop(request_id, None)
-        for seq in seqs or ():
-            self.kv_manager.free(seq)
-        return seqs is not None
-
-    def reserve_blocks(self, num_tokens: int) -> list[int]:
-        """Allocate blocks for ``num_tokens`` tokens of KV that another worker will send.
-
-        Raises:
-            engine.block_pool.NoFreeBlocksError: the pool cannot hold them now.
-        """
-        return self.block_pool.allocate(cdiv(num_tokens, self.config.block_size))
-
-    def free_blocks(self, block_ids: list[int]) -> None:
-        """Return reserved blocks that never became a request (an expired lease, an abort)."""
-        self.block_pool.free(block_ids[::-1])
-
-    def add_prefilled_request(
-        self, request_id: str, prompt_token_ids: list[int], first_token_ids: list[int],
-        params: SamplingParams, block_ids: list[int],
-    ) -> RequestOutput:
-        """Join a request whose prompt KV already fills ``block_ids`` (from :meth:`reserve_blocks`)
-        to the running batch, with the first token of each of its ``n`` samples sampled by the
-        prefill worker. The request takes ownership of ``block_ids``; its samples share them.
-
-        A seeded sample's generator is advanced past the first token's draw, so the tokens
-        equal those of the same request run on one engine.
+        Args:
+            params: the request's sampling parameters.
+            token_id: the newest token.
+            num_output_tokens: generated tokens so far, ``token_id`` included.
+            num_tokens: prompt plus generated tokens.
 
         Returns:
-            The request's output so far (finished if a first token already ended it).
-
-        Raises:
-            ValueError: wrong number of first tokens or blocks, or a bad prompt; the blocks are
-                then still the caller's.
+            ``"stop"`` (a stop token id, or EOS unless ``ignore_eos``), ``"length"``
+            (``max_tokens`` or ``max_model_len`` reached), or ``None``.
         """
-        if len(first_token_ids) != params.n:
-            raise ValueError(f"first_token_ids has {len(first_token_ids)} tokens for n={params.n}")
-        if not all(0 <= t < self.model_config.vocab_size for t in first_token_ids):
-            raise ValueError(f"first_token_ids must be in [0, {self.model_config.vocab_size})")
-        if len(block_ids) != cdiv(len(prompt_token_ids), self.config.block_size):
-            raise ValueError(f"block_ids has {len(block_ids)} blocks for {len(prompt_token_ids)} tokens")
-        req = self._new_request(request_id, prompt_token_ids, params)
-        self.block_pool.acquire(block_ids * (params.n - 1))
-        for seq, token_id in zip(req.seqs, first_token_ids):
-            seq.forks = []
-            seq.block_table = list(block_ids)
-            seq.num_computed_tokens = len(prompt_token_ids)
-            seq.num_cached_tokens = 0
-            if seq.generator is not None:
-                torch.empty(self.model_config.vocab_size, device=self.device).exponential_(
-                    generator=seq.generator)
-            self.scheduler.add_running(seq)
-            self._append_token(req, seq, token_id, {})
+        if token_id in params.stop_token_ids or (not params.ignore_eos and token_id in self.eos_token_ids):
+            return "stop"
+        if num_output_tokens >= params.max_tokens or num_tokens >= self.max_model_len:
+            return "length"
+        return None
+
+    def stop_sample(self, request_id: str, index: int, stop_reason: str) -> None:
+        """End sample ``index`` of a request with ``finish_reason="stop"`` because the front end
+        matched the stop string ``stop_reason`` in its text; its blocks are freed. A request
+        whose samples have all finished leaves the engine."""
+        req = self.requests.get(request_id)
+        if req is None or req.outputs[index].finished:
+            return
+        out = req.outputs[index]
+        out.finish_reason, out.stop_reason = "stop", stop_reason
+        self.scheduler.finish(req.seqs[index])
         if req.finished:
-            del self.requests[request_id]
-        return req.to_output()
+            self._retire(req)
 
     def abort_request(self, request_id: str) -> RequestOutput | None:
-        """Stop a request and free all its blocks. Returns its final output (``finish_reason``
-        ``"abort"`` for unfinished samples), or ``None`` for an unknown id."""
+        """Stop a request and free all its blocks, pinned ones included. Returns its final
+        output (``finish_reason`` ``"abort"`` for unfinished samples), or ``None`` when no
+        request of that id is live (its pins, if any, are released all the same)."""
         self.release(request_id)
         req = self.requests.pop(request_id, None)
         if req is None:
@@ -306,26 +277,105 @@ class LLMEngine:
     def has_unfinished_requests(self) -> bool:
         return bool(self.requests)
 
+    # ------------------------------------------------- disaggregated serving
+    def release(self, request_id: str) -> bool:
+        """Unpin the prompt blocks pinned for a request (see ``pin_prompt_blocks``).
+
+        Returns:
+            Whether any were pinned.
+        """
+        req = self.requests.get(request_id)
+        pinned = self.pinned.pop(request_id, None) or (req.pinned if req is not None else [])
+        if req is not None:
+            req.pinned, req.pin_prompt_blocks = [], False
+        self.kv_manager.release_blocks(pinned)
+        return bool(pinned)
+
+    def reserve_blocks(self, prompt_token_ids: list[int]) -> tuple[list[int], int]:
+        """Reserve the blocks of a prompt whose KV another worker will send (or this one will
+        compute, see ``add_request(release_blocks=...)``), reusing the leading full blocks the
+        prefix cache holds (``KVCacheManager.reserve``).
+
+        Admission control: one free block per running or waiting sequence stays free as
+        headroom, so a new reservation never forces the running batch into preemption at its
+        next block boundary; back-pressure goes to the caller instead.
+
+        Returns:
+            ``(block_ids, num_cached)``: a block per prompt position, the first ``num_cached``
+            already holding their KV.
+
+        Raises:
+            engine.block_pool.NoFreeBlocksError: the pool cannot hold them now.
+        """
+        headroom = len(self.scheduler.running) + len(self.scheduler.waiting)
+        return self.kv_manager.reserve(prompt_token_ids, headroom)
+
+    def free_blocks(self, block_ids: list[int]) -> None:
+        """Return reserved blocks that never became a request (an expired lease, an abort)."""
+        self.kv_manager.release_blocks(block_ids)
+
+    def add_prefilled_request(
+        self, request_id: str, prompt_token_ids: list[int], first_token_ids: list[int],
+        params: SamplingParams, block_ids: list[int],
+    ) -> RequestOutput:
+        """Join a request whose prompt KV already fills ``block_ids`` (from :meth:`reserve_blocks`)
+        to the running batch, with the first token of each of its ``n`` samples sampled by the
+        prefill worker. The request takes ownership of ``block_ids``; its samples share them.
+
+        A seeded sample's noise is a function of its seed, index and position
+        (:mod:`engine.sampler`), so its tokens equal those of the same request run on one engine.
+
+        Returns:
+            The request's output so far (finished if a first token already ended it).
+
+        Raises:
+            ValueError: wrong number of first tokens or blocks, or a bad prompt; the blocks are
+                then still the caller's.
+        """
+        if len(first_token_ids) != params.n:
+            raise ValueError(f"first_token_ids has {len(first_token_ids)} tokens for n={params.n}")
+        if not all(0 <= t < self.vocab_size for t in first_token_ids):
+            raise ValueError(f"first_token_ids must be in [0, {self.vocab_size})")
+        if len(block_ids) != cdiv(len(prompt_token_ids), self.config.block_size):
+            raise ValueError(f"block_ids has {len(block_ids)} blocks for {len(prompt_token_ids)} tokens")
+        req = self._new_request(request_id, prompt_token_ids, params)
+        self.kv_manager.adopt(req.seqs, block_ids, len(prompt_token_ids))
+        for seq, token_id in zip(req.seqs, first_token_ids):
+            seq.forks = []
+            self.scheduler.add_running(seq)
+            self._append_token(req, seq, token_id, {})
+        if req.finished:
+            del self.requests[request_id]
+        return req.to_output()
+
     # ------------------------------------------------------------------- steps
-    def step(self) -> list[RequestOutput]:
+    def step(self) -> StepOutput:
         """Run one iteration over the running batch.
 
         Returns:
-            The outputs of every request that gained tokens or finished in this step
-            (cumulative: each ``CompletionOutput`` holds all tokens so far). Finished requests
-            are removed from the engine and their blocks freed.
+            The outputs of every request that gained tokens, finished, or pinned more prompt
+            blocks in this step (cumulative: each ``CompletionOutput`` holds all tokens so far),
+            and whether the model ran. Finished requests leave the engine and their blocks are
+            freed (pinned ones stay until :meth:`release`).
         """
+        started = time.perf_counter()
         step = self.scheduler.schedule()
-        self.last_step_ran = not step.is_empty
         if step.is_empty:
-            return []
+            return StepOutput([], False)
         result = self.runner.execute(step)
+        touched: dict[str, _Request] = {}
         for s in step.scheduled:
             s.seq.num_computed_tokens += s.num_new_tokens
             self.kv_manager.cache_computed_blocks(s.seq)
+            req = self.requests[s.seq.request_id]
+            if req.pin_prompt_blocks and self._pin_computed_prompt_blocks(req, s.seq):
+                touched[req.request_id] = req
+        if touched and self.device.type == "cuda":
+            # Pinned blocks are read by another worker as soon as the caller hears of them:
+            # their KV must be written, not just queued on the stream.
+            torch.cuda.current_stream(self.device).synchronize()
         self.scheduler.complete_forks(step)
 
-        touched: dict[str, _Request] = {}
         for seq, token_id, logprobs in zip(result.sequences, result.token_ids, result.logprobs):
             req = self.requests[seq.request_id]
             self._append_token(req, seq, token_id, logprobs)
@@ -334,39 +384,53 @@ class LLMEngine:
         for req in touched.values():
             outputs.append(req.to_output())
             if req.finished:
-                del self.requests[req.request_id]
-                if req.hold_blocks:
-                    self.held[req.request_id] = req.seqs
-        return outputs
+                self._retire(req)
+        return StepOutput(outputs, True, dataclasses.replace(result.stats, step_s=time.perf_counter() - started))
+
+    def _pin_computed_prompt_blocks(self, req: _Request, seq: Sequence) -> bool:
+        """Pin the prompt blocks of ``seq`` (sample 0) whose KV is now complete; True if any."""
+        computed = min(seq.num_computed_tokens, seq.num_prompt_tokens)
+        bs = self.config.block_size
+        done = cdiv(computed, bs) if computed == seq.num_prompt_tokens else computed // bs
+        new = seq.block_table[len(req.pinned):done]
+        self.kv_manager.pin(new)
+        req.pinned.extend(new)
+        return bool(new)
+
+    def _retire(self, req: _Request) -> None:
+        del self.requests[req.request_id]
+        if req.pinned:
+            self.pinned[req.request_id] = req.pinned
 
     def _append_token(self, req: _Request, seq: Sequence, token_id: int,
                       logprobs: dict[int, float]) -> None:
-        params, out = req.params, req.outputs[seq.index]
+        out = req.outputs[seq.index]
         seq.token_ids.append(token_id)
         out.token_ids.append(token_id)
         out.logprobs.append(logprobs)
-        finish, reason = None, None
-        stop = req.detokenizers[seq.index].push(token_id) if req.detokenizers else None
-        if token_id in params.stop_token_ids:
-            finish, reason = "stop", token_id
-        elif not params.ignore_eos and token_id in self.eos_token_ids:
-            finish = "stop"
-        elif stop is not None:
-            finish, reason = "stop", stop
-        elif seq.num_output_tokens >= params.max_tokens or seq.num_tokens >= self.max_model_len:
-            finish = "length"
-        if req.detokenizers:
-            out.text += req.detokenizers[seq.index].take_new_text(finished=finish is not None)
+        finish = self.check_stop(req.params, token_id, seq.num_output_tokens, seq.num_tokens)
         if finish is not None:
-            out.finish_reason, out.stop_reason = finish, reason
-            self.scheduler.finish(seq, free_blocks=not req.hold_blocks)
+            out.finish_reason = finish
+            out.stop_reason = token_id if token_id in req.params.stop_token_ids else None
+            self.scheduler.finish(seq)
 
     # ------------------------------------------------------------------- stats
-    @property
-    def num_free_blocks(self) -> int:
-        """Blocks not referenced by any sequence (evictable cached blocks included)."""
-        return self.block_pool.num_free_blocks
+    def stats(self) -> EngineStats:
+        """A snapshot of the engine's load (call it on the thread that steps the engine)."""
+        sched = self.scheduler
+        return EngineStats(
+            num_running=len({s.request_id for s in sched.running}),
+            num_waiting=len({s.request_id for s in sched.waiting}),
+            num_running_seqs=len(sched.running),
+            num_waiting_seqs=len(sched.waiting),
+            num_free_blocks=self.block_pool.num_free_blocks,
+            num_total_blocks=self.num_blocks,
+            num_pinned_requests=len(self.pinned) + sum(bool(r.pinned) for r in self.requests.values()),
+            prefix_cache_hit_rate=self.kv_manager.prefix_hit_rate,
+            num_preemptions=sched.num_preemptions,
+        )
 
     @property
-    def prefix_cache_hit_rate(self) -> float:
-        return self.kv_manager.prefix_hit_rate
+    def num_free_blocks(self) -> int:
+        """Blocks not referenced by any sequence or pin (evictable cached blocks included)."""
+        return self.block_pool.num_free_blocks

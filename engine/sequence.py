@@ -5,8 +5,6 @@ from __future__ import annotations
 import enum
 from dataclasses import dataclass, field
 
-import torch
-
 from engine.sampling_params import SamplingParams
 
 
@@ -34,7 +32,6 @@ class Sequence:
             ``[i * block_size, (i + 1) * block_size)``.
         block_hashes: chained hashes of the full blocks of ``token_ids`` computed so far.
         num_cached_tokens: prompt tokens found in the prefix cache at first admission.
-        generator: this sample's random generator when the request has a seed.
         forks: the request's other samples (n > 1), forked from this one once its prompt is
             computed; they share its blocks from then on.
         arrival: admission order, used for FCFS and to pick the newest for preemption.
@@ -51,7 +48,6 @@ class Sequence:
     block_table: list[int] = field(default_factory=list)
     block_hashes: list[bytes] = field(default_factory=list)
     num_cached_tokens: int = -1
-    generator: torch.Generator | None = None
     forks: list["Sequence"] = field(default_factory=list)
 
     @property

@@ -3,8 +3,9 @@
 from __future__ import annotations
 
 import torch
-import torch.nn.functional as F
 from torch import nn
+
+from engine.layers.ops import ops_for
 
 
 class RMSNorm(nn.Module):
@@ -14,9 +15,10 @@ class RMSNorm(nn.Module):
         size: the normalised (last) dimension.
         eps: added to the mean square.
 
-    ``F.rms_norm`` (one fused op, faster than HF's composite formula on CPU) reduces in
+    On CPU, ``F.rms_norm`` (one fused op, faster than HF's composite formula) reduces in
     float32: identical to HF in float32; in half precision it rounds once after the weight
-    multiply where HF rounds twice, so results may differ from HF's by one ulp.
+    multiply where HF rounds twice, so results may differ from HF's by one ulp. On CUDA one
+    Triton kernel (:func:`kernels.rms_norm`) does the residual add and the norm.
     """
 
     def __init__(self, size: int, eps: float) -> None:
@@ -32,7 +34,4 @@ class RMSNorm(nn.Module):
         With ``residual`` (same shape), first forms ``x + residual`` and returns
         ``(norm(x + residual), x + residual)``: the pre-norm decoder's add-then-norm in one call.
         """
-        if residual is None:
-            return F.rms_norm(x, self.weight.shape, self.weight, self.eps)
-        x = x + residual
-        return F.rms_norm(x, self.weight.shape, self.weight, self.eps), x
+        return ops_for(x.device).rms_norm(x, self.weight, self.eps, residual)

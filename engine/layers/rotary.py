@@ -2,7 +2,8 @@
 
 The cos/sin table is computed once in float32 for every position up to
 ``max_position_embeddings`` and indexed by each token's position, so a flattened batch of
-prefill chunks and decode tokens at arbitrary positions costs one gather per step.
+prefill chunks and decode tokens at arbitrary positions costs one gather per step. Each layer
+then rotates its query and key heads in one call (one fused kernel on CUDA).
 """
 
 from __future__ import annotations
@@ -12,6 +13,8 @@ from typing import Any
 
 import torch
 from torch import nn
+
+from engine.layers.ops import ops_for
 
 
 def _inverse_frequencies(
@@ -87,11 +90,14 @@ class RotaryEmbedding(nn.Module):
         return cos_sin.chunk(2, dim=-1)
 
 
-def apply_rotary_emb(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
-    """Rotate heads ``x`` ``[T, H, head_dim]`` by ``cos``/``sin`` ``[T, 1, head_dim // 2]``.
+def apply_rotary_emb(
+    q: torch.Tensor, k: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Rotate query heads ``q`` ``[T, Hq, head_dim]`` and key heads ``k`` ``[T, Hkv, head_dim]`` by
+    ``cos``/``sin`` ``[T, 1, head_dim // 2]``.
 
     Rotate-half RoPE, ``x * cat(cos, cos) + rotate_half(x) * cat(sin, sin)`` without the cats;
-    returns a new tensor in x's dtype.
+    returns new tensors in the inputs' dtype (:func:`kernels.reference.rotary_embedding`, or the
+    fused Triton kernel on CUDA).
     """
-    x1, x2 = x.chunk(2, dim=-1)
-    return torch.cat((x1 * cos - x2 * sin, x2 * cos + x1 * sin), dim=-1)
+    return ops_for(q.device).rotary_embedding(q, k, cos, sin)

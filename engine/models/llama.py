@@ -72,7 +72,7 @@ class LlamaAttention(nn.Module):
         v = v.view(num_tokens, self.num_kv_heads, self.head_dim)
         if self.qk_norm:
             q, k = self.q_norm(q), self.k_norm(k)
-        q, k = apply_rotary_emb(q, *rope), apply_rotary_emb(k, *rope)
+        q, k = apply_rotary_emb(q, k, *rope)
         out = self.attn_backend.forward(q, k, v, k_cache, v_cache, metadata, self.scale)
         return self.o_proj(out.view(num_tokens, self.q_size))
 

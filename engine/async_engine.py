@@ -19,13 +19,12 @@ import logging
 import threading
 from collections import Counter, deque
 from collections.abc import AsyncIterator, Callable
-from dataclasses import dataclass, replace
+from dataclasses import replace
 from typing import TypeVar
 
-from engine.block_pool import BlockEvents, NoFreeBlocksError
-from engine.kv_cache_manager import cdiv
+from engine.block_pool import BlockEvents
 from engine.llm_engine import LLMEngine
-from engine.outputs import CompletionOutput, RequestOutput
+from engine.outputs import CompletionOutput, EngineStats, RequestOutput, StepOutput
 from engine.sampling_params import SamplingParams
 
 logger = logging.getLogger(__name__)
@@ -41,39 +40,11 @@ class EngineStoppedError(RuntimeError):
     """The engine thread has shut down; no new work is accepted."""
 
 
-@dataclass(frozen=True)
-class EngineStats:
-    """A snapshot of the engine's load, taken on the engine thread after each iteration.
-
-    Attributes:
-        num_running: requests with a sequence in the running batch.
-        num_waiting: requests queued (not yet admitted, or preempted).
-        num_running_seqs, num_waiting_seqs: the same, counted in sequences.
-        num_free_blocks: unreferenced KV blocks (evictable prefix-cache blocks included).
-        num_total_blocks: KV blocks in the pool.
-        num_held: finished requests whose prompt blocks are held (prefill, until released).
-        block_size: tokens per block.
-        prefix_cache_hit_rate: prompt tokens found in the prefix cache / prompt tokens looked up.
-        num_preemptions: sequences preempted since start.
-    """
-
-    num_running: int = 0
-    num_waiting: int = 0
-    num_running_seqs: int = 0
-    num_waiting_seqs: int = 0
-    num_free_blocks: int = 0
-    num_total_blocks: int = 0
-    num_held: int = 0
-    block_size: int = 16
-    prefix_cache_hit_rate: float = 0.0
-    num_preemptions: int = 0
-
-
 class BlockEventMirror:
     """Thread-safe copy of the block pool's prefix-cache events and cached set.
 
     The engine thread ``absorb``s the pool's events after each iteration; the event loop reads
-    ``drain_events``/``cached_hashes`` (the :class:`gateway.registry.BlockEventSource` protocol)
+    ``drain_events``/``cached_hashes`` (what ``cluster.heartbeat.Heartbeat`` reads)
     without touching the pool. Both reads happen under one lock, so a resync's snapshot and
     the events drained with it are consistent.
     """
@@ -134,7 +105,8 @@ def _snapshot(out: RequestOutput) -> RequestOutput:
     """A copy the event loop may read while the engine keeps appending to the original."""
     samples = [CompletionOutput(c.index, c.text, list(c.token_ids), c.finish_reason, c.stop_reason,
                                 list(c.logprobs)) for c in out.outputs]
-    return replace(out, prompt_token_ids=list(out.prompt_token_ids), outputs=samples)
+    return replace(out, prompt_token_ids=list(out.prompt_token_ids), outputs=samples,
+                   pinned_block_ids=list(out.pinned_block_ids))
 
 
 class AsyncEngine:
@@ -151,7 +123,7 @@ class AsyncEngine:
         self.engine = engine
         self.block_size = engine.config.block_size
         self.max_model_len = engine.max_model_len
-        self.vocab_size = engine.model_config.vocab_size
+        self.vocab_size = engine.vocab_size
         self.block_events = BlockEventMirror()
         self._cv = threading.Condition()
         self._commands: deque[Callable[[], None]] = deque()
@@ -166,7 +138,7 @@ class AsyncEngine:
         self._thread.start()
 
     async def shutdown(self) -> None:
-        """Abort every request (their streams end with ``finish_reason="abort"``), release held
+        """Abort every request (their streams end with ``finish_reason="abort"``), release pinned
         blocks, and stop the thread."""
         if not self._thread.is_alive():
             return
@@ -182,10 +154,13 @@ class AsyncEngine:
 
     # ------------------------------------------------------------- requests
     async def generate(self, request_id: str, prompt_ids: list[int], params: SamplingParams,
-                       hold_blocks: bool = False) -> AsyncIterator[RequestOutput]:
-        """Run a request; yields its cumulative output each time it gains tokens, the last one
-        finished. Closing or cancelling the iterator early aborts the request (blocks freed at
-        the engine's next iteration), held blocks included.
+                       pin_prompt_blocks: bool = False, release_blocks: list[int] = ()) -> AsyncIterator[RequestOutput]:
+        """Run a request; yields its cumulative output each time it gains tokens (or, with
+        ``pin_prompt_blocks``, pins more prompt blocks), the last one finished. Closing or
+        cancelling the iterator early aborts the request (blocks freed at the engine's next
+        iteration), pinned blocks included; after a normal finish, pinned blocks stay until
+        :meth:`release`. ``release_blocks`` (a reservation the request replaces) are freed as
+        the request is queued, whatever happens (see ``LLMEngine.add_request``).
 
         Raises:
             ValueError: bad prompt or duplicate ``request_id`` (nothing was queued).
@@ -194,7 +169,8 @@ class AsyncEngine:
         stream = _Stream(asyncio.get_running_loop())
 
         def add() -> None:
-            self.engine.add_request(request_id, prompt_ids, params, hold_blocks=hold_blocks)
+            self.engine.add_request(request_id, prompt_ids, params, pin_prompt_blocks=pin_prompt_blocks,
+                                    release_blocks=release_blocks)
             self._streams[request_id] = stream
 
         await self._call_owned(request_id, add)
@@ -260,20 +236,20 @@ class AsyncEngine:
                 self.abort(request_id)
 
     def abort(self, request_id: str) -> concurrent.futures.Future[bool]:
-        """Abort a request wherever it is (queued, running, held) and free its blocks; its stream
+        """Abort a request wherever it is (queued, running, pinned) and free its blocks; its stream
         ends with ``finish_reason="abort"``. Returns at once (safe in a cancelled task); the
         future says whether the engine knew the request."""
         def abort() -> bool:
-            held = self.engine.release(request_id)
+            pinned = self.engine.release(request_id)
             out = self.engine.abort_request(request_id)
             self._deliver_final(request_id, out)
-            return held or out is not None
+            return pinned or out is not None
         return self._submit(abort)
 
     async def abort_all(self) -> int:
-        """Abort every request and release every held one; returns how many there were."""
+        """Abort every request and release every pin; returns how many requests there were."""
         def abort_all() -> int:
-            ids = list(self.engine.requests) + list(self.engine.held)
+            ids = list(self.engine.requests) + list(self.engine.pinned)
             for request_id in ids:
                 self.engine.release(request_id)
                 self._deliver_final(request_id, self.engine.abort_request(request_id))
@@ -286,44 +262,25 @@ class AsyncEngine:
             stream.put(_snapshot(out))
 
     # ------------------------------------------------------- disaggregation
-    async def prompt_blocks(self, request_id: str) -> list[int]:
-        """Blocks of a held request's prompt, in order. Raises ``KeyError`` if it is not held."""
-        return await self.call(lambda: list(self.engine.prompt_blocks(request_id)))
-
     def release(self, request_id: str) -> concurrent.futures.Future[bool]:
-        """Free a held request's blocks (returns at once, like :meth:`abort`)."""
+        """Unpin a request's pinned prompt blocks (returns at once, like :meth:`abort`)."""
         return self._submit(lambda: self.engine.release(request_id))
 
-    async def reserve_blocks(self, num_tokens: int, headroom: bool = True) -> list[int]:
-        """Allocate blocks for ``num_tokens`` tokens of incoming KV.
-
-        Args:
-            headroom: also leave one free block per running or waiting sequence, so that a new
-                reservation does not force the running batch into preemption at its next block
-                boundary (admission control: back-pressure goes to the caller instead).
+    async def reserve_blocks(self, prompt_ids: list[int]) -> tuple[list[int], int]:
+        """Reserve a prompt's blocks for incoming KV (``LLMEngine.reserve_blocks``: cached leading
+        blocks reused, headroom for the running batch kept free); ``(block_ids, num_cached)``.
 
         Raises:
             NoFreeBlocksError: the pool cannot hold them now.
         """
-        def reserve() -> list[int]:
-            if headroom:
-                sched = self.engine.scheduler
-                needed = cdiv(num_tokens, self.block_size) + len(sched.running) + len(sched.waiting)
-                if needed > self.engine.num_free_blocks:
-                    raise NoFreeBlocksError(
-                        f"{num_tokens} tokens need {cdiv(num_tokens, self.block_size)} blocks plus "
-                        f"{needed - cdiv(num_tokens, self.block_size)} of headroom for running "
-                        f"sequences; {self.engine.num_free_blocks} free")
-            return self.engine.reserve_blocks(num_tokens)
-
-        future = self._submit(reserve)
+        future = self._submit(lambda: self.engine.reserve_blocks(prompt_ids))
         try:
             return await asyncio.wrap_future(future)
         except asyncio.CancelledError:
             # The caller is gone; if the blocks were (or are being) allocated, give them back.
-            def undo(f: concurrent.futures.Future[list[int]]) -> None:
+            def undo(f: concurrent.futures.Future[tuple[list[int], int]]) -> None:
                 if not f.cancelled() and f.exception() is None:
-                    self.free_blocks(f.result())
+                    self.free_blocks(f.result()[0])
             future.add_done_callback(undo)
             raise
 
@@ -336,7 +293,7 @@ class AsyncEngine:
     @property
     def kv_cache(self):
         """The KV cache tensor ``[num_blocks, L, 2, bs, kvh, d]``. Only read or write blocks that
-        no request of the engine uses (held or reserved ones)."""
+        no request of the engine uses (pinned or reserved ones)."""
         return self.engine.kv_cache.tensor
 
     # ---------------------------------------------------------------- stats
@@ -349,20 +306,8 @@ class AsyncEngine:
         return await self.call(lambda: self.engine.num_free_blocks)
 
     def _publish(self) -> None:  # engine thread (or before it starts)
-        engine, sched = self.engine, self.engine.scheduler
-        self._stats = EngineStats(
-            num_running=len({s.request_id for s in sched.running}),
-            num_waiting=len({s.request_id for s in sched.waiting}),
-            num_running_seqs=len(sched.running),
-            num_waiting_seqs=len(sched.waiting),
-            num_free_blocks=engine.num_free_blocks,
-            num_total_blocks=engine.num_blocks,
-            num_held=len(engine.held),
-            block_size=self.block_size,
-            prefix_cache_hit_rate=engine.prefix_cache_hit_rate,
-            num_preemptions=sched.num_preemptions,
-        )
-        self.block_events.absorb(engine.block_pool.drain_events())
+        self._stats = self.engine.stats()
+        self.block_events.absorb(self.engine.block_pool.drain_events())
 
     # ------------------------------------------------------- engine thread
     def _submit(self, fn: Callable[[], T]) -> concurrent.futures.Future[T]:
@@ -393,7 +338,7 @@ class AsyncEngine:
         while True:
             with self._cv:
                 while not self._commands and not self._stopping and (
-                        stalled or not self.engine.scheduler.has_unfinished):
+                        stalled or not self.engine.has_unfinished_requests):
                     self._cv.wait()
                 commands, self._commands = self._commands, deque()
                 stopping = self._stopping
@@ -404,22 +349,22 @@ class AsyncEngine:
                 return
             if commands:
                 stalled = False
-            if self.engine.scheduler.has_unfinished and not stalled:
+            if self.engine.has_unfinished_requests and not stalled:
                 try:
-                    outputs = self.engine.step()
+                    step = self.engine.step()
                 except Exception as exc:  # noqa: BLE001 (fails the requests, not the thread)
                     logger.exception("engine step failed; aborting %d requests", len(self.engine.requests))
                     self._fail_all(exc)
-                    outputs = []
-                for out in outputs:
+                    step = StepOutput([], True)
+                for out in step.outputs:
                     stream = self._streams.get(out.request_id)
                     if stream is not None:
                         stream.put(_snapshot(out))
                         if out.finished:
                             del self._streams[out.request_id]
                 # Nothing could be scheduled (e.g. waiting sequences need blocks that reservations
-                # or held requests own): sleep until a command changes something.
-                stalled = not self.engine.last_step_ran
+                # or pins own): sleep until a command changes something.
+                stalled = not step.model_executed
             self._publish()
 
     def _fail_all(self, exc: Exception) -> None:

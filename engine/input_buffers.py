@@ -1,0 +1,205 @@
+"""A step's input tensors, built on the host into persistent buffers and copied to the device once.
+
+The buffers are allocated once (pinned on the host when the device is CUDA, so each copy is an
+asynchronous DMA) and reused every step: no per-step allocation, fixed device addresses (what a
+CUDA graph replays from), and a block-table width fixed at ``cdiv(max_model_len, block_size)``
+so that the kernels' stride arguments never change. Only entries a kernel reads are written:
+a block-table row past its sequence's blocks keeps stale (valid) block ids that no kernel reads,
+and a row whose table did not change since the last step is not written again.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import numpy as np
+import torch
+
+from engine.attention import AttentionMetadata
+from engine.scheduler import SchedulerOutput
+from engine.sequence import Sequence
+
+
+@dataclass
+class StepInputs:
+    """Everything the forward and the sampler read for one step, on the device.
+
+    Attributes:
+        input_ids, positions: ``[num_tokens]`` int64 (padding tokens included).
+        metadata: the step's attention metadata.
+        sampled: the sequences that sample a token, in batch order (fork children right after
+            their parent, sampling from its row).
+        logits_indices: ``[len(sampled)]`` int64 token row of each sampled sequence's last token.
+        sample_positions: ``[len(sampled)]`` int64 position of the token each one samples.
+        num_kv_slots_used, num_kv_slots_allocated: tokens in the scheduled sequences' KV after the
+            step, and the slots of their blocks (block_size per block): the reservation waste.
+    """
+
+    input_ids: torch.Tensor
+    positions: torch.Tensor
+    metadata: AttentionMetadata
+    sampled: list[Sequence]
+    logits_indices: torch.Tensor
+    sample_positions: torch.Tensor
+    num_kv_slots_used: int
+    num_kv_slots_allocated: int
+
+
+@dataclass
+class Buffer:
+    """One input: a NumPy view (``host``) of a host tensor (``staging``, pinned on CUDA) and the
+    device tensor it is copied to (the same tensor on the CPU)."""
+
+    host: np.ndarray
+    staging: torch.Tensor
+    device: torch.Tensor
+
+
+class InputBuffers:
+    """Host staging arrays and device tensors of up to ``max_num_tokens`` tokens in
+    ``max_num_seqs`` sequences.
+
+    Args:
+        max_num_tokens: tokens per step at most (padding included).
+        max_num_seqs: sequences (rows) per step at most; :meth:`prepare` grows the buffers past
+            it when a step has more (e.g. fork children); buffers a CUDA graph captured must
+            never grow, so their owner sizes them for its largest batch.
+        max_blocks_per_seq: the block table's width.
+        block_size: tokens per block.
+        device: where the model runs; on the CPU the host arrays are the device tensors.
+    """
+
+    def __init__(self, max_num_tokens: int, max_num_seqs: int, max_blocks_per_seq: int, block_size: int,
+                 device: torch.device) -> None:
+        self.block_size = block_size
+        self.max_blocks_per_seq = max_blocks_per_seq
+        self.device = device
+        self._uploaded: torch.cuda.Event | None = None
+        self._allocate(max_num_tokens, max_num_seqs)
+
+    def _buffer(self, shape: tuple[int, ...], dtype: torch.dtype) -> Buffer:
+        staging = torch.zeros(shape, dtype=dtype, pin_memory=self.device.type == "cuda")
+        device = staging if self.device.type == "cpu" else torch.zeros(shape, dtype=dtype, device=self.device)
+        return Buffer(staging.numpy(), staging, device)
+
+    def _allocate(self, max_num_tokens: int, max_num_seqs: int) -> None:
+        self.max_num_tokens, self.max_num_seqs = max_num_tokens, max_num_seqs
+        self.input_ids = self._buffer((max_num_tokens,), torch.int64)
+        self.positions = self._buffer((max_num_tokens,), torch.int64)
+        self.slot_mapping = self._buffer((max_num_tokens,), torch.int64)
+        self.seq_lens = self._buffer((max_num_seqs,), torch.int32)
+        self.query_start_loc = self._buffer((max_num_seqs + 1,), torch.int32)
+        self.block_tables = self._buffer((max_num_seqs, self.max_blocks_per_seq), torch.int32)
+        # What each block-table row of the host array holds: a row whose sequence's table is
+        # unchanged since the last step (most decode rows) is not rewritten.
+        self._rows: list[list[int] | None] = [None] * max_num_seqs
+        self.logits_indices = self._buffer((max_num_tokens,), torch.int64)
+        self.sample_positions = self._buffer((max_num_tokens,), torch.int64)
+
+    @staticmethod
+    def _upload(buffer: Buffer, count: int) -> torch.Tensor:
+        if buffer.device is not buffer.staging:
+            buffer.device[:count].copy_(buffer.staging[:count], non_blocking=True)  # pinned: an asynchronous DMA
+        return buffer.device[:count]
+
+    def prepare(self, step: SchedulerOutput, pad_to: int | None = None,
+                max_decode_seq_len: int | None = None) -> StepInputs:
+        """Fill the buffers for ``step`` and copy them to the device.
+
+        Args:
+            step: the scheduled batch, decodes first.
+            pad_to: for a decode-only step replayed from a CUDA graph, the graph's batch size:
+                rows past the step's get one padding token each with slot -1 (nothing is
+                written to the KV cache) and sequence length 0 (attention returns 0 for them).
+            max_decode_seq_len: the bound the decode kernel sizes its grid with (a CUDA graph's
+                fixed bound); default: the step's longest decode context.
+
+        Returns:
+            The step's device inputs (tensors are views of the buffers, valid until the next
+            call).
+
+        Raises:
+            ValueError: ``pad_to`` for a step with prefill chunks.
+        """
+        bs = self.block_size
+        sched = step.scheduled
+        num_seqs, nd = len(sched), step.num_decodes
+        num_rows = pad_to or num_seqs
+        if pad_to is not None and nd != num_seqs:
+            raise ValueError(f"pad_to is for decode-only steps; this one has {num_seqs - nd} prefill chunks")
+        sampled: list[Sequence] = []
+        sample_rows: list[int] = []
+        for row, s in enumerate(sched):
+            if s.samples:
+                for seq in (s.seq, *s.seq.forks):
+                    sampled.append(seq)
+                    sample_rows.append(row)
+        num_sampled = len(sampled)
+        num_tokens = step.num_tokens + num_rows - num_seqs
+        if num_rows > self.max_num_seqs or max(num_tokens, num_sampled) > self.max_num_tokens:
+            self._allocate(max(self.max_num_tokens, num_tokens, num_sampled), max(self.max_num_seqs, num_rows))
+        if self._uploaded is not None:
+            self._uploaded.synchronize()  # the previous step's copies have left the host arrays
+
+        query_lens = np.fromiter((s.num_new_tokens for s in sched), np.int64, num_seqs)
+        starts = np.fromiter((s.seq.num_computed_tokens for s in sched), np.int64, num_seqs)
+        seq_lens = self.seq_lens.host[:num_rows]
+        seq_lens[:num_seqs] = starts + query_lens
+        seq_lens[num_seqs:] = 0
+        qsl = self.query_start_loc.host[:num_rows + 1]
+        qsl[0] = 0
+        np.cumsum(query_lens, out=qsl[1:num_seqs + 1])
+        num_real_tokens = int(qsl[num_seqs])
+        qsl[num_seqs + 1:] = num_real_tokens + np.arange(1, num_rows - num_seqs + 1)
+
+        input_ids = self.input_ids.host[:num_tokens]
+        block_tables = self.block_tables.host
+        input_ids[:nd] = [s.seq.token_ids[-1] for s in sched[:nd]]  # a decode's one new token is its last
+        num_blocks = 0
+        written = self._rows
+        for row, s in enumerate(sched):
+            table = s.seq.block_table
+            if written[row] != table:
+                block_tables[row, :len(table)] = table
+                written[row] = list(table)
+            num_blocks += len(table)
+            if row >= nd:
+                start = int(starts[row])
+                input_ids[qsl[row]:qsl[row + 1]] = s.seq.token_ids[start:start + s.num_new_tokens]
+        input_ids[num_real_tokens:] = 0
+        rows = np.repeat(np.arange(num_seqs), query_lens)
+        positions = self.positions.host[:num_tokens]
+        positions[:num_real_tokens] = np.arange(num_real_tokens) - np.repeat(qsl[:num_seqs] - starts, query_lens)
+        positions[num_real_tokens:] = 0
+        slots = self.slot_mapping.host[:num_tokens]
+        real = positions[:num_real_tokens]
+        slots[:num_real_tokens] = block_tables[rows, real // bs].astype(np.int64) * bs + real % bs
+        slots[num_real_tokens:] = -1
+        sample_rows_np = np.asarray(sample_rows, dtype=np.int64)
+        self.logits_indices.host[:num_sampled] = qsl[sample_rows_np + 1] - 1
+        self.sample_positions.host[:num_sampled] = seq_lens[sample_rows_np]
+
+        metadata = AttentionMetadata(
+            slot_mapping=self._upload(self.slot_mapping, num_tokens),
+            block_tables=self._upload(self.block_tables, num_rows),
+            seq_lens=self._upload(self.seq_lens, num_rows),
+            query_start_loc=self._upload(self.query_start_loc, num_rows + 1),
+            num_decodes=nd + num_rows - num_seqs,
+            max_query_len=int(query_lens[nd:].max()) if num_seqs > nd else 0,
+            max_seq_len=int(seq_lens.max()) if num_rows else 0,
+            max_decode_seq_len=max_decode_seq_len or (int(seq_lens[:nd].max()) if nd else 0),
+        )
+        inputs = StepInputs(
+            input_ids=self._upload(self.input_ids, num_tokens),
+            positions=self._upload(self.positions, num_tokens),
+            metadata=metadata,
+            sampled=sampled,
+            logits_indices=self._upload(self.logits_indices, num_sampled),
+            sample_positions=self._upload(self.sample_positions, num_sampled),
+            num_kv_slots_used=int(seq_lens[:num_seqs].sum()),
+            num_kv_slots_allocated=num_blocks * bs,
+        )
+        if self.device.type == "cuda":
+            self._uploaded = self._uploaded or torch.cuda.Event()
+            self._uploaded.record()
+        return inputs

@@ -1,0 +1,134 @@
+"""Start-up measurement of a step's memory on CUDA, and the KV cache size it leaves room for.
+
+The KV cache takes what ``gpu_memory_utilization`` leaves after what is already in use (the
+weights, the CUDA context, other processes) and after the *measured* peak of the largest step
+the engine can run: a profiling step of ``max_num_batched_tokens`` tokens in which the largest
+batch of rows samples (logits, filtered sampling with top-N logprobs), run through a model
+runner over a one-block cache, as vLLM's ``profile_run`` does. The CUDA graphs' private memory
+pool is measured the same way, by an eager forward of the largest captured decode batch.
+"""
+
+from __future__ import annotations
+
+import gc
+import logging
+from dataclasses import dataclass
+
+import torch
+
+from engine.block_pool import cdiv
+from engine.config import EngineConfig
+from engine.cuda_graphs import CUDAGraphRunner
+from engine.kv_cache import KVCache
+from engine.model_runner import ModelRunner
+from engine.sampling_params import SamplingParams
+from engine.scheduler import ScheduledSequence, SchedulerOutput
+from engine.sequence import Sequence
+
+logger = logging.getLogger(__name__)
+
+# What a profiling or warm-up row samples with: every filter and top-N logprobs, the sampler's
+# most memory-hungry path.
+FILTERED_SAMPLING = SamplingParams(temperature=1.0, top_p=0.9, top_k=50, min_p=0.01, logprobs=20)
+
+
+def dummy_step(prefill_lens: list[int], num_decodes: int, context_len: int, block_size: int,
+               params: SamplingParams) -> SchedulerOutput:
+    """A step of ``num_decodes`` decodes over ``context_len`` tokens each, then one prefill chunk
+    (a whole prompt) per entry of ``prefill_lens``; every row samples. All block tables point at
+    block 0: run it only before any request owns blocks (its KV writes land in block 0)."""
+    scheduled = []
+    for i, (length, new) in enumerate([(context_len + 1, 1)] * num_decodes + [(n, n) for n in prefill_lens]):
+        seq = Sequence(f"dummy-{i}", 0, [0] * length, length - new, params, arrival=i)
+        seq.num_computed_tokens = length - new
+        seq.block_table = [0] * cdiv(length, block_size)
+        scheduled.append(ScheduledSequence(seq, new))
+    return SchedulerOutput(scheduled=scheduled, num_decodes=num_decodes)
+
+
+def largest_step(max_num_tokens: int, max_num_rows: int, max_model_len: int, block_size: int) -> SchedulerOutput:
+    """``max_num_tokens`` tokens in which at least ``min(max_num_rows, max_num_tokens)`` rows
+    sample: decodes over one-token contexts, then the remaining tokens as prefill chunks of at
+    most ``max_model_len`` tokens."""
+    decodes = min(max_num_rows, max_num_tokens) - 1
+    prefill = max_num_tokens - decodes
+    chunks = [max_model_len] * (prefill // max_model_len) + ([prefill % max_model_len] if prefill % max_model_len else [])
+    return dummy_step(chunks, decodes, 1, block_size, FILTERED_SAMPLING)
+
+
+@dataclass(frozen=True)
+class MemoryProfile:
+    """Where the GPU's memory goes (bytes).
+
+    Attributes:
+        total_bytes: the device's memory.
+        budget_bytes: ``total_bytes * gpu_memory_utilization``.
+        used_bytes: in use before the KV cache (weights, CUDA context, other processes).
+        activation_bytes: peak of the largest step above what it started with.
+        cuda_graph_bytes: peak of the largest captured decode batch (the graphs' pool), 0 when
+            no graphs are captured.
+        kv_cache_bytes: what is left for the KV cache.
+    """
+
+    total_bytes: int
+    budget_bytes: int
+    used_bytes: int
+    activation_bytes: int
+    cuda_graph_bytes: int
+    kv_cache_bytes: int
+
+
+def _peak_bytes(device: torch.device, run) -> int:
+    """Bytes the caching allocator reserved from the device at the peak of ``run()``, above what
+    it held before."""
+    gc.collect()
+    torch.cuda.empty_cache()
+    torch.cuda.synchronize(device)
+    torch.cuda.reset_peak_memory_stats(device)
+    before = torch.cuda.memory_reserved(device)
+    run()
+    torch.cuda.synchronize(device)
+    return torch.cuda.max_memory_reserved(device) - before
+
+
+def profile_memory(model: torch.nn.Module, config: EngineConfig, dtype: torch.dtype, device: torch.device,
+                   cuda_graph_batch_sizes: list[int]) -> MemoryProfile:
+    """Measure the largest step's activation peak (and the decode graphs' pool) and size the
+    KV cache from what is left of ``config.gpu_memory_utilization``; logs the split.
+
+    Args:
+        model: the loaded model, on ``device`` (CUDA).
+        config: the engine's settings (block size, step limits, ``max_model_len``).
+        dtype: of the KV cache.
+        cuda_graph_batch_sizes: the ladder to be captured (empty: none).
+
+    Returns:
+        The profile; ``kv_cache_bytes`` may be <= 0 when nothing is left.
+    """
+    bs, tokens, seqs = config.block_size, config.max_num_batched_tokens, config.max_num_seqs
+    max_model_len = config.max_model_len or model.config.max_position_embeddings
+    cache = KVCache(model.config, 1, bs, dtype, device)  # a few MiB, left in the "in use" figure
+
+    def run_largest_step() -> None:
+        ModelRunner(model, cache, tokens, seqs, max_model_len).execute(largest_step(tokens, seqs, max_model_len, bs))
+
+    def run_largest_graph() -> None:
+        largest = max(cuda_graph_batch_sizes)
+        graphs = CUDAGraphRunner(model, cache, [largest], cdiv(max_model_len, bs), max_model_len)
+        graphs.reset_padding()
+        graphs.forward(largest)
+
+    activation = _peak_bytes(device, run_largest_step)
+    graph = _peak_bytes(device, run_largest_graph) if cuda_graph_batch_sizes else 0
+    gc.collect()
+    torch.cuda.empty_cache()
+    free, total = torch.cuda.mem_get_info(device)
+    budget = int(total * config.gpu_memory_utilization)
+    used = total - free
+    profile = MemoryProfile(total_bytes=total, budget_bytes=budget, used_bytes=used, activation_bytes=activation,
+                            cuda_graph_bytes=graph, kv_cache_bytes=budget - used - activation - graph)
+    gib = 2**30
+    logger.info("GPU memory: %.2f GiB budget = %.2f in use (weights, CUDA context, others) + %.2f activation "
+                "peak + %.2f CUDA graph pool + %.2f KV cache", budget / gib, used / gib, activation / gib,
+                graph / gib, profile.kv_cache_bytes / gib)
+    return profile
