@@ -1,14 +1,16 @@
-"""The decode worker's side of ``DecodeWorker.TransferKV``: a client stream of ``KVChunk``s."""
+"""The decode worker's side of ``DecodeWorker.TransferKV``: a client stream of ``KVChunk``s,
+carrying the blocks' bytes (gRPC) or where to read them from (NIXL)."""
 
 from __future__ import annotations
 
+import asyncio
 from collections.abc import AsyncIterator
 
 import grpc
 
-from kvtransfer.errors import KVTransferError
 from kvtransfer.receiver import KVReceiver
 from kvtransfer.wire import decode_chunk
+from protos.status import StatusError
 from protos.tandem.v1 import kvtransfer_pb2
 
 
@@ -18,12 +20,18 @@ class GrpcKVReceiver:
     The decode worker's servicer delegates to it::
 
         async def TransferKV(self, request_iterator, context):
-            return await self.kv_receiver.transfer_kv(request_iterator, context)
+            response, transport = await self.kv_receiver.transfer_kv(request_iterator, context)
+            return response
 
-    One stream carries every block of one reservation (any order, any grouping). The
-    reservation is released (blocks back to the pool) when a chunk is rejected, when the stream
-    ends before every block arrived, and when the call dies (sender cancels or crashes, the
-    deadline passes): the handler is cancelled and releases on its way out.
+    One stream carries every block of one reservation that is not already cached (any order,
+    any grouping). Its first message attaches the stream to the reservation, suspending the
+    reservation's lease while the stream is open (a chunk of no blocks may open the stream
+    before any block is ready, as a prefill worker does before it computes); with NIXL it names
+    the sender's pool (``nixl_source``), and each later chunk lists the sender's blocks to read
+    (``source_block_ids``) instead of carrying them. The reservation is released (blocks back to
+    the pool, after any read in flight) when a chunk is rejected, when the stream ends before
+    every block arrived, and when the call dies (sender cancels or crashes, the deadline
+    passes): the handler is cancelled and releases on its way out.
     """
 
     def __init__(self, receiver: KVReceiver) -> None:
@@ -31,11 +39,12 @@ class GrpcKVReceiver:
 
     async def transfer_kv(
         self, request_iterator: AsyncIterator[kvtransfer_pb2.KVChunk], context: grpc.aio.ServicerContext
-    ) -> kvtransfer_pb2.TransferKVResponse:
+    ) -> tuple[kvtransfer_pb2.TransferKVResponse, str]:
         """Receive one reservation's blocks.
 
         Returns:
-            ``TransferKVResponse`` once every block has arrived and the sender closed the stream.
+            ``TransferKVResponse`` once every block has arrived and the sender closed the
+            stream, and the transport the blocks came by (``"nixl"`` or ``"grpc"``).
 
         Raises:
             grpc.aio.AbortError: via ``context.abort``, with ``INVALID_ARGUMENT`` (empty stream,
@@ -44,26 +53,40 @@ class GrpcKVReceiver:
         """
         table = self.receiver.table
         reservation_id: str | None = None
+        peer = None
         try:
             async for chunk in request_iterator:
                 if reservation_id is None:
                     reservation_id = chunk.reservation_id
+                    table.attach(reservation_id, chunk.request_id)
+                    if chunk.HasField("nixl_source"):
+                        if self.receiver.nixl is None:
+                            raise StatusError(grpc.StatusCode.FAILED_PRECONDITION,
+                                              "this worker receives KV over gRPC only (no NIXL)")
+                        peer = self.receiver.nixl.add_peer(chunk.nixl_source)
+                    if chunk.num_blocks == 0 and not chunk.data:
+                        continue  # the stream's opening, before any block is ready
                 elif chunk.reservation_id != reservation_id:
-                    raise KVTransferError(
+                    raise StatusError(
                         grpc.StatusCode.INVALID_ARGUMENT,
                         f"chunk for reservation {chunk.reservation_id!r} in the stream of {reservation_id!r}")
-                blocks = decode_chunk(chunk, self.receiver.layout)
-                self.receiver.install(reservation_id, chunk.request_id, chunk.first_block_index, blocks)
+                if peer is not None:
+                    await self._read(reservation_id, chunk, peer)
+                else:
+                    blocks = decode_chunk(chunk, self.receiver.layout)
+                    self.receiver.install(reservation_id, chunk.request_id, chunk.first_block_index, blocks)
             if reservation_id is None:
-                raise KVTransferError(grpc.StatusCode.INVALID_ARGUMENT, "empty TransferKV stream")
+                raise StatusError(grpc.StatusCode.INVALID_ARGUMENT, "empty TransferKV stream")
             reservation = table.get(reservation_id)
             if not reservation.complete:
-                raise KVTransferError(
+                raise StatusError(
                     grpc.StatusCode.INVALID_ARGUMENT,
                     f"stream ended after {reservation.num_arrived} of {reservation.num_blocks} blocks "
                     f"of reservation {reservation_id!r}")
-            return kvtransfer_pb2.TransferKVResponse(num_blocks_received=reservation.num_blocks)
-        except KVTransferError as exc:
+            table.detach(reservation_id)
+            return (kvtransfer_pb2.TransferKVResponse(num_blocks_received=reservation.num_blocks),
+                    "nixl" if peer is not None else "grpc")
+        except StatusError as exc:
             if reservation_id is not None:
                 table.release(reservation_id, exc.message)
             await context.abort(exc.code, exc.message)
@@ -73,3 +96,16 @@ class GrpcKVReceiver:
             if reservation_id is not None:
                 table.release(reservation_id, "TransferKV call ended before completing")
             raise
+
+    async def _read(self, reservation_id: str, chunk: kvtransfer_pb2.KVChunk, peer) -> None:
+        """Read the chunk's blocks over NIXL; a cancellation waits for the read's end (shielded),
+        so the reservation's slots are not freed under a transfer in flight."""
+        if chunk.data or chunk.num_blocks != len(chunk.source_block_ids) or not chunk.num_blocks:
+            raise StatusError.invalid_argument(
+                "source_block_ids", f"a NIXL chunk lists one source block per position and no data, got "
+                                    f"{len(chunk.source_block_ids)} for num_blocks={chunk.num_blocks}")
+        read = asyncio.ensure_future(self.receiver.read(
+            reservation_id, chunk.request_id, chunk.first_block_index, peer, list(chunk.source_block_ids),
+            chunk.crc32 if chunk.has_crc32 else None))
+        read.add_done_callback(lambda task: task.cancelled() or task.exception())  # observed by the await
+        await asyncio.shield(read)

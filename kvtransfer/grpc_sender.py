@@ -1,21 +1,28 @@
-"""The prefill worker's side of ``DecodeWorker.TransferKV``: stream a request's blocks over gRPC.
+"""The prefill worker's side of ``DecodeWorker.TransferKV``: a request's blocks, by gRPC or NIXL.
 
-Flow control is gRPC's own: each ``write`` waits until HTTP/2 flow control accepts the chunk,
-and the next chunk is built only then, so at most one chunk (<= ``max_chunk_bytes``, or one
-block if a block is larger) is held in memory per transfer.
+A :class:`GrpcKVTransfer` is one open stream into one reservation. Opening it first (before a
+single block is ready) keeps the reservation alive while the prefill computes; blocks are then
+announced as they become ready, in any grouping, and :meth:`GrpcKVTransfer.finish` waits for
+the receiver's acknowledgement, which it sends once it holds every block. Over ``"grpc"`` the
+chunks carry the blocks' bytes; flow control is gRPC's own (each ``write`` waits until HTTP/2
+accepts the chunk, and the next chunk is built only then, so at most one chunk of
+<= ``max_chunk_bytes`` is held in memory). Over ``"nixl"`` they carry only the sender's block
+ids, and the receiver reads the blocks from the sender's pool (:mod:`kvtransfer.nixl`); the
+blocks must stay pinned until :meth:`GrpcKVTransfer.finish` returns.
 """
 
 from __future__ import annotations
 
 import asyncio
-from collections.abc import Iterator, Sequence
+from collections.abc import Callable, Iterator, Sequence
 
 import grpc
 import torch
 
-from kvtransfer.errors import KVTransferError
+from kvtransfer.nixl import NixlAgent
 from kvtransfer.transport import KVDestination
-from kvtransfer.wire import BlockLayout, encode_chunk
+from kvtransfer.wire import BlockLayout, blocks_crc32, encode_chunk
+from protos.status import StatusError
 from protos.tandem.v1 import kvtransfer_pb2, worker_pb2_grpc
 
 # One chunk stays under gRPC's default 4 MiB message limit whenever a block does.
@@ -28,19 +35,19 @@ GRPC_MESSAGE_OPTIONS = [
     ("grpc.max_send_message_length", MAX_MESSAGE_BYTES),
     ("grpc.max_receive_message_length", MAX_MESSAGE_BYTES),
 ]
-DEFAULT_TIMEOUT_S = 30.0
 
 
 def iter_chunks(
-    kv_cache: torch.Tensor, block_ids: Sequence[int], *, reservation_id: str, request_id: str,
+    kv_cache: torch.Tensor, first_index: int, block_ids: Sequence[int], *, reservation_id: str, request_id: str,
     max_chunk_bytes: int = DEFAULT_MAX_CHUNK_BYTES,
 ) -> Iterator[kvtransfer_pb2.KVChunk]:
-    """Yield the request's blocks as chunks of as many whole blocks as fit in ``max_chunk_bytes``
-    (at least one), in position order, built lazily.
+    """Yield blocks as chunks of as many whole blocks as fit in ``max_chunk_bytes`` (at least
+    one), in position order, built lazily.
 
     Args:
         kv_cache: ``[num_blocks, *block_shape]``, any device.
-        block_ids: physical block of each position of the request.
+        first_index: the request's block position of ``block_ids[0]``.
+        block_ids: physical blocks on the sender, for positions ``first_index, first_index + 1, ...``.
         reservation_id, request_id: stamped on every chunk.
         max_chunk_bytes: byte budget of one chunk's data.
 
@@ -51,94 +58,164 @@ def iter_chunks(
     if block_nbytes > MAX_MESSAGE_BYTES:
         raise ValueError(f"a block is {block_nbytes} bytes, over MAX_MESSAGE_BYTES={MAX_MESSAGE_BYTES}")
     per_chunk = max(1, max_chunk_bytes // block_nbytes)
-    for first in range(0, len(block_ids), per_chunk):
-        ids = list(block_ids[first : first + per_chunk])
+    for start in range(0, len(block_ids), per_chunk):
+        ids = list(block_ids[start : start + per_chunk])
         if ids == list(range(ids[0], ids[0] + len(ids))):
             blocks = kv_cache[ids[0] : ids[0] + len(ids)]  # a contiguous run: no gather
         else:
             blocks = kv_cache[torch.tensor(ids, device=kv_cache.device)]
-        yield encode_chunk(blocks, reservation_id=reservation_id, request_id=request_id, first_block_index=first)
+        yield encode_chunk(blocks, reservation_id=reservation_id, request_id=request_id,
+                           first_block_index=first_index + start)
 
 
-async def send_blocks(
-    stub: worker_pb2_grpc.DecodeWorkerStub, kv_cache: torch.Tensor, block_ids: Sequence[int], *,
-    reservation_id: str, request_id: str, max_chunk_bytes: int = DEFAULT_MAX_CHUNK_BYTES,
-    timeout_s: float | None = DEFAULT_TIMEOUT_S,
-) -> int:
-    """Stream ``kv_cache[block_ids[i]]`` as block ``i`` of ``request_id`` into a reservation.
+class GrpcKVTransfer:
+    """One ``TransferKV`` stream into one reservation; an async context manager.
+
+    Leaving the context without :meth:`finish` (an error, a cancellation) cancels the call,
+    which makes the receiver release the reservation.
 
     Args:
         stub: a ``DecodeWorkerStub`` on an aio channel to the decode worker.
-        kv_cache: the sender's cache, ``[num_blocks, *block_shape]``; the blocks must not
-            change until this returns.
-        block_ids: physical blocks of the request on the sender, in position order.
         reservation_id: from the decode worker's ``Admit``.
-        request_id: the request.
-        max_chunk_bytes: byte budget of one chunk (see ``iter_chunks``).
-        timeout_s: deadline of the whole transfer, seconds; ``None``: none (the receiver's
-            lease still bounds it).
-
-    Returns:
-        Blocks the receiver acknowledged.
-
-    Raises:
-        KVTransferError: with the call's status (the receiver's refusal, ``UNAVAILABLE``,
-            ``DEADLINE_EXCEEDED``, ...); the receiver has released the reservation.
-        asyncio.CancelledError: the caller was cancelled; the call is cancelled with it, which
-            makes the receiver release the reservation.
+        request_id: the request (checked against the reservation).
+        max_chunk_bytes: byte budget of one chunk (see :func:`iter_chunks`).
+        timeout_s: deadline of the whole stream, seconds; ``None``: none (the caller's own
+            deadline, or its cancellation, bounds it).
+        nixl_source: the sender's pool for the receiver to read from (NIXL); ``None``: the
+            blocks' bytes travel in the stream (gRPC).
+        verify_checksums: over NIXL, send a CRC-32 of each chunk's blocks for the receiver to
+            check (a debug setting: a device-to-host copy of every block). Always on over gRPC.
     """
-    chunks = iter_chunks(kv_cache, block_ids, reservation_id=reservation_id, request_id=request_id,
-                         max_chunk_bytes=max_chunk_bytes)
-    call = stub.TransferKV(timeout=timeout_s)
-    try:
+
+    def __init__(self, stub: worker_pb2_grpc.DecodeWorkerStub, reservation_id: str, request_id: str, *,
+                 max_chunk_bytes: int = DEFAULT_MAX_CHUNK_BYTES, timeout_s: float | None = None,
+                 nixl_source: kvtransfer_pb2.NixlSource | None = None, verify_checksums: bool = False) -> None:
+        self.reservation_id = reservation_id
+        self.request_id = request_id
+        self.max_chunk_bytes = max_chunk_bytes
+        self.nixl_source = nixl_source
+        self.verify_checksums = verify_checksums
+        self.num_sent = 0
+        self._call = stub.TransferKV(timeout=timeout_s)
+        self._finished = False
+
+    @property
+    def transport(self) -> str:
+        """``"nixl"`` or ``"grpc"``."""
+        return "nixl" if self.nixl_source is not None else "grpc"
+
+    async def __aenter__(self) -> GrpcKVTransfer:
+        await self._write(kvtransfer_pb2.KVChunk(reservation_id=self.reservation_id, request_id=self.request_id,
+                                                 nixl_source=self.nixl_source))
+        return self
+
+    async def __aexit__(self, *exc) -> None:
+        if not self._finished:
+            self._call.cancel()
+
+    async def send(self, kv_cache: torch.Tensor, first_index: int, block_ids: Sequence[int]) -> None:
+        """Send ``kv_cache[block_ids[i]]`` as the request's block ``first_index + i``.
+
+        Args:
+            kv_cache: the sender's cache, ``[num_blocks, *block_shape]``; the blocks must not
+                change until this returns.
+
+        Raises:
+            StatusError: the call failed (the receiver refused a chunk, the peer died, ...),
+                with the call's status.
+        """
+        if self.nixl_source is not None:
+            chunk = kvtransfer_pb2.KVChunk(reservation_id=self.reservation_id, request_id=self.request_id,
+                                           first_block_index=first_index, num_blocks=len(block_ids),
+                                           source_block_ids=block_ids)
+            if self.verify_checksums:
+                chunk.crc32, chunk.has_crc32 = blocks_crc32(kv_cache, list(block_ids)), True
+            await self._write(chunk)
+        else:
+            for chunk in iter_chunks(kv_cache, first_index, block_ids, reservation_id=self.reservation_id,
+                                     request_id=self.request_id, max_chunk_bytes=self.max_chunk_bytes):
+                await self._write(chunk)
+        self.num_sent += len(block_ids)
+
+    async def finish(self) -> int:
+        """Close the stream and wait for the receiver's acknowledgement.
+
+        Returns:
+            Blocks the receiver acknowledged (the whole reservation).
+
+        Raises:
+            StatusError: the receiver refused the transfer (e.g. blocks missing), or the call failed.
+        """
         try:
-            for chunk in chunks:
-                await call.write(chunk)
-            await call.done_writing()
+            await self._call.done_writing()
+        except (grpc.aio.AioRpcError, asyncio.InvalidStateError):
+            pass  # the call already ended: its status, awaited below, says why
+        response = await self._status()
+        self._finished = True
+        return response.num_blocks_received
+
+    async def _write(self, chunk: kvtransfer_pb2.KVChunk) -> None:
+        try:
+            await self._call.write(chunk)
         except (grpc.aio.AioRpcError, asyncio.InvalidStateError):
             # The call ended while we wrote (the receiver refused a chunk, the peer died). A
             # write racing the end reports a local INTERNAL or InvalidStateError; the call's
-            # own status, awaited next, is the receiver's real answer.
-            pass
-        response = await call
-    except grpc.aio.AioRpcError as exc:
-        raise KVTransferError(exc.code(), exc.details() or "") from exc
-    except BaseException:
-        call.cancel()
-        raise
-    return response.num_blocks_received
+            # own status is the receiver's real answer.
+            await self._status()
+            raise StatusError(grpc.StatusCode.INTERNAL, "the transfer stream ended without a status") from None
+
+    async def _status(self) -> kvtransfer_pb2.TransferKVResponse:
+        try:
+            return await self._call
+        except grpc.aio.AioRpcError as exc:
+            self._finished = True
+            raise StatusError(exc.code(), exc.details() or "") from exc
 
 
 class GrpcKVSender:
-    """``KVSender`` over gRPC, across hosts; keeps one channel per decode worker address.
+    """Opens :class:`GrpcKVTransfer` streams to decode workers, by NIXL where both sides have it.
 
     Args:
+        channel: the channel to a decode worker's address (the caller's channel cache; its
+            channels must allow messages of ``MAX_MESSAGE_BYTES``, see ``GRPC_MESSAGE_OPTIONS``).
+        transports: the transports this worker sends with, preferred first (``"nixl"`` needs
+            ``nixl``).
+        nixl: this worker's NIXL agent, its pool registered.
+        verify_checksums: see :class:`GrpcKVTransfer`.
         max_chunk_bytes: byte budget of one chunk.
-        timeout_s: deadline of one transfer, seconds (``None``: none).
     """
 
-    def __init__(self, *, max_chunk_bytes: int = DEFAULT_MAX_CHUNK_BYTES,
-                 timeout_s: float | None = DEFAULT_TIMEOUT_S) -> None:
+    def __init__(self, channel: Callable[[str], grpc.aio.Channel], *, transports: Sequence[str] = ("grpc",),
+                 nixl: NixlAgent | None = None, verify_checksums: bool = False,
+                 max_chunk_bytes: int = DEFAULT_MAX_CHUNK_BYTES) -> None:
+        self.channel = channel
+        self.transports = list(transports)
+        self.nixl = nixl
+        self.verify_checksums = verify_checksums
         self.max_chunk_bytes = max_chunk_bytes
-        self.timeout_s = timeout_s
-        self._channels: dict[str, grpc.aio.Channel] = {}
 
-    async def send(
-        self, kv_cache: torch.Tensor, block_ids: Sequence[int], destination: KVDestination, request_id: str
-    ) -> int:
-        """See ``KVSender.send``; ``KVTransferError`` carries the call's status."""
-        channel = self._channels.get(destination.address)
-        if channel is None:
-            channel = grpc.aio.insecure_channel(destination.address, options=GRPC_MESSAGE_OPTIONS)
-            self._channels[destination.address] = channel
-        return await send_blocks(
-            worker_pb2_grpc.DecodeWorkerStub(channel), kv_cache, block_ids,
-            reservation_id=destination.reservation_id, request_id=request_id,
-            max_chunk_bytes=self.max_chunk_bytes, timeout_s=self.timeout_s,
-        )
+    def choose_transport(self, destination: KVDestination) -> str:
+        """The first of this worker's transports the destination takes.
 
-    async def close(self) -> None:
-        """Close every channel."""
-        channels, self._channels = list(self._channels.values()), {}
-        for channel in channels:
-            await channel.close()
+        Raises:
+            StatusError: ``FAILED_PRECONDITION`` when they share none (e.g. a worker configured
+                for NIXL only, and a receiver without it): a clear error, never a silent slow path.
+        """
+        for transport in self.transports:
+            if transport in destination.kv_transports:
+                return transport
+        raise StatusError(grpc.StatusCode.FAILED_PRECONDITION,
+                          f"no KV transport in common: this worker sends by {self.transports}, the decode worker "
+                          f"at {destination.address} takes {list(destination.kv_transports)}")
+
+    def open(self, destination: KVDestination, request_id: str, timeout_s: float | None = None) -> GrpcKVTransfer:
+        """A transfer into ``destination``'s reservation (enter it with ``async with``).
+
+        Raises:
+            StatusError: ``FAILED_PRECONDITION``, no transport in common.
+        """
+        transport = self.choose_transport(destination)
+        stub = worker_pb2_grpc.DecodeWorkerStub(self.channel(destination.address))
+        source = self.nixl.source() if transport == "nixl" else None
+        return GrpcKVTransfer(stub, destination.reservation_id, request_id, max_chunk_bytes=self.max_chunk_bytes,
+                              timeout_s=timeout_s, nixl_source=source, verify_checksums=self.verify_checksums)

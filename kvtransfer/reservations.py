@@ -4,11 +4,20 @@ A decode worker allocates blocks from its own pool, then ``reserve``s them here 
 Blocks leave the table in exactly one of two ways: ``claim`` (the transfer is complete and the
 request's sequence takes ownership) or release (abort, failed transfer, expired lease), which
 hands them back through the ``free_blocks`` callback. So no path leaves a block reserved after
-its request has ended (DESIGN.md, "Leases").
+its request has ended (docs/architecture.md, "Leases").
 
-The table is not thread-safe: use it from one event loop. Check-then-write sequences
-(``check_arrival``, copy, ``mark_arrived``) must not ``await`` in between, so that an expiry
-cannot free (and the pool re-allocate) a block between its check and its write.
+A lease follows progress, not the wall clock alone: while a sender holds a transfer stream
+open on the reservation (:meth:`ReservationTable.attach`), the lease is suspended, so a long
+prefill that streams its blocks as it computes them never loses its reservation; the stream
+itself is the proof of life (a dead or frozen sender ends it, and the receiver releases). The
+lease runs only in the gaps: from ``reserve`` to the stream's opening, and from the stream's
+end to ``claim``.
+
+The table is not thread-safe: use it from one event loop. A write into reserved blocks is
+bracketed by ``begin_write`` (every check, then the positions count as arrived) and
+``end_write``; a reservation released while a write is in flight (an Abort during a NIXL read)
+leaves the table at once but frees its blocks only when the last write has ended, so the pool
+never re-allocates a block that is still being written.
 """
 
 from __future__ import annotations
@@ -22,7 +31,7 @@ from dataclasses import dataclass, field
 
 import grpc
 
-from kvtransfer.errors import KVTransferError
+from protos.status import StatusError
 
 logger = logging.getLogger(__name__)
 
@@ -38,18 +47,29 @@ class Reservation:
         request_id: the request the blocks are for.
         block_ids: physical block receiving the request's block at each position
             ``0 .. num_blocks - 1``.
-        deadline: when the lease ends, in the table clock's seconds.
-        arrived: per position, whether that block has been written.
+        deadline: when the lease ends, in the table clock's seconds (ignored while attached).
+        lease_s: the lease granted, seconds (each gap gets a whole one).
+        num_cached: leading positions filled from the receiver's own prefix cache (arrived from
+            the start; the sender skips them).
+        attached: a transfer stream is open on the reservation (its lease is suspended).
+        arrived: per position, whether that block has been written (or is being written).
+        writes: writes in flight (``begin_write`` without its ``end_write``).
+        released: the reservation has left the table; its blocks are freed once ``writes`` is 0.
     """
 
     reservation_id: str
     request_id: str
     block_ids: list[int]
     deadline: float
+    lease_s: float = DEFAULT_LEASE_S
+    num_cached: int = 0
+    attached: bool = False
     arrived: list[bool] = field(init=False)
+    writes: int = 0
+    released: bool = False
 
     def __post_init__(self) -> None:
-        self.arrived = [False] * len(self.block_ids)
+        self.arrived = [i < self.num_cached for i in range(len(self.block_ids))]
 
     @property
     def num_blocks(self) -> int:
@@ -101,7 +121,7 @@ class ReservationTable:
         return sum(r.num_blocks for r in self._by_id.values())
 
     def reserve(
-        self, request_id: str, block_ids: Sequence[int], lease_s: float | None = None
+        self, request_id: str, block_ids: Sequence[int], lease_s: float | None = None, num_cached: int = 0,
     ) -> Reservation:
         """Record ``block_ids`` (already allocated by the caller) as reserved for ``request_id``.
 
@@ -111,23 +131,24 @@ class ReservationTable:
             request_id: the request; at most one live reservation each.
             block_ids: physical blocks, one per position of the request's blocks (>= 1, distinct).
             lease_s: lease in seconds; ``None``: the table's default.
+            num_cached: leading positions already holding their KV (the receiver's prefix cache).
 
         Raises:
-            KVTransferError: ``ALREADY_EXISTS`` if ``request_id`` holds a reservation,
+            StatusError: ``ALREADY_EXISTS`` if ``request_id`` holds a reservation,
                 ``INVALID_ARGUMENT`` for empty or repeated block ids or a lease <= 0.
         """
         if request_id in self._by_request:
-            raise KVTransferError(
+            raise StatusError(
                 grpc.StatusCode.ALREADY_EXISTS, f"request {request_id!r} already holds a reservation")
         if not block_ids or len(set(block_ids)) != len(block_ids):
-            raise KVTransferError(
+            raise StatusError(
                 grpc.StatusCode.INVALID_ARGUMENT,
                 f"block_ids must be non-empty and distinct, got {list(block_ids)}")
         lease = self.lease_s if lease_s is None else lease_s
         if lease <= 0:
-            raise KVTransferError(grpc.StatusCode.INVALID_ARGUMENT, f"lease_s must be > 0, got {lease}")
-        reservation = Reservation(
-            secrets.token_hex(16), request_id, list(block_ids), self._clock() + lease)
+            raise StatusError(grpc.StatusCode.INVALID_ARGUMENT, f"lease_s must be > 0, got {lease}")
+        reservation = Reservation(secrets.token_hex(16), request_id, list(block_ids), self._clock() + lease,
+                                  lease_s=lease, num_cached=num_cached)
         self._by_id[reservation.reservation_id] = reservation
         self._by_request[request_id] = reservation.reservation_id
         return reservation
@@ -136,54 +157,76 @@ class ReservationTable:
         """Return a live reservation; one whose lease has ended is released first.
 
         Raises:
-            KVTransferError: ``NOT_FOUND``, unknown, released or expired.
+            StatusError: ``NOT_FOUND``, unknown, released or expired.
         """
         reservation = self._by_id.get(reservation_id)
-        if reservation is not None and self._clock() >= reservation.deadline:
+        if reservation is not None and self._expired(reservation, self._clock()):
             self.release(reservation_id, "lease expired")
             reservation = None
         if reservation is None:
-            raise KVTransferError(
+            raise StatusError(
                 grpc.StatusCode.NOT_FOUND,
                 f"no live reservation {reservation_id!r} (unknown, aborted or expired)")
         return reservation
 
-    def check_arrival(
+    def begin_write(
         self, reservation_id: str, request_id: str, first_index: int, count: int
-    ) -> list[int]:
-        """Validate that blocks ``first_index .. first_index + count - 1`` may be written now.
+    ) -> tuple[Reservation, list[int]]:
+        """Check that blocks ``first_index .. first_index + count - 1`` may be written now, and
+        count them as arrived (a second write of one is a duplicate). Call :meth:`end_write`
+        when the bytes are in place, whatever happened.
 
         Returns:
-            Their physical block ids, in position order.
+            The reservation and the physical block ids to write, in position order.
 
         Raises:
-            KVTransferError: ``NOT_FOUND`` (see ``get``); ``INVALID_ARGUMENT`` for another
+            StatusError: ``NOT_FOUND`` (see ``get``); ``INVALID_ARGUMENT`` for another
                 request's reservation, positions outside ``[0, num_blocks)``, or a position that
                 has already arrived (duplicate).
         """
         reservation = self._get_owned(reservation_id, request_id)
         end = first_index + count
         if count < 1 or first_index < 0 or end > reservation.num_blocks:
-            raise KVTransferError(
+            raise StatusError(
                 grpc.StatusCode.INVALID_ARGUMENT,
                 f"blocks [{first_index}, {end}) outside [0, {reservation.num_blocks}) of "
                 f"reservation {reservation_id!r}")
         duplicates = [i for i in range(first_index, end) if reservation.arrived[i]]
         if duplicates:
-            raise KVTransferError(
+            raise StatusError(
                 grpc.StatusCode.INVALID_ARGUMENT,
                 f"blocks {duplicates} of reservation {reservation_id!r} already arrived (duplicate)")
-        return reservation.block_ids[first_index:end]
+        reservation.arrived[first_index:end] = [True] * count
+        reservation.writes += 1
+        return reservation, reservation.block_ids[first_index:end]
 
-    def mark_arrived(self, reservation_id: str, first_index: int, count: int) -> Reservation:
-        """Record blocks ``first_index .. + count - 1`` as written (after ``check_arrival`` passed).
+    def end_write(self, reservation: Reservation) -> None:
+        """A write begun by :meth:`begin_write` is over (done or failed); frees the blocks of a
+        reservation released meanwhile once its last write ends."""
+        reservation.writes -= 1
+        if reservation.released and reservation.writes == 0:
+            self._free_blocks(reservation.block_ids)
+
+    def attach(self, reservation_id: str, request_id: str) -> Reservation:
+        """A transfer stream opened on the reservation: suspend its lease until :meth:`detach`.
 
         Raises:
-            KVTransferError: ``NOT_FOUND`` (see ``get``).
+            StatusError: ``NOT_FOUND`` (see ``get``), ``INVALID_ARGUMENT`` for another request's
+                reservation or one that already has a stream.
         """
-        reservation = self.get(reservation_id)
-        reservation.arrived[first_index : first_index + count] = [True] * count
+        reservation = self._get_owned(reservation_id, request_id)
+        if reservation.attached:
+            raise StatusError(grpc.StatusCode.INVALID_ARGUMENT,
+                              f"reservation {reservation_id!r} already has a transfer stream")
+        reservation.attached = True
         return reservation
+
+    def detach(self, reservation_id: str) -> None:
+        """The transfer stream ended: the lease runs again, a whole lease from now (for ``claim``)."""
+        reservation = self._by_id.get(reservation_id)
+        if reservation is not None:
+            reservation.attached = False
+            reservation.deadline = self._clock() + reservation.lease_s
 
     def claim(self, reservation_id: str, request_id: str) -> list[int]:
         """Hand a complete reservation's blocks to the caller (the request's sequence) and forget it.
@@ -192,21 +235,41 @@ class ReservationTable:
             Physical block ids in position order; the caller now owns (and must free) them.
 
         Raises:
-            KVTransferError: ``NOT_FOUND`` (see ``get``), ``INVALID_ARGUMENT`` for another
+            StatusError: ``NOT_FOUND`` (see ``get``), ``INVALID_ARGUMENT`` for another
                 request's reservation, ``FAILED_PRECONDITION`` if blocks are missing (the
                 reservation stays, under its lease).
         """
         reservation = self._get_owned(reservation_id, request_id)
-        if not reservation.complete:
-            raise KVTransferError(
+        if not reservation.complete or reservation.writes:
+            raise StatusError(
                 grpc.StatusCode.FAILED_PRECONDITION,
-                f"reservation {reservation_id!r} has {reservation.num_arrived} of "
+                f"reservation {reservation_id!r} has {reservation.num_arrived - reservation.writes} of "
                 f"{reservation.num_blocks} blocks")
         self._forget(reservation)
         return reservation.block_ids
 
+    def take(self, reservation_id: str, request_id: str) -> list[int]:
+        """Hand a reservation's blocks to the caller whatever arrived (a decode worker that
+        prefills the request itself) and forget it.
+
+        Returns:
+            Physical block ids in position order; the caller now owns (and must free) them.
+
+        Raises:
+            StatusError: ``NOT_FOUND`` (see ``get``), ``INVALID_ARGUMENT`` for another
+                request's reservation, ``FAILED_PRECONDITION`` while a transfer stream is open on
+                it or a write is in flight.
+        """
+        reservation = self._get_owned(reservation_id, request_id)
+        if reservation.attached or reservation.writes:
+            raise StatusError(grpc.StatusCode.FAILED_PRECONDITION,
+                              f"reservation {reservation_id!r} is being transferred into")
+        self._forget(reservation)
+        return reservation.block_ids
+
     def release(self, reservation_id: str, reason: str) -> bool:
-        """Free a reservation's blocks through ``free_blocks``. Idempotent.
+        """Free a reservation's blocks through ``free_blocks`` (once no write is in flight on
+        them). Idempotent.
 
         Returns:
             Whether the reservation was live.
@@ -215,9 +278,11 @@ class ReservationTable:
         if reservation is None:
             return False
         self._forget(reservation)
+        reservation.released = True
         logger.info("released reservation %s of request %s (%d blocks, %d arrived): %s", reservation_id,
                     reservation.request_id, reservation.num_blocks, reservation.num_arrived, reason)
-        self._free_blocks(reservation.block_ids)
+        if not reservation.writes:
+            self._free_blocks(reservation.block_ids)
         return True
 
     def release_request(self, request_id: str, reason: str) -> bool:
@@ -235,7 +300,7 @@ class ReservationTable:
     def expire(self) -> list[str]:
         """Release every reservation whose lease has ended; return their ids."""
         now = self._clock()
-        expired = [rid for rid, r in self._by_id.items() if now >= r.deadline]
+        expired = [rid for rid, r in self._by_id.items() if self._expired(r, now)]
         for reservation_id in expired:
             self.release(reservation_id, "lease expired")
         return expired
@@ -246,10 +311,14 @@ class ReservationTable:
             self.expire()
             await asyncio.sleep(interval_s)
 
+    @staticmethod
+    def _expired(reservation: Reservation, now: float) -> bool:
+        return not reservation.attached and now >= reservation.deadline
+
     def _get_owned(self, reservation_id: str, request_id: str) -> Reservation:
         reservation = self.get(reservation_id)
         if request_id != reservation.request_id:
-            raise KVTransferError(
+            raise StatusError(
                 grpc.StatusCode.INVALID_ARGUMENT,
                 f"reservation {reservation_id!r} belongs to request {reservation.request_id!r}, "
                 f"not {request_id!r}")

@@ -3,9 +3,8 @@
 A transport moves a request's blocks from the prefill worker's cache into a decode worker's
 reservation. The receive side is shared by all transports: they hand verified blocks to
 ``KVReceiver.install``, which checks them against the ``ReservationTable`` and writes them.
-``GrpcKVSender`` (any host) is the one implementation today; a same-host one (CUDA IPC / NVLink)
-would implement ``KVSender`` too, e.g. by exporting the source blocks' IPC handles so that the
-decode worker copies them device-to-device and calls ``install`` with a view of them.
+``GrpcKVSender`` opens the ``TransferKV`` stream either way: it carries the blocks' bytes (gRPC)
+or the sender's block ids for the receiver to read with NIXL.
 """
 
 from __future__ import annotations
@@ -24,37 +23,58 @@ class KVDestination:
     Attributes:
         address: the decode worker's gRPC address, ``"host:port"``.
         reservation_id: from that worker's ``Admit``.
+        num_cached_blocks: leading positions the decode worker already holds (not sent).
+        kv_transports: the transports the decode worker takes (``"nixl"``, ``"grpc"``).
     """
 
     address: str
     reservation_id: str
+    num_cached_blocks: int = 0
+    kv_transports: tuple[str, ...] = ("grpc",)
 
 
-class KVSender(Protocol):
-    """Pushes one request's KV blocks into a reservation on another worker."""
+class KVTransfer(Protocol):
+    """One request's transfer into one reservation, as an async context manager: entering it
+    opens the stream (and keeps the reservation alive), leaving it without :meth:`finish`
+    cancels the transfer (the receiver then frees the reservation)."""
 
-    async def send(
-        self, kv_cache: torch.Tensor, block_ids: Sequence[int], destination: KVDestination, request_id: str
-    ) -> int:
-        """Send ``kv_cache[block_ids[i]]`` as the request's block ``i``, for every ``i``.
+    num_sent: int  # blocks sent so far
+    transport: str  # "nixl" or "grpc"
+
+    async def __aenter__(self) -> KVTransfer: ...
+
+    async def __aexit__(self, *exc) -> None: ...
+
+    async def send(self, kv_cache: torch.Tensor, first_index: int, block_ids: Sequence[int]) -> None:
+        """Send ``kv_cache[block_ids[i]]`` as the request's block ``first_index + i``.
 
         Args:
             kv_cache: the sender's cache, ``[num_blocks, num_layers, 2, block_size, num_kv_heads,
                 head_dim]``; the blocks must stay unchanged (pinned) until this returns.
-            block_ids: the request's physical blocks on the sender, in position order; as many
-                as the reservation holds.
-            destination: where to.
-            request_id: the request (checked against the reservation).
-
-        Returns:
-            Blocks the receiver acknowledged (all of them).
+            first_index: position of ``block_ids[0]`` among the request's blocks.
+            block_ids: the sender's physical blocks, in position order.
 
         Raises:
-            KVTransferError: the receiver refused the blocks, the peer failed or the deadline
-                passed; ``code`` says which. The receiver has freed the reservation.
+            StatusError: the receiver refused the blocks or the peer failed; ``code`` says which.
         """
         ...
 
-    async def close(self) -> None:
-        """Release the transport's connections."""
+    async def finish(self) -> int:
+        """Every block is sent: wait for the receiver's acknowledgement; returns the blocks it
+        acknowledged (all of the reservation's).
+
+        Raises:
+            StatusError: the receiver refused the transfer (blocks missing, bad data) or the peer
+                failed or the deadline passed; the receiver has freed the reservation.
+        """
         ...
+
+
+class KVSender(Protocol):
+    """Opens transfers of KV blocks into reservations on other workers."""
+
+    def open(self, destination: KVDestination, request_id: str, timeout_s: float | None = None) -> KVTransfer:
+        """A transfer of ``request_id``'s blocks into ``destination`` (enter it with ``async with``);
+        ``timeout_s`` bounds the whole transfer (``None``: the caller's cancellation does)."""
+        ...
+

@@ -17,7 +17,7 @@ from dataclasses import dataclass
 import grpc
 import torch
 
-from kvtransfer.errors import KVTransferError
+from protos.status import StatusError
 from protos.tandem.v1 import kvtransfer_pb2
 
 # An allowlist, never getattr(torch, name): the name comes off the network.
@@ -76,19 +76,26 @@ class BlockLayout:
         """Parse ``tandem.v1.KVBlockLayout``.
 
         Raises:
-            KVTransferError: ``INVALID_ARGUMENT``, unknown dtype or an empty/zero dimension.
+            StatusError: ``INVALID_ARGUMENT``, unknown dtype or an empty/zero dimension.
         """
         if message.dtype not in KV_DTYPES:
-            raise KVTransferError(grpc.StatusCode.INVALID_ARGUMENT, f"unknown KV dtype {message.dtype!r}")
+            raise StatusError(grpc.StatusCode.INVALID_ARGUMENT, f"unknown KV dtype {message.dtype!r}")
         try:
             return cls(KV_DTYPES[message.dtype], tuple(message.block_shape))
         except ValueError as exc:
-            raise KVTransferError(grpc.StatusCode.INVALID_ARGUMENT, str(exc)) from exc
+            raise StatusError(grpc.StatusCode.INVALID_ARGUMENT, str(exc)) from exc
 
 
 def crc32(data: bytes) -> int:
     """CRC-32 (zlib, IEEE polynomial) of ``data``, as an unsigned 32-bit int."""
     return zlib.crc32(data) & 0xFFFFFFFF
+
+
+def blocks_crc32(kv_cache: torch.Tensor, block_ids: list[int]) -> int:
+    """CRC-32 of blocks ``kv_cache[block_ids[i]]`` one after the other, as their raw bytes (what
+    a chunk of them carries as ``data``); copies them to the host."""
+    blocks = kv_cache[torch.tensor(block_ids, device=kv_cache.device)].to("cpu").contiguous()
+    return crc32(blocks.view(torch.uint8).numpy().tobytes())
 
 
 def encode_chunk(
@@ -106,8 +113,7 @@ def encode_chunk(
         The chunk, with ``data`` (``blocks.nbytes`` bytes) and its CRC-32.
     """
     layout = BlockLayout(blocks.dtype, tuple(blocks.shape[1:]))
-    host = blocks.detach().to("cpu").contiguous()
-    data = host.view(torch.uint8).numpy().tobytes()
+    data = blocks.detach().to("cpu").contiguous().view(torch.uint8).numpy().tobytes()
     return kvtransfer_pb2.KVChunk(
         reservation_id=reservation_id, request_id=request_id,
         first_block_index=first_block_index, num_blocks=blocks.shape[0],
@@ -130,27 +136,27 @@ def decode_chunk(chunk: kvtransfer_pb2.KVChunk, expected: BlockLayout) -> torch.
         view of ``chunk.data``: copy from it, never write to it.
 
     Raises:
-        KVTransferError: ``INVALID_ARGUMENT`` for a count, dtype, shape or length mismatch,
+        StatusError: ``INVALID_ARGUMENT`` for a count, dtype, shape or length mismatch,
             ``DATA_LOSS`` for a checksum mismatch.
     """
     invalid = grpc.StatusCode.INVALID_ARGUMENT
     where = f"chunk at block {chunk.first_block_index} of reservation {chunk.reservation_id!r}"
     if chunk.num_blocks < 1:
-        raise KVTransferError(invalid, f"{where}: num_blocks must be >= 1, got {chunk.num_blocks}")
+        raise StatusError(invalid, f"{where}: num_blocks must be >= 1, got {chunk.num_blocks}")
     if chunk.layout.dtype != expected.dtype_name:
-        raise KVTransferError(
+        raise StatusError(
             invalid, f"{where}: dtype {chunk.layout.dtype!r} != expected {expected.dtype_name!r}")
     if tuple(chunk.layout.block_shape) != expected.block_shape:
-        raise KVTransferError(
+        raise StatusError(
             invalid, f"{where}: block_shape {list(chunk.layout.block_shape)} != expected "
                      f"{list(expected.block_shape)}")
     want = chunk.num_blocks * expected.block_nbytes
     if len(chunk.data) != want:
-        raise KVTransferError(
+        raise StatusError(
             invalid, f"{where}: {len(chunk.data)} bytes != {chunk.num_blocks} blocks x "
                      f"{expected.block_nbytes} = {want}")
     if crc32(chunk.data) != chunk.crc32:
-        raise KVTransferError(
+        raise StatusError(
             grpc.StatusCode.DATA_LOSS,
             f"{where}: CRC-32 {crc32(chunk.data):#010x} != sent {chunk.crc32:#010x}")
     with warnings.catch_warnings():

@@ -1,0 +1,153 @@
+"""What every Tandem server serves besides its own API, and how it binds.
+
+:class:`ServerScaffold` builds the ``grpc.aio`` server with health checking (``Check``, ``List``
+and a ``Watch`` that ends on shutdown, :mod:`cluster.health`) and reflection v1/v1alpha of the
+services it lists (:mod:`cluster.reflection`). A listen address or metrics port that cannot be
+bound raises :class:`BindError`, one line naming the address and the setting; the entry points
+print it and exit 1. This module loads no torch: the gateway process uses it too.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import socket
+import time
+from collections.abc import Callable, Iterator, Sequence
+
+import grpc
+from prometheus_client import CollectorRegistry, start_http_server
+
+from cluster.health import HealthServicer
+from cluster.reflection import add_reflection
+from protos.grpc.health.v1 import health_pb2, health_pb2_grpc
+from protos.status import StatusError
+
+HEALTH_SERVICE = health_pb2.DESCRIPTOR.services_by_name["Health"].full_name
+
+
+class BindError(OSError):
+    """An address could not be bound; the message names it and the setting that chose it."""
+
+
+class Admission:
+    """Whether a server takes new work, and how much is in flight (for the drain).
+
+    Servicers wrap each unit of work in :meth:`track` and call :meth:`check` where new work
+    enters (``Generate``, ``Prefill``, ``Admit``).
+    """
+
+    def __init__(self) -> None:
+        self.open = True
+        self.in_flight = 0
+        self._changed = asyncio.Event()
+
+    def check(self) -> None:
+        """Refuse new work once the server is draining.
+
+        Raises:
+            StatusError: ``UNAVAILABLE``.
+        """
+        if not self.open:
+            raise StatusError(grpc.StatusCode.UNAVAILABLE, "the server is shutting down")
+
+    @contextlib.contextmanager
+    def track(self) -> Iterator[None]:
+        self.in_flight += 1
+        try:
+            yield
+        finally:
+            self.in_flight -= 1
+            self._changed.set()
+
+    async def wait_idle(self, timeout_s: float, extra: Callable[[], int] = lambda: 0) -> bool:
+        """Wait until nothing is in flight (``in_flight + extra() == 0``); False on timeout."""
+        deadline = time.monotonic() + timeout_s
+        while self.in_flight + extra() > 0:
+            remaining = deadline - time.monotonic()
+            if remaining <= 0:
+                return False
+            self._changed.clear()
+            with contextlib.suppress(TimeoutError):
+                # Re-check at least every 0.1 s: ``extra`` (e.g. live reservations) has no event.
+                await asyncio.wait_for(self._changed.wait(), min(remaining, 0.1))
+        return True
+
+
+class ServerScaffold:
+    """A ``grpc.aio`` server with health and reflection, before its own servicers are added.
+
+    Args:
+        services: full names of the server's own services (health reports each; reflection
+            lists them).
+        options: ``grpc.aio.server`` channel options (message size limits, ...).
+
+    Attributes:
+        server: add the servicers to it, then :meth:`bind` and :meth:`start`.
+        health: NOT_SERVING for everything until the owner says otherwise.
+    """
+
+    def __init__(self, services: Sequence[str], options: Sequence[tuple[str, int]] = ()) -> None:
+        # No SO_REUSEPORT: a second server on a taken port must fail, not share it silently.
+        self.server = grpc.aio.server(options=[("grpc.so_reuseport", 0), *options])
+        self.health = HealthServicer(list(services))
+        health_pb2_grpc.add_HealthServicer_to_server(self.health, self.server)
+        add_reflection(self.server, [*services, HEALTH_SERVICE])
+
+    def bind(self, address: str, setting: str) -> int:
+        """Listen on ``address`` (``host:port``; port 0 picks a free one) and return the port.
+
+        Raises:
+            BindError: the address is taken or invalid; names ``address`` and ``setting``.
+        """
+        _check_free(address, setting)
+        try:
+            port = self.server.add_insecure_port(address)
+        except RuntimeError as exc:  # grpcio reports a failed bind this way
+            raise BindError(f"cannot listen on {address} ({setting}): {exc}") from None
+        if not port:
+            raise BindError(f"cannot listen on {address} ({setting})")
+        return port
+
+    async def start(self) -> None:
+        await self.server.start()
+
+    async def stop(self, grace_s: float) -> None:
+        """End every health Watch stream (NOT_SERVING first), then stop the server, giving
+        in-flight calls ``grace_s`` seconds."""
+        await self.health.shutdown()
+        await self.server.stop(grace_s)
+
+
+def _check_free(address: str, setting: str) -> None:
+    """Bind ``address`` once with a plain socket, so that a taken or invalid address is reported
+    in one line (gRPC's core would log a multi-line error of its own first).
+
+    Raises:
+        BindError: naming ``address`` and ``setting``.
+    """
+    host, _, port = address.rpartition(":")
+    if port == "0":
+        return
+    try:
+        family, kind, proto, _, sockaddr = socket.getaddrinfo(host.strip("[]"), int(port), type=socket.SOCK_STREAM)[0]
+        with socket.socket(family, kind, proto) as probe:
+            probe.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+            probe.bind(sockaddr)
+    except (OSError, ValueError) as exc:
+        reason = exc.strerror if isinstance(exc, OSError) and exc.strerror else str(exc)
+        raise BindError(f"cannot listen on {address} ({setting}): {reason}") from None
+
+
+def serve_metrics(registry: CollectorRegistry, host: str, port: int, setting: str):
+    """Serve ``registry`` at ``http://host:port/metrics`` (on the server's listen host, never all
+    interfaces unless that is the listen host); returns the HTTP server (``shutdown()`` stops it).
+
+    Raises:
+        BindError: the port is taken; names ``host:port`` and ``setting``.
+    """
+    try:
+        server, _ = start_http_server(port, addr=host or "0.0.0.0", registry=registry)
+    except OSError as exc:
+        raise BindError(f"cannot serve metrics on {host}:{port} ({setting}): {exc.strerror or exc}") from None
+    return server

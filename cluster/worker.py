@@ -1,0 +1,224 @@
+"""The worker process, shared by the prefill and decode workers: the engine thread, the gRPC
+server (:class:`cluster.server.ServerScaffold`), metrics, registration with the settings the
+worker publishes, and the graceful drain on SIGTERM.
+
+Shutdown order (:meth:`WorkerServer.shutdown`): health goes NOT_SERVING and new work is refused
+with UNAVAILABLE; the worker leaves the Redis registry at once (so routers stop picking it while
+it drains); in-flight requests get up to ``drain_timeout_s`` to finish, then whatever is left is
+aborted (streams end with finish reason ABORT); the server stops and the engine thread ends.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import signal
+import uuid
+from collections.abc import Callable
+from typing import Protocol
+
+import grpc
+
+from cluster.health import SERVING
+from cluster.heartbeat import Heartbeat
+from cluster.log import configure_logging
+from cluster.metrics import WorkerMetrics
+from cluster.prefix_index import PrefixIndex
+from cluster.registry import ClusterNamespace, Role, WorkerConfig, WorkerInfo, WorkerLoad, WorkerRegistry, redis_client
+from cluster.server import Admission, BindError, ServerScaffold
+from cluster.settings import WorkerSettings, advertised_address, setting_name
+from engine.async_engine import AsyncEngine
+from engine.llm_engine import LLMEngine
+from kvtransfer import GRPC_MESSAGE_OPTIONS
+from kvtransfer.nixl import NixlAgent
+
+logger = logging.getLogger(__name__)
+
+class StartupError(RuntimeError):
+    """The worker cannot start as configured (the message says which setting)."""
+
+
+def kv_transport(settings: WorkerSettings, worker_id: str, llm: LLMEngine) -> tuple[list[str], NixlAgent | None]:
+    """The KV transports this worker uses, preferred first, and its NIXL agent (its KV pool
+    registered) when NIXL is one of them.
+
+    Raises:
+        StartupError: ``kv_transport`` is ``nixl`` but NIXL cannot start here.
+    """
+    if settings.kv_transport == "grpc":
+        return ["grpc"], None
+    try:
+        agent = NixlAgent(f"{worker_id}-{uuid.uuid4().hex[:8]}", llm.kv_cache.tensor)
+    except (ImportError, RuntimeError) as exc:
+        if settings.kv_transport == "nixl":
+            raise StartupError(f"{setting_name(WorkerSettings, 'kv_transport')} is nixl, but NIXL cannot start "
+                               f"here: {exc}") from None
+        logger.info("NIXL unavailable (%s): KV moves over the gRPC stream", exc)
+        return ["grpc"], None
+    return (["nixl"] if settings.kv_transport == "nixl" else ["nixl", "grpc"]), agent
+
+
+def published_config(llm: LLMEngine) -> WorkerConfig:
+    """The cache settings a worker owns, as it publishes them (registry entry, ``GetStats``)."""
+    return WorkerConfig(llm.model_id, llm.config.block_size, llm.max_model_len, llm.kv_cache_dtype,
+                        llm.hash_seed, llm.vocab_size)
+
+
+class WorkerServicer(Protocol):
+    """What :class:`WorkerServer` needs from a worker's servicer."""
+
+    service_name: str  # full gRPC service name, e.g. "tandem.v1.DecodeWorker"
+    admission: Admission
+
+    def add_to_server(self, server: grpc.aio.Server) -> None: ...
+
+    def pending(self) -> int:
+        """Work in flight outside RPCs (e.g. reservations waiting for their transfer)."""
+        ...
+
+    async def close(self) -> None: ...
+
+
+# ------------------------------------------------------------------------- server
+class WorkerServer:
+    """One worker process's server around an :class:`AsyncEngine` and a servicer.
+
+    Args:
+        settings: the worker's settings (listen address, Redis, metrics port, drain timeout).
+        role: the worker's pool.
+        engine: the running engine.
+        servicer: the worker's gRPC servicer.
+        metrics: the worker's metrics (served on ``settings.metrics_port`` if non-zero).
+
+    Both pools publish their prefix caches to the prefix index: the gateway routes a prompt to
+    the prefill worker that holds its prefix, and a chat's next turn to the decode worker that
+    holds the previous answer.
+    """
+
+    def __init__(self, settings: WorkerSettings, role: Role, engine: AsyncEngine, servicer: WorkerServicer,
+                 metrics: WorkerMetrics) -> None:
+        self.settings = settings
+        self.role = role
+        self.engine = engine
+        self.servicer = servicer
+        self.metrics = metrics
+        self.worker_id = settings.resolved_worker_id(str(role))
+        self.address = ""  # advertised, set by start()
+        self.port = 0
+        self._scaffold: ServerScaffold | None = None
+        self._heartbeat = None
+        self._redis = None
+        self._shutdown_task: asyncio.Task[None] | None = None
+        self._stopped = asyncio.Event()
+
+    async def start(self) -> str:
+        """Bind, start serving, register in Redis; returns the advertised address.
+
+        Raises:
+            BindError: the listen address or the metrics port cannot be bound.
+        """
+        s = self.settings
+        self._scaffold = scaffold = ServerScaffold([self.servicer.service_name], GRPC_MESSAGE_OPTIONS)
+        self.servicer.add_to_server(scaffold.server)
+        self.port = scaffold.bind(s.listen, setting_name(WorkerSettings, "listen"))
+        self.metrics.serve(s.listen_host, s.metrics_port, setting_name(WorkerSettings, "metrics_port"))
+        await scaffold.start()
+        self.address = advertised_address(s.listen_host, self.port, s.advertise)
+        await scaffold.health.set_all(SERVING)
+        if s.redis_url:
+            self._start_heartbeat()
+        logger.info("%s worker %s listening on %s (bound %s:%d)", self.role, self.worker_id, self.address,
+                    s.listen_host, self.port)
+        return self.address
+
+    @property
+    def health(self):
+        """The server's :class:`cluster.health.HealthServicer` (after :meth:`start`)."""
+        return self._scaffold.health
+
+    def _start_heartbeat(self) -> None:
+        s = self.settings
+        self._redis = redis_client(s.redis_url)
+        ns = ClusterNamespace(s.redis_key_prefix, s.registry_ttl_s)
+
+        def load() -> WorkerLoad:
+            st = self.engine.stats()
+            return WorkerLoad(st.num_running, st.num_waiting + self.servicer.pending(), st.num_free_blocks,
+                              st.num_total_blocks)
+
+        index, blocks = PrefixIndex(self._redis, ns), self.engine.block_events
+        info = WorkerInfo(self.worker_id, self.role, self.address, published_config(self.engine.engine))
+        self._heartbeat = Heartbeat(WorkerRegistry(self._redis, ns), info, load, index=index, blocks=blocks,
+                                    interval_s=s.heartbeat_interval_s)
+        self._heartbeat.start()
+
+    def install_signal_handlers(self) -> None:
+        """SIGTERM and SIGINT start :meth:`shutdown` (once)."""
+        loop = asyncio.get_running_loop()
+        for sig in (signal.SIGTERM, signal.SIGINT):
+            loop.add_signal_handler(sig, self.request_shutdown)
+
+    def request_shutdown(self) -> None:
+        if self._shutdown_task is None:
+            self._shutdown_task = asyncio.get_running_loop().create_task(self.shutdown())
+
+    async def shutdown(self) -> None:
+        """Drain and stop (idempotent; see the module docstring for the order)."""
+        if not self.servicer.admission.open:
+            await self._stopped.wait()
+            return
+        self.servicer.admission.open = False
+        if self._scaffold is not None:
+            await self._scaffold.health.shutdown()
+        logger.info("shutting down: draining %d in-flight requests (at most %.1f s)",
+                    self.servicer.admission.in_flight + self.servicer.pending(), self.settings.drain_timeout_s)
+        if self._heartbeat is not None:
+            await self._heartbeat.stop()
+        drained = await self.servicer.admission.wait_idle(self.settings.drain_timeout_s, self.servicer.pending)
+        if not drained:
+            aborted = await self.engine.abort_all()
+            logger.warning("drain timed out; aborted %d requests", aborted)
+            await self.servicer.admission.wait_idle(2.0, self.servicer.pending)
+        await self.servicer.close()
+        if self._scaffold is not None:
+            await self._scaffold.stop(1.0)
+        await self.engine.shutdown()
+        if self._redis is not None:
+            await self._redis.aclose()
+        self.metrics.close()
+        logger.info("worker %s stopped", self.worker_id)
+        self._stopped.set()
+
+    async def wait(self) -> None:
+        """Return once :meth:`shutdown` has finished."""
+        await self._stopped.wait()
+
+
+# ----------------------------------------------------------------------- process
+def run_worker(settings: WorkerSettings, role: Role,
+               make: Callable[[AsyncEngine, WorkerSettings, WorkerMetrics], WorkerServicer]) -> int:
+    """Load the engine, serve until SIGTERM/SIGINT, drain; returns the exit code (0; 1 when an
+    address cannot be bound or a setting cannot work here, after one line on stderr naming it)."""
+    configure_logging(settings.log_level)
+
+    async def main() -> None:
+        llm = await asyncio.to_thread(LLMEngine, settings.model or None, settings.engine_config(),
+                                      settings.load_format)
+        engine = AsyncEngine(llm, name=f"{role}-engine")
+        engine.start()
+        metrics = WorkerMetrics(str(role), engine.stats)
+        try:
+            server = WorkerServer(settings, role, engine, make(engine, settings, metrics), metrics)
+            await server.start()
+        except (BindError, StartupError):
+            await engine.shutdown()
+            raise
+        server.install_signal_handlers()
+        await server.wait()
+
+    try:
+        asyncio.run(main())
+    except (BindError, StartupError) as exc:
+        logger.error("%s", exc)
+        return 1
+    return 0
