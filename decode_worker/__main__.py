@@ -1,7 +1,7 @@
 """``python -m decode_worker [flags]``: run a decode worker until SIGTERM.
 
 Flags and their ``TANDEM_<NAME>`` environment variables are the fields of
-:class:`engine.serving.settings.WorkerSettings` (``--help`` lists them; flags win); here
+:class:`cluster.settings.WorkerSettings` (``--help`` lists them; flags win); here
 ``--lease-s`` is the default lease of a reservation (Admit until Decode claims it). Once serving it
 logs ``... listening on <advertised address> ...`` and gRPC health reports SERVING; on
 SIGTERM/SIGINT it drains and exits 0.
@@ -15,11 +15,11 @@ from collections.abc import Sequence
 
 def main(argv: Sequence[str] | None = None) -> int:
     from decode_worker.server import DecodeServicer
-    from engine.serving.server import run_worker
-    from engine.serving.settings import from_args
-    from gateway.registry import Role
+    from cluster.worker import run_worker
+    from cluster.settings import WorkerSettings, from_args
+    from cluster.registry import Role
 
-    settings = from_args(argv, "python -m decode_worker", "Tandem decode worker")
+    settings = from_args(WorkerSettings, argv, "python -m decode_worker", "Tandem decode worker")
     return run_worker(settings, Role.DECODE, DecodeServicer)
 
 

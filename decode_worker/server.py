@@ -1,9 +1,13 @@
 """The decode worker's gRPC servicer (``tandem.v1.DecodeWorker``).
 
-Blocks move through three owners: ``Admit`` allocates them on the engine thread and hands them
-to the ``ReservationTable`` under a lease; ``TransferKV`` fills them; ``Decode`` claims them and
-the engine's sequences own them from then on. Every exit path (expired lease, failed transfer,
-Abort, a cancelled Decode stream) gives them back to the pool.
+Blocks move through three owners: ``Admit`` reserves them on the engine thread (reusing the
+leading blocks the prefix cache holds) and hands them to the ``ReservationTable`` under a
+lease; ``TransferKV`` fills the rest (bytes in the stream, or read from the prefill worker's
+pool with NIXL); ``Decode`` claims them and the engine's sequences own them from then on. With
+``local_prefill`` (conditional disaggregation: few prompt tokens left after the prefix hit)
+``Decode`` prefills the prompt here instead, the reservation handed to the request. Every exit
+path (expired lease, failed transfer, Abort, a cancelled Decode stream) gives the blocks back
+to the pool.
 """
 
 from __future__ import annotations
@@ -12,17 +16,24 @@ import asyncio
 import contextlib
 import logging
 import time
+from collections.abc import AsyncIterator
 
 import grpc
 
-from engine.block_pool import NoFreeBlocksError
-from engine.serving.async_engine import AsyncEngine, EngineError
-from engine.serving.metrics import WorkerMetrics
-from engine.serving.server import (
-    Admission, RpcError, finish_reason_to_proto, request_id_var, sampling_params_from_proto, token_logprobs,
+from cluster.log import request_id_var
+from cluster.metrics import WorkerMetrics
+from cluster.registry import Role
+from cluster.settings import WorkerSettings
+from cluster.translate import (
+    check_prompt_ids, finish_reason_to_proto, sampling_params_from_proto, token_logprobs, worker_config_to_proto,
 )
-from engine.serving.settings import WorkerSettings
-from kvtransfer import GrpcKVReceiver, KVReceiver, KVTransferError, ReservationTable
+from cluster.worker import Admission, kv_transport, published_config
+from engine.async_engine import AsyncEngine, EngineError
+from engine.block_pool import NoFreeBlocksError
+from engine.outputs import RequestOutput
+from engine.sampling_params import SamplingParams
+from kvtransfer import GrpcKVReceiver, KVReceiver, ReservationTable
+from protos.status import StatusError
 from protos.tandem.v1 import worker_pb2, worker_pb2_grpc
 
 logger = logging.getLogger(__name__)
@@ -31,12 +42,16 @@ EXPIRY_INTERVAL_S = 0.25
 
 
 class DecodeServicer(worker_pb2_grpc.DecodeWorkerServicer):
-    """Admits (reserves blocks), receives KV, and streams the tokens after the first ones.
+    """Admits (reserves blocks), receives KV, and streams the generated tokens.
 
     Args:
         engine: the worker's running engine.
-        settings: ``lease_s`` (default reservation lease) is used.
+        settings: ``lease_s`` (reservation lease), the KV transport settings and the request
+            caps are used.
         metrics: the worker's metrics.
+
+    Raises:
+        cluster.worker.StartupError: ``kv_transport`` is ``nixl`` and NIXL cannot start.
     """
 
     service_name = "tandem.v1.DecodeWorker"
@@ -44,8 +59,12 @@ class DecodeServicer(worker_pb2_grpc.DecodeWorkerServicer):
     def __init__(self, engine: AsyncEngine, settings: WorkerSettings, metrics: WorkerMetrics) -> None:
         self.engine = engine
         self.metrics = metrics
+        self.limits = settings.limits()
+        self.config = published_config(engine.engine)
         self.table = ReservationTable(engine.free_blocks, lease_s=settings.lease_s)
-        self.kv_receiver = GrpcKVReceiver(KVReceiver(engine.kv_cache, self.table))
+        _, self.nixl = kv_transport(settings, settings.resolved_worker_id(str(Role.DECODE)), engine.engine)
+        self.kv_receiver = GrpcKVReceiver(KVReceiver(engine.kv_cache, self.table, nixl=self.nixl,
+                                                     verify_checksums=settings.kv_verify_checksums))
         self.layout = self.kv_receiver.receiver.layout
         self.admission = Admission()
         self._decoding: set[str] = set()
@@ -65,44 +84,45 @@ class DecodeServicer(worker_pb2_grpc.DecodeWorkerServicer):
             with contextlib.suppress(asyncio.CancelledError):
                 await self._expiry
         self.table.release_all("worker shutting down")
+        if self.nixl is not None:
+            self.nixl.close()
 
     # ----------------------------------------------------------------- RPCs
     async def Admit(self, request: worker_pb2.AdmitRequest, context):  # noqa: N802
         request_id = request.request_id
         request_id_var.set(request_id)
-        await self.admission.check(context)
         try:
+            self.admission.check()
             if not request_id:
-                raise RpcError(grpc.StatusCode.INVALID_ARGUMENT, "request_id must not be empty")
-            num_tokens = request.num_prompt_tokens
-            if not 1 <= num_tokens < self.engine.max_model_len:
-                raise RpcError(grpc.StatusCode.INVALID_ARGUMENT,
-                               f"num_prompt_tokens must be in [1, {self.engine.max_model_len - 1}], got {num_tokens}")
+                raise StatusError.invalid_argument("request_id", "must not be empty")
+            prompt = list(request.prompt_token_ids)
+            check_prompt_ids("prompt_token_ids", prompt, self.config.max_model_len, self.config.vocab_size)
             if request_id in self._decoding:
-                raise RpcError(grpc.StatusCode.ALREADY_EXISTS, f"request {request_id!r} is already decoding")
-            lease_s = request.lease_ms / 1000 if request.lease_ms else self.table.lease_s
+                raise StatusError(grpc.StatusCode.ALREADY_EXISTS, f"request {request_id!r} is already decoding")
             try:
-                block_ids = await self.engine.reserve_blocks(num_tokens)
+                block_ids, num_cached = await self.engine.reserve_blocks(prompt)
             except NoFreeBlocksError as exc:
-                raise RpcError(grpc.StatusCode.RESOURCE_EXHAUSTED, f"no room for the prompt's KV: {exc}") from None
+                raise StatusError(grpc.StatusCode.RESOURCE_EXHAUSTED, f"no room for the prompt's KV: {exc}") from None
             try:
-                reservation = self.table.reserve(request_id, block_ids, lease_s)
-            except KVTransferError:
+                reservation = self.table.reserve(request_id, block_ids, num_cached=num_cached)
+            except StatusError:
                 self.engine.free_blocks(block_ids)
                 raise
-        except (RpcError, KVTransferError) as exc:
+        except StatusError as exc:
             self.metrics.requests.labels("Admit", exc.code.name).inc()
             await context.abort(exc.code, exc.message)
         self.metrics.requests.labels("Admit", "OK").inc()
         return worker_pb2.AdmitResponse(
             reservation_id=reservation.reservation_id, num_blocks=reservation.num_blocks,
-            lease_ms=round(lease_s * 1000), layout=self.layout.to_proto())
+            lease_ms=round(reservation.lease_s * 1000), layout=self.layout.to_proto(),
+            num_cached_blocks=num_cached, kv_transports=self.kv_receiver.receiver.transports)
 
     async def TransferKV(self, request_iterator, context):  # noqa: N802
         start = time.perf_counter()
-        response = await self.kv_receiver.transfer_kv(request_iterator, context)
-        self.metrics.kv_transfer_seconds.observe(time.perf_counter() - start)
-        self.metrics.kv_bytes.inc(response.num_blocks_received * self.layout.block_nbytes)
+        response, transport = await self.kv_receiver.transfer_kv(request_iterator, context)
+        self.metrics.kv_transfer_seconds.labels(transport).observe(time.perf_counter() - start)
+        self.metrics.kv_transfers.labels(transport, "OK").inc()
+        self.metrics.kv_bytes.labels(transport).inc(response.num_blocks_received * self.layout.block_nbytes)
         return response
 
     async def Decode(self, request: worker_pb2.DecodeRequest, context):  # noqa: N802
@@ -111,18 +131,23 @@ class DecodeServicer(worker_pb2_grpc.DecodeWorkerServicer):
         start, status = time.perf_counter(), "OK"
         with self.admission.track():
             try:
-                params, first = self._validate(request)
+                prompt, params, first = self._validate(request)
                 if request_id in self._decoding:
-                    raise RpcError(grpc.StatusCode.ALREADY_EXISTS, f"request {request_id!r} is already decoding")
-                block_ids = self.table.claim(request.reservation_id, request_id)  # now ours to free
+                    raise StatusError(grpc.StatusCode.ALREADY_EXISTS, f"request {request_id!r} is already decoding")
+                if request.local_prefill:
+                    block_ids = self.table.take(request.reservation_id, request_id)  # now ours to free
+                    outputs = self.engine.generate(request_id, prompt, params, release_blocks=block_ids)
+                    self.metrics.local_prefills.inc()
+                else:
+                    block_ids = self.table.claim(request.reservation_id, request_id)  # now ours to free
+                    outputs = self.engine.add_prefilled(request_id, prompt, first, params, block_ids)
                 self._decoding.add(request_id)
                 try:
-                    async for response in self._stream(request_id, list(request.prompt_token_ids), first,
-                                                       params, block_ids, start):
+                    async for response in self._stream(outputs, params, len(first), start):
                         yield response
                 finally:
                     self._decoding.discard(request_id)
-            except (RpcError, KVTransferError) as exc:
+            except StatusError as exc:
                 status = exc.code.name
                 logger.info("decode failed: %s", exc)
                 await context.abort(exc.code, exc.message)
@@ -147,38 +172,34 @@ class DecodeServicer(worker_pb2_grpc.DecodeWorkerServicer):
     async def GetStats(self, request, context):  # noqa: N802
         s = self.engine.stats()
         return worker_pb2.WorkerStats(
-            num_free_blocks=s.num_free_blocks, num_total_blocks=s.num_total_blocks,
-            num_running=s.num_running, num_waiting=s.num_waiting + len(self.table), block_size=s.block_size)
+            num_free_blocks=s.num_free_blocks, num_total_blocks=s.num_total_blocks, num_running=s.num_running,
+            num_waiting=s.num_waiting + len(self.table), config=worker_config_to_proto(self.config, Role.DECODE))
 
     # ------------------------------------------------------------- helpers
-    def _validate(self, request: worker_pb2.DecodeRequest):
+    def _validate(self, request: worker_pb2.DecodeRequest) -> tuple[list[int], SamplingParams, list[int]]:
         if not request.request_id:
-            raise RpcError(grpc.StatusCode.INVALID_ARGUMENT, "request_id must not be empty")
+            raise StatusError.invalid_argument("request_id", "must not be empty")
         if not request.reservation_id:
-            raise RpcError(grpc.StatusCode.INVALID_ARGUMENT, "reservation_id must not be empty")
-        try:
-            self.engine.engine.validate_prompt(list(request.prompt_token_ids))  # reads only the config
-        except ValueError as exc:
-            raise RpcError(grpc.StatusCode.INVALID_ARGUMENT, f"prompt_token_ids: {exc}") from None
-        try:
-            params = sampling_params_from_proto(request.sampling, self.engine.max_model_len)
-        except ValueError as exc:
-            raise RpcError(grpc.StatusCode.INVALID_ARGUMENT, f"sampling.{exc}") from None
+            raise StatusError.invalid_argument("reservation_id", "must not be empty")
+        prompt = list(request.prompt_token_ids)
+        check_prompt_ids("prompt_token_ids", prompt, self.config.max_model_len, self.config.vocab_size)
+        params = sampling_params_from_proto(request.sampling, len(prompt), self.config, self.limits)
         first = list(request.first_token_ids)
-        if len(first) != params.n:
-            raise RpcError(grpc.StatusCode.INVALID_ARGUMENT,
-                           f"first_token_ids has {len(first)} tokens for sampling.n={params.n}")
-        if any(t >= self.engine.vocab_size for t in first):
-            raise RpcError(grpc.StatusCode.INVALID_ARGUMENT,
-                           f"first_token_ids must be in [0, {self.engine.vocab_size})")
-        return params, first
+        wanted = 0 if request.local_prefill else params.n
+        if len(first) != wanted:
+            raise StatusError.invalid_argument(
+                "first_token_ids", f"has {len(first)} tokens; {wanted} expected (sampling.n={params.n}, "
+                                   f"local_prefill={request.local_prefill})")
+        if any(t >= self.config.vocab_size for t in first):
+            raise StatusError.invalid_argument("first_token_ids", f"must be in [0, {self.config.vocab_size})")
+        return prompt, params, first
 
-    async def _stream(self, request_id: str, prompt: list[int], first: list[int], params, block_ids: list[int],
+    async def _stream(self, outputs: AsyncIterator[RequestOutput], params: SamplingParams, num_first: int,
                       start: float):
-        """Deltas of each sample after its first token; a sample's last message has its finish reason."""
-        sent = [1] * params.n  # the first token of every sample is the prefill worker's
+        """Each sample's new tokens (after the ``num_first`` the prefill worker already
+        returned); a sample's last message has its finish reason."""
+        sent = [num_first] * params.n
         done = [False] * params.n
-        outputs = self.engine.add_prefilled(request_id, prompt, first, params, block_ids)
         try:
             async with contextlib.aclosing(outputs) as stream:
                 async for out in stream:
@@ -195,4 +216,4 @@ class DecodeServicer(worker_pb2_grpc.DecodeWorkerServicer):
                         if c.finished and sent[i] > 1:
                             self.metrics.tpot.observe((time.perf_counter() - start) / (sent[i] - 1))
         except ValueError as exc:  # the engine refused the request (blocks already freed)
-            raise RpcError(grpc.StatusCode.INVALID_ARGUMENT, str(exc)) from None
+            raise StatusError(grpc.StatusCode.INVALID_ARGUMENT, str(exc)) from None

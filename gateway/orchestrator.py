@@ -1,15 +1,26 @@
-"""One Generate request across the cluster: route, Admit → Prefill → Decode, stream, clean up.
+"""One Generate request across the cluster: route, Admit → Prefill → Decode (or Admit → Decode
+with a local prefill), stream, clean up.
 
-The servicer hands a checked request (prompt token ids + sampling params) to
-:meth:`Orchestrator.generate`, an async generator of ``GenerateResponse``. Errors come out as
-:class:`RequestError` (a gRPC status code and a message); whatever way the generator ends
-(finished, stop string, error, client cancellation, deadline), every worker that may still hold
-something of the request is told to ``Abort`` and the routing counts are released.
+The servicer hands a checked request to :meth:`Orchestrator.generate`, an async generator of
+``GenerateResponse``. Errors come out as :class:`protos.status.StatusError`; whatever way the
+generator ends (finished, stop string, error, client cancellation, deadline), every worker
+that may still hold something of the request is told to ``Abort`` and the routing counts are
+released, exactly once.
+
+Who decides what: the workers decide when a sample ends on its tokens (EOS, stop token ids,
+``max_tokens``, ``max_model_len``; the prefill worker for the first token, the decode worker
+after it); the gateway owns the text: it detokenizes and ends a sample whose text contains a
+stop string.
+
+Conditional disaggregation (as Dynamo does): ``Admit`` tells how many leading prompt blocks
+the decode worker already holds; when the tokens left are at most ``local_prefill_max_tokens``
+(or the pool has no prefill worker), the decode worker prefills them itself and no KV moves.
 
 Retries: a worker answering UNAVAILABLE (or a reservation lost) before the client has seen a
-token is retried once on other workers; after that the client gets UNAVAILABLE. Decode capacity
-(``NoCapacityError`` or Admit's RESOURCE_EXHAUSTED) is waited for up to ``admit_wait_s`` with
-backoff, a small admission queue, then answered RESOURCE_EXHAUSTED.
+token is retried once, on other workers where any exist; after that the client gets
+UNAVAILABLE. Decode capacity (``NoCapacityError`` or Admit's RESOURCE_EXHAUSTED) is waited for
+up to ``admit_wait_s`` with backoff, a small admission queue, then answered
+RESOURCE_EXHAUSTED.
 """
 
 from __future__ import annotations
@@ -19,77 +30,48 @@ import contextlib
 import logging
 import time
 import uuid
-from collections.abc import AsyncIterator, Callable, Sequence
+from collections.abc import AsyncIterator, Callable
 from dataclasses import dataclass, field
 
 import grpc
-from tokenizers import Tokenizer
 
+from cluster.channels import ChannelCache
+from cluster.registry import WorkerConfig
 from engine.block_hash import hash_blocks
 from engine.detokenizer import IncrementalDetokenizer
+from engine.sampling_params import SamplingParams
+from engine.tokenizer import Tokenizer
 from gateway import metrics
-from gateway.router import NoCapacityError, NoWorkerError, Route
+from gateway.router import ClusterView, NoCapacityError, NoWorkerError, Route
+from protos.status import StatusError
 from protos.tandem.v1 import gateway_pb2, worker_pb2, worker_pb2_grpc
 
 logger = logging.getLogger(__name__)
 
-STOP, LENGTH, ABORT = (gateway_pb2.FINISH_REASON_STOP, gateway_pb2.FINISH_REASON_LENGTH,
-                       gateway_pb2.FINISH_REASON_ABORT)
+STOP, ABORT = gateway_pb2.FINISH_REASON_STOP, gateway_pb2.FINISH_REASON_ABORT
 # Worker failures worth one transparent retry elsewhere, while the client has seen nothing.
 _RETRYABLE = {grpc.StatusCode.UNAVAILABLE, grpc.StatusCode.NOT_FOUND, grpc.StatusCode.ABORTED}
 _ABORT_TIMEOUT_S = 2.0
 
 
-class RequestError(Exception):
-    """The request ends with gRPC status ``code`` and ``details``."""
-
-    def __init__(self, code: grpc.StatusCode, details: str) -> None:
-        super().__init__(details)
-        self.code = code
-        self.details = details
-
-
-@dataclass(frozen=True)
-class ModelMeta:
-    """The served model as the gateway sees it (no weights)."""
-
-    model_id: str
-    max_model_len: int
-    block_size: int
-    vocab_size: int
-    eos_token_ids: frozenset[int]
-    kv_dtype: str
-    hash_seed: bytes
-
-
 class WorkerClients:
-    """One gRPC channel per worker address, opened on first use and reused."""
+    """Stubs of the workers' services over one cache of channels."""
 
-    def __init__(self, options: Sequence[tuple[str, int]] = ()) -> None:
-        self._options = list(options)
-        self._channels: dict[str, grpc.aio.Channel] = {}
-
-    def _channel(self, address: str) -> grpc.aio.Channel:
-        if address not in self._channels:
-            self._channels[address] = grpc.aio.insecure_channel(address, options=self._options)
-        return self._channels[address]
+    def __init__(self, channels: ChannelCache) -> None:
+        self.channels = channels
 
     def decode(self, address: str) -> worker_pb2_grpc.DecodeWorkerStub:
-        return worker_pb2_grpc.DecodeWorkerStub(self._channel(address))
+        return worker_pb2_grpc.DecodeWorkerStub(self.channels.get(address))
 
     def prefill(self, address: str) -> worker_pb2_grpc.PrefillWorkerStub:
-        return worker_pb2_grpc.PrefillWorkerStub(self._channel(address))
-
-    async def close(self) -> None:
-        channels, self._channels = self._channels, {}
-        await asyncio.gather(*(c.close() for c in channels.values()), return_exceptions=True)
+        return worker_pb2_grpc.PrefillWorkerStub(self.channels.get(address))
 
 
 @dataclass
 class _Sample:
     """Output state of one sample (index ``i`` of ``n``)."""
 
-    detok: IncrementalDetokenizer
+    detok: IncrementalDetokenizer | None
     tokens: int = 0
     finish: int = 0  # FinishReason; 0 while it streams
 
@@ -104,7 +86,8 @@ class _Attempt:
 
     ``*_counted``: the ClusterView still counts the request on that worker (``prefill_done``
     / ``decode_done`` not yet called). ``*_holds``: the worker may still hold state of the
-    request (it gets an Abort at release).
+    request (it gets an Abort at release). ``decode_call``: the Decode stream once started
+    (already with the first message read, for a local prefill: ``first_messages``).
     """
 
     route: Route
@@ -115,6 +98,9 @@ class _Attempt:
     prefill_holds: bool = True
     decode_holds: bool = True
     calls: list = field(default_factory=list)
+    decode_call: object = None
+    first_messages: list = field(default_factory=list)
+    decode_cached_tokens: int = 0
 
 
 class _WorkerCallError(Exception):
@@ -130,62 +116,63 @@ class Orchestrator:
     """Drives requests through the cluster.
 
     Args:
-        view: a ``ClusterView`` (or anything with its ``choose``/``prefill_done``/``decode_done``).
-        clients: channels to the workers.
-        meta: the served model.
-        tokenizer: the ``tokenizers.Tokenizer`` for detokenization.
-        admit_wait_s: longest wait for decode capacity before RESOURCE_EXHAUSTED.
-        lease_ms: reservation lease asked of decode workers (0: their default).
+        view: the routing state (``ClusterView``).
+        clients: stubs of the workers.
+        tokenizer: the model's tokenizer, for the text of the outputs (``None``: tokens only).
+        admit_wait_s: longest wait for decode capacity before RESOURCE_EXHAUSTED, seconds.
+        local_prefill_max_tokens: the decode worker prefills a request itself when at most this
+            many prompt tokens are left after its prefix hit.
     """
 
-    def __init__(self, view, clients: WorkerClients, meta: ModelMeta, tokenizer: Tokenizer,
-                 admit_wait_s: float = 5.0, lease_ms: int = 0) -> None:
+    def __init__(self, view: ClusterView, clients: WorkerClients, tokenizer: Tokenizer | None,
+                 admit_wait_s: float = 5.0, local_prefill_max_tokens: int = 0) -> None:
         self.view = view
         self.clients = clients
-        self.meta = meta
         self.tokenizer = tokenizer
         self.admit_wait_s = admit_wait_s
-        self.lease_ms = lease_ms
+        self.local_prefill_max_tokens = local_prefill_max_tokens
         self._background: set[asyncio.Task] = set()
-        self._layout_checked = False
 
     async def generate(
-        self, request_id: str, prompt: list[int], sampling: gateway_pb2.SamplingParams,
-        time_left: Callable[[], float | None],
+        self, request_id: str, prompt: list[int], sampling: gateway_pb2.SamplingParams, params: SamplingParams,
+        pool: WorkerConfig, time_left: Callable[[], float | None],
     ) -> AsyncIterator[gateway_pb2.GenerateResponse]:
-        """Stream the request's ``GenerateResponse`` messages.
+        """Stream the request's ``GenerateResponse`` messages; the last one carries ``usage``.
 
         Args:
             request_id: the client's (or gateway-made) id, echoed in every message.
             prompt: checked prompt token ids.
-            sampling: checked sampling params (``n`` and ``max_tokens`` explicit).
+            sampling: the client's sampling parameters, passed to the workers as sent (each
+                checks them itself).
+            params: the same, as checked by the gateway (``n``, stop strings, logprobs).
+            pool: the settings of the pool that serves the request (block size, hash seed).
             time_left: seconds until the client's deadline (``None``: none); every worker call
                 gets it as its timeout.
 
         Raises:
-            RequestError: the status the client gets.
+            StatusError: the status the client gets.
         """
         started = time.monotonic()
-        hashes = hash_blocks(prompt, self.meta.block_size, self.meta.hash_seed)
-        attempt, first = await self._prefill_with_retry(request_id, prompt, hashes, sampling, time_left)
+        hashes = hash_blocks(prompt, pool.block_size, pool.hash_seed)
+        attempt, first = await self._prefill_with_retry(request_id, prompt, hashes, sampling, pool, time_left)
         try:
-            async for response in self._stream(request_id, attempt, prompt, sampling, first, time_left, started):
+            async for response in self._stream(request_id, attempt, prompt, sampling, params, first, time_left,
+                                               started):
                 yield response
         finally:
             self._release(attempt, "request ended")
 
     # -- admission and prefill -------------------------------------------------------------
 
-    async def _prefill_with_retry(self, request_id, prompt, hashes, sampling, time_left):
-        capacity_deadline = time.monotonic() + self.admit_wait_s
-        avoid: set[str] = set()
+    async def _prefill_with_retry(self, request_id, prompt, hashes, sampling, pool: WorkerConfig, time_left):
+        avoid: frozenset[str] = frozenset()
         retried = False
-        delay = 0.02
+        capacity = _Backoff(self.admit_wait_s)
         while True:
-            route = await self._choose(hashes, len(prompt), avoid, capacity_deadline, time_left)
+            route = await self._choose(hashes, len(prompt), avoid, capacity, time_left)
             attempt = _Attempt(route, f"{request_id}-{uuid.uuid4().hex[:8]}")
             try:
-                first = await self._admit_and_prefill(attempt, prompt, sampling, time_left)
+                first = await self._admit_and_prefill(attempt, prompt, sampling, pool, time_left)
                 return attempt, first
             except asyncio.CancelledError:
                 self._release(attempt, "client cancelled")
@@ -195,124 +182,125 @@ class Orchestrator:
                 exc, stage, code = failure.error, failure.stage, failure.error.code()
                 level = logging.DEBUG if code == grpc.StatusCode.RESOURCE_EXHAUSTED else logging.WARNING
                 logger.log(level, "%s failed on %s: %s %s", stage, _workers(route), code.name, exc.details())
-                if code == grpc.StatusCode.RESOURCE_EXHAUSTED and time.monotonic() + delay < capacity_deadline:
-                    await asyncio.sleep(delay)
-                    delay = min(delay * 2, 0.5)
+                if code == grpc.StatusCode.RESOURCE_EXHAUSTED and await capacity.wait(time_left):
                     continue
                 if code in _RETRYABLE and not retried:
                     retried = True
                     metrics.RETRIES.inc()
-                    avoid |= {route.prefill.worker_id, route.decode.worker_id}
+                    avoid = avoid | {route.prefill.worker_id, route.decode.worker_id}
                     continue
                 raise _status_from_worker(exc, stage) from exc
             except BaseException:
                 self._release(attempt, "gateway error")
                 raise
 
-    async def _choose(self, hashes, prompt_len, avoid, capacity_deadline, time_left) -> Route:
-        """``view.choose`` with a bounded wait for capacity, preferring workers not in ``avoid``."""
-        delay = 0.02
+    async def _choose(self, hashes, prompt_len: int, avoid: frozenset[str], capacity: _Backoff,
+                      time_left) -> Route:
+        """``view.choose``, waiting for decode capacity within ``capacity``'s budget."""
         while True:
             try:
-                routes = [await self.view.choose(hashes, prompt_len, self.meta.block_size)]
-                while avoid and len(routes) < 4 and _avoided(routes[-1], avoid):
-                    routes.append(await self.view.choose(hashes, prompt_len, self.meta.block_size))
-                best = min(routes, key=lambda r: _avoided(r, avoid))
-                for r in routes:
-                    if r is not best:
-                        self.view.prefill_done(r)
-                        self.view.decode_done(r)
-                return best
+                return await self.view.choose(hashes, prompt_len, exclude=avoid)
             except NoWorkerError as exc:
-                raise RequestError(grpc.StatusCode.UNAVAILABLE, str(exc)) from exc
+                raise StatusError(grpc.StatusCode.UNAVAILABLE, str(exc)) from exc
             except NoCapacityError as exc:
-                remaining = _timeout(time_left)
-                if time.monotonic() + delay >= capacity_deadline or (remaining is not None and remaining < delay):
-                    raise RequestError(grpc.StatusCode.RESOURCE_EXHAUSTED, f"over capacity: {exc}") from exc
-                await asyncio.sleep(delay)
-                delay = min(delay * 2, 0.5)
+                if not await capacity.wait(time_left):
+                    raise StatusError(grpc.StatusCode.RESOURCE_EXHAUSTED, f"over capacity: {exc}") from exc
 
-    async def _admit_and_prefill(self, attempt: _Attempt, prompt, sampling, time_left) -> worker_pb2.PrefillResponse:
+    async def _admit_and_prefill(self, attempt: _Attempt, prompt, sampling, pool: WorkerConfig,
+                                 time_left) -> worker_pb2.PrefillResponse | None:
+        """Admit, then Prefill on the prefill worker (its response), or start a Decode that
+        prefills locally and read its first message (``None``: the first tokens come with it)."""
         route, rid = attempt.route, attempt.worker_request_id
         decode = self.clients.decode(route.decode.address)
-        admit = decode.Admit(worker_pb2.AdmitRequest(request_id=rid, num_prompt_tokens=len(prompt),
-                                                     lease_ms=self.lease_ms), timeout=_timeout(time_left))
+        admit = decode.Admit(worker_pb2.AdmitRequest(request_id=rid, prompt_token_ids=prompt),
+                             timeout=_timeout(time_left))
         attempt.calls.append(admit)
         admitted = await _staged(admit, "Admit")
-        self._check_layout(admitted.layout)
+        attempt.reservation_id = admitted.reservation_id
+        attempt.decode_cached_tokens = admitted.num_cached_blocks * pool.block_size
+        if route.prefill is None or len(prompt) - attempt.decode_cached_tokens <= self.local_prefill_max_tokens:
+            attempt.prefill_counted = attempt.prefill_holds = False
+            self.view.prefill_done(route)
+            call = self._decode_call(attempt, prompt, [], sampling, time_left, local_prefill=True)
+            first = await _staged(call.read(), "Decode")
+            if first is grpc.aio.EOF:
+                raise StatusError(grpc.StatusCode.INTERNAL, "the decode worker ended the stream before a token")
+            attempt.first_messages.append(first)
+            metrics.PREFILLS.labels("local", "none").inc()
+            return None
         destination = worker_pb2.KVDestination(address=route.decode.address, reservation_id=admitted.reservation_id,
-                                               layout=admitted.layout)
-        seed_state = worker_pb2.SeedState(seed=sampling.seed) if sampling.HasField("seed") else worker_pb2.SeedState()
+                                               layout=admitted.layout, num_cached_blocks=admitted.num_cached_blocks,
+                                               kv_transports=admitted.kv_transports)
         prefill = self.clients.prefill(route.prefill.address).Prefill(
             worker_pb2.PrefillRequest(request_id=rid, prompt_token_ids=prompt, sampling=sampling,
-                                      seed_state=seed_state, destination=destination),
+                                      destination=destination),
             timeout=_timeout(time_left))
         attempt.calls.append(prefill)
-        attempt.reservation_id = admitted.reservation_id
         response = await _staged(prefill, "Prefill")
         attempt.prefill_counted = attempt.prefill_holds = False
         self.view.prefill_done(route)
+        metrics.PREFILLS.labels("remote", response.kv_transport).inc()
         return response
 
-    def _check_layout(self, layout) -> None:
-        if not self._layout_checked and layout.dtype:
-            self._layout_checked = True
-            if layout.dtype != self.meta.kv_dtype:
-                logger.error("decode workers cache KV as %s but this gateway hashes blocks for %s: prefix-aware "
-                             "routing finds nothing; set TANDEM_KV_DTYPE=%s", layout.dtype, self.meta.kv_dtype,
-                             layout.dtype)
+    def _decode_call(self, attempt: _Attempt, prompt, first_ids: list[int], sampling, time_left,
+                     local_prefill: bool = False):
+        call = self.clients.decode(attempt.route.decode.address).Decode(
+            worker_pb2.DecodeRequest(request_id=attempt.worker_request_id, reservation_id=attempt.reservation_id,
+                                     prompt_token_ids=prompt, first_token_ids=first_ids, sampling=sampling,
+                                     local_prefill=local_prefill),
+            timeout=_timeout(time_left))
+        attempt.calls.append(call)
+        attempt.decode_call = call
+        return call
 
     # -- decode and streaming --------------------------------------------------------------
 
-    async def _stream(self, request_id, attempt: _Attempt, prompt, sampling, first: worker_pb2.PrefillResponse,
-                      time_left, started):
-        n = sampling.n
-        if len(first.first_tokens) != n:
-            raise RequestError(grpc.StatusCode.INTERNAL,
-                               f"prefill worker returned {len(first.first_tokens)} first tokens for n={n}")
-        stop = list(sampling.stop)
-        samples = [_Sample(IncrementalDetokenizer(self.tokenizer, prompt, stop)) for _ in range(n)]
-        usage = gateway_pb2.Usage(prompt_tokens=len(prompt), cached_prompt_tokens=first.num_cached_tokens)
-        stop_ids = set(sampling.stop_token_ids) | (set() if sampling.ignore_eos else self.meta.eos_token_ids)
+    async def _stream(self, request_id, attempt: _Attempt, prompt, sampling, params: SamplingParams,
+                      first: worker_pb2.PrefillResponse | None, time_left, started):
+        n = params.n
+        if first is not None and (len(first.first_tokens) != n or len(first.finish_reasons) != n):
+            raise StatusError(grpc.StatusCode.INTERNAL,
+                              f"prefill worker returned {len(first.first_tokens)} first tokens for n={n}")
+        backend = self.tokenizer.backend if self.tokenizer is not None else None
+        samples = [_Sample(IncrementalDetokenizer(backend, prompt, params.stop) if backend else None)
+                   for _ in range(n)]
+        cached = first.num_cached_tokens if first is not None else attempt.decode_cached_tokens
+        usage = gateway_pb2.Usage(prompt_tokens=len(prompt), cached_prompt_tokens=cached)
 
         def piece(index: int, tokens: list[int], logprobs, finish: int) -> gateway_pb2.GenerateResponse:
-            """Feed ``tokens`` to sample ``index``; the message for the client (stop strings applied)."""
+            """Feed ``tokens`` to sample ``index``; the message for the client (stop strings
+            applied; ``usage`` set when it is the stream's last message)."""
             sample = samples[index]
             kept = []
             for token in tokens:
                 kept.append(token)
                 sample.tokens += 1
-                if sample.detok.push(token) is not None:
+                if sample.detok is not None and sample.detok.push(token) is not None:
                     finish = STOP
                     break
-            if not finish and sample.tokens >= sampling.max_tokens:
-                finish = LENGTH  # the worker says so too; the gateway need not wait for it
             sample.finish = finish
             usage.completion_tokens += len(kept)
-            response = gateway_pb2.GenerateResponse(
-                request_id=request_id, index=index, token_ids=kept, text=sample.detok.take_new_text(bool(finish)),
-                finish_reason=finish, logprobs=list(logprobs)[: len(kept)])
-            if finish:
+            text = sample.detok.take_new_text(bool(finish)) if sample.detok is not None else ""
+            response = gateway_pb2.GenerateResponse(request_id=request_id, index=index, token_ids=kept, text=text,
+                                                    finish_reason=finish, logprobs=list(logprobs)[: len(kept)])
+            if all(s.done for s in samples):
                 response.usage.CopyFrom(usage)
             return response
 
-        first_ids = [t.token_id for t in first.first_tokens]
-        for index, token in enumerate(first.first_tokens):
-            yield piece(index, [token.token_id], [token], STOP if token.token_id in stop_ids else 0)
+        if first is not None:
+            for index, (token, finish) in enumerate(zip(first.first_tokens, first.finish_reasons)):
+                yield piece(index, [token.token_id], [token], finish)
+            if all(s.done for s in samples):
+                metrics.TTFT.observe(time.monotonic() - started)
+                return  # the decode reservation is never claimed: the release's Abort frees it
+            call = self._decode_call(attempt, prompt, [t.token_id for t in first.first_tokens], sampling, time_left)
+        else:
+            call = attempt.decode_call
         metrics.TTFT.observe(time.monotonic() - started)
         first_token_at = time.monotonic()
-        if all(s.done for s in samples):
-            return
-
         route = attempt.route
-        call = self.clients.decode(route.decode.address).Decode(
-            worker_pb2.DecodeRequest(request_id=attempt.worker_request_id, reservation_id=attempt.reservation_id,
-                                     prompt_token_ids=prompt, first_token_ids=first_ids, sampling=sampling,
-                                     seed_state=first.seed_state),
-            timeout=_timeout(time_left))
-        attempt.calls.append(call)
         try:
-            async for message in call:
+            async for message in _chain(attempt.first_messages, call):
                 if message.index >= n or samples[message.index].done:
                     continue
                 yield piece(message.index, list(message.token_ids), message.logprobs, message.finish_reason)
@@ -321,10 +309,9 @@ class Orchestrator:
         except grpc.aio.AioRpcError as exc:
             logger.warning("Decode on %s failed after the first token: %s %s", route.decode.address,
                            exc.code().name, exc.details())
-            code = exc.code()
-            if code in _RETRYABLE:
-                raise RequestError(grpc.StatusCode.UNAVAILABLE,
-                                   f"decode worker {route.decode.worker_id} failed mid-stream: {exc.details()}") from exc
+            if exc.code() in _RETRYABLE:
+                raise StatusError(grpc.StatusCode.UNAVAILABLE,
+                                  f"decode worker {route.decode.worker_id} failed mid-stream: {exc.details()}") from exc
             raise _status_from_worker(exc, "Decode") from exc
         else:
             if all(s.done for s in samples) and call.done():
@@ -372,16 +359,43 @@ class Orchestrator:
             await asyncio.wait(list(self._background), timeout=_ABORT_TIMEOUT_S)
 
 
+class _Backoff:
+    """A budget of ``total_s`` seconds of waiting for capacity, spent in growing sleeps; the
+    clock starts at the first wait, not when the request arrived (a long prefill before a
+    retry does not eat it)."""
+
+    def __init__(self, total_s: float) -> None:
+        self.total_s = total_s
+        self.deadline: float | None = None
+        self.delay = 0.02
+
+    async def wait(self, time_left: Callable[[], float | None]) -> bool:
+        """Sleep before the next try; False (no sleep) when the budget or the client's deadline is spent."""
+        now = time.monotonic()
+        self.deadline = self.deadline or now + self.total_s
+        remaining = _timeout(time_left)
+        if now + self.delay >= self.deadline or (remaining is not None and remaining < self.delay):
+            return False
+        await asyncio.sleep(self.delay)
+        self.delay = min(self.delay * 2, 0.5)
+        return True
+
+
+async def _chain(first: list, call) -> AsyncIterator:
+    """The messages already read, then the rest of the stream (read with ``read()``: grpc.aio
+    does not let one call mix it with iteration)."""
+    for message in first:
+        yield message
+    while (message := await call.read()) is not grpc.aio.EOF:
+        yield message
+
+
 async def _staged(call, stage: str):
     """Await a unary worker call; its failure comes out as :class:`_WorkerCallError`."""
     try:
         return await call
     except grpc.aio.AioRpcError as exc:
         raise _WorkerCallError(stage, exc) from exc
-
-
-def _avoided(route: Route, avoid: set[str]) -> int:
-    return (route.prefill.worker_id in avoid) + (route.decode.worker_id in avoid)
 
 
 def _workers(route: Route) -> str:
@@ -396,13 +410,13 @@ def _timeout(time_left: Callable[[], float | None]) -> float | None:
     return max(left, 0.001)
 
 
-def _status_from_worker(exc: grpc.aio.AioRpcError, stage: str) -> RequestError:
+def _status_from_worker(exc: grpc.aio.AioRpcError, stage: str) -> StatusError:
     """The client's status for a worker error that is not retried."""
     code = exc.code()
-    if code in (grpc.StatusCode.CANCELLED,):
+    if code == grpc.StatusCode.CANCELLED:
         code = grpc.StatusCode.UNAVAILABLE
     elif code == grpc.StatusCode.UNKNOWN:
         code = grpc.StatusCode.INTERNAL
     elif code == grpc.StatusCode.NOT_FOUND:
         code = grpc.StatusCode.UNAVAILABLE  # a lost reservation: the cluster's fault, not the client's
-    return RequestError(code, f"{stage}: {exc.details()}")
+    return StatusError(code, f"{stage}: {exc.details()}")

@@ -1,19 +1,30 @@
 """Routing: pick a prefill worker and a decode worker for one request.
 
 The picks are pure functions of worker lists (no Redis, no clock; randomness injected).
-:class:`ClusterView` is the gateway's facade over them: it keeps the last-known workers
-from the registry, adjusts their reported load by the requests this gateway routed since,
-and asks the prefix index how much of the prompt each prefill worker has cached. When Redis
-is unreachable it routes on last-known workers and load alone (``degraded``), and returns to
-prefix-aware routing at the first refresh that reaches Redis again.
+:class:`ClusterView` is the gateway's facade over them: it keeps the last-known workers of
+the pool from a :class:`WorkerDirectory`, adjusts their reported load by the requests this
+gateway routed since, and asks a :class:`PrefixLocator` how much of the prompt each prefill
+worker has cached. When the directory is unreachable it routes on last-known workers and load
+alone (``degraded``), and returns to prefix-aware routing at the first refresh that reaches
+it again.
 
-Prefill score of worker ``w`` (higher wins), in tokens of prefill work:
+The pool: every worker publishes the cache settings it owns (``WorkerConfig``). The gateway
+accepts the workers of its own model whose settings agree (the pool's settings: the current
+ones while any live worker has them, else the most common), and refuses the others with one
+log line each and the ``tandem_gateway_refused_workers`` gauge: a worker with another block
+size or KV dtype would corrupt transfers or miss every cached prefix. ``max_model_len`` may
+differ (a worker with less KV memory holds shorter sequences): the pool serves the shortest.
+
+Score of worker ``w`` (higher wins), in tokens, for both pools:
 
     score(w) = block_size * cached_blocks(w) - load_cost_tokens * (running(w) + waiting(w))
 
-i.e. the prompt tokens ``w`` need not compute, minus the work assumed queued ahead of the
-request (``load_cost_tokens`` per sequence already on ``w``). Ties go to the less loaded
-worker, then to a random one, so equal workers share the traffic.
+i.e. the prompt tokens ``w`` need not compute (prefill) or receive (decode: its prefix cache
+holds the previous turns of a chat), minus the work assumed queued ahead of the request
+(``load_cost_tokens`` per sequence already on ``w``). Ties go to the less loaded worker, then
+to a random one, so equal workers share the traffic. A decode worker must also have room for
+the blocks it does not hold. Prefill workers are optional: without one (or when few tokens are
+left after the decode worker's prefix hit) the decode worker prefills itself.
 """
 
 from __future__ import annotations
@@ -26,11 +37,41 @@ import time
 from collections import Counter
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
+from typing import Protocol
 
-from gateway.prefix_index import PrefixIndex
-from gateway.registry import REDIS_ERRORS, Role, WorkerInfo, WorkerLoad, WorkerRegistry
+from cluster.registry import REDIS_ERRORS, ClusterNamespace, Role, WorkerConfig, WorkerInfo, WorkerLoad
+from engine.block_pool import cdiv
+from gateway import metrics
 
 logger = logging.getLogger(__name__)
+
+
+class WorkerDirectory(Protocol):
+    """Where the gateway learns the live workers (Redis: ``cluster.registry.WorkerRegistry``;
+    fixed addresses: ``gateway.static_cluster.StaticRegistry``)."""
+
+    ns: ClusterNamespace
+
+    async def live_workers(self, role: Role) -> list[WorkerInfo]:
+        """The live workers of ``role`` with their published config and last load.
+
+        Raises:
+            redis.exceptions.RedisError, OSError: the directory is unreachable.
+        """
+        ...
+
+
+class PrefixLocator(Protocol):
+    """Which prefill worker holds which prompt blocks (Redis: ``cluster.prefix_index.PrefixIndex``;
+    in-process: ``gateway.static_cluster.RoutedPrefixIndex``)."""
+
+    async def cached_runs(self, worker_ids: Sequence[str], block_hashes: Sequence[bytes]) -> dict[str, int]:
+        """Per worker, how many leading ``block_hashes`` it caches."""
+        ...
+
+    def note_routed(self, worker_id: str, block_hashes: Sequence[bytes]) -> None:
+        """``worker_id`` will prefill a prompt with these full-block hashes."""
+        ...
 
 
 class NoWorkerError(RuntimeError):
@@ -62,11 +103,6 @@ class RoutingPolicy:
         for name in ("load_cost_tokens", "decode_margin_blocks"):
             if getattr(self, name) < 0:
                 raise ValueError(f"{name} must be >= 0, got {getattr(self, name)}")
-
-
-def _cdiv(a: int, b: int) -> int:
-    """Ceil division (engine.kv_cache_manager has one too, but importing it pulls in torch)."""
-    return -(-a // b)
 
 
 def prefill_score(cached_blocks: int, load: WorkerLoad, block_size: int, policy: RoutingPolicy) -> int:
@@ -109,15 +145,20 @@ def pick_prefill(
 
 
 def pick_decode(
-    workers: Sequence[WorkerInfo], prompt_blocks: int, policy: RoutingPolicy, rng: random.Random
+    workers: Sequence[WorkerInfo], prompt_blocks: int, cached_blocks: Mapping[str, int], block_size: int,
+    policy: RoutingPolicy, rng: random.Random,
 ) -> WorkerInfo | None:
-    """Return the least loaded decode worker with ``prompt_blocks + decode_margin_blocks`` free
-    blocks (ties: most free blocks, then random), or ``None`` if no worker has them."""
-    needed = prompt_blocks + policy.decode_margin_blocks
-    fitting = [w for w in workers if w.load.free_blocks >= needed]
+    """Return the decode worker with the highest :func:`prefill_score` (its cached prefix vs its
+    load) among those with room for the blocks it lacks plus ``decode_margin_blocks`` (ties:
+    fewer sequences, most free blocks, then random), or ``None`` if none has room."""
+    def missing(w: WorkerInfo) -> int:
+        return prompt_blocks - cached_blocks.get(w.worker_id, 0) + policy.decode_margin_blocks
+
+    fitting = [w for w in workers if w.load.free_blocks >= missing(w)]
     if not fitting:
         return None
-    return _pick_best(fitting, lambda w: (w.load.num_seqs, -w.load.free_blocks), rng)
+    return _pick_best(fitting, lambda w: (-prefill_score(cached_blocks.get(w.worker_id, 0), w.load, block_size,
+                                                         policy), w.load.num_seqs, -w.load.free_blocks), rng)
 
 
 @dataclass(frozen=True)
@@ -125,15 +166,18 @@ class Route:
     """Where one request goes.
 
     Attributes:
-        prefill: the chosen prefill worker (load as estimated when routing).
+        prefill: the chosen prefill worker (load as estimated when routing); ``None`` when the
+            pool has none (the decode worker prefills).
         decode: the chosen decode worker (load as estimated when routing).
         cached_blocks: leading prompt blocks already in ``prefill``'s prefix cache.
+        decode_cached_blocks: leading prompt blocks already in ``decode``'s prefix cache.
         prompt_blocks: blocks the prompt needs on ``decode``.
     """
 
-    prefill: WorkerInfo
+    prefill: WorkerInfo | None
     decode: WorkerInfo
     cached_blocks: int
+    decode_cached_blocks: int
     prompt_blocks: int
 
 
@@ -151,9 +195,15 @@ class _InFlight:
         self._seqs_at_refresh: Counter[str] = Counter()
         self._blocks_at_refresh: Counter[str] = Counter()
 
-    def mark_refresh(self) -> None:
-        self._seqs_at_refresh = self.seqs.copy()
-        self._blocks_at_refresh = self.blocks.copy()
+    def snapshot(self) -> tuple[Counter[str], Counter[str]]:
+        """The counts now: take it before asking for the loads it will be paired with."""
+        return self.seqs.copy(), self.blocks.copy()
+
+    def mark_refresh(self, snapshot: tuple[Counter[str], Counter[str]]) -> None:
+        """The loads just read were measured after ``snapshot`` was taken: from now on only
+        the change since it is added to them (a request that ended while the loads were being
+        read is not counted twice)."""
+        self._seqs_at_refresh, self._blocks_at_refresh = snapshot
 
     def estimate(self, worker: WorkerInfo) -> WorkerInfo:
         w, load = worker.worker_id, worker.load
@@ -170,52 +220,97 @@ class _InFlight:
             del self.seqs[worker_id], self.blocks[worker_id]
 
 
+def _pool_key(config: WorkerConfig) -> WorkerConfig:
+    """``config`` with the field a pool's workers may differ in (``max_model_len``) zeroed."""
+    return dataclasses.replace(config, max_model_len=0)
+
+
+def choose_pool(workers: Sequence[WorkerInfo], current: WorkerConfig | None) -> WorkerConfig | None:
+    """The settings the pool runs with (``max_model_len`` aside): ``current`` while a worker
+    still has them or none is seen (an emptied registry keeps its last-known workers a while),
+    else the most common among ``workers`` (ties: those of the smallest worker id)."""
+    keys = Counter(_pool_key(w.config) for w in workers)
+    if not keys or (current is not None and _pool_key(current) in keys):
+        return current
+    best = max(keys.values())
+    return min((w for w in workers if keys[_pool_key(w.config)] == best), key=lambda w: w.worker_id).config
+
+
+def refusal(worker: WorkerInfo, model_id: str, pool: WorkerConfig | None) -> str | None:
+    """Why ``worker`` cannot join a pool serving ``model_id`` with settings ``pool`` (``None``: it can)."""
+    if worker.config.model_id != model_id:
+        return f"serves model {worker.config.model_id!r}, this gateway serves {model_id!r}"
+    differ = pool.differences(worker.config) if pool is not None else []
+    if differ:
+        return "disagrees with the pool on " + ", ".join(
+            f"{name} ({getattr(worker.config, name)!r} vs {getattr(pool, name)!r})" for name in differ)
+    return None
+
+
 class ClusterView:
-    """The gateway's routing state: last-known workers, their load, and the prefix index.
+    """The gateway's routing state: the pool's live workers, their load, and the prefix index.
 
     Call :meth:`refresh` periodically (about once per heartbeat interval); call
     :meth:`choose` per request, then :meth:`prefill_done` when its prefill ends (first token
     or failure) and :meth:`decode_done` when it ends on the decode worker (any reason).
 
     Args:
-        registry: the namespace's worker registry.
-        index: the namespace's prefix index.
+        registry: where the live workers are listed.
+        index: where cached prompt blocks are located.
+        model_id: the model this gateway serves; workers of another model are refused.
         policy: routing knobs.
         rng: tie-breaking randomness (seed it in tests).
     """
 
     def __init__(
         self,
-        registry: WorkerRegistry,
-        index: PrefixIndex,
+        registry: WorkerDirectory,
+        index: PrefixLocator,
+        model_id: str,
         policy: RoutingPolicy = RoutingPolicy(),
         rng: random.Random | None = None,
     ) -> None:
         self.registry = registry
         self.index = index
+        self.model_id = model_id
         self.policy = policy
         self._rng = rng or random.Random()
         self._workers: dict[Role, list[WorkerInfo]] = {role: [] for role in Role}
         self._emptied_at: dict[Role, float] = {}
         self._in_flight = _InFlight()
         self._degraded = False
+        self._pool: WorkerConfig | None = None
+        self._refused: dict[str, str] = {}
 
     @property
     def degraded(self) -> bool:
-        """True while Redis is unreachable: routing uses last-known workers and load only."""
+        """True while the directory is unreachable: routing uses last-known workers and load only."""
         return self._degraded
 
+    @property
+    def pool(self) -> WorkerConfig | None:
+        """The settings every accepted worker publishes, with the shortest ``max_model_len`` of
+        them (``None`` before any worker is seen)."""
+        return self._pool
+
+    @property
+    def routable(self) -> bool:
+        """Whether a request can be routed now: the pool has a decode worker (prefill workers
+        are optional: a decode worker prefills locally without one)."""
+        return bool(self._workers[Role.DECODE])
+
     def workers(self, role: Role) -> list[WorkerInfo]:
-        """Last-known workers of ``role`` with their load as estimated now."""
+        """Last-known accepted workers of ``role`` with their load as estimated now."""
         return [self._in_flight.estimate(w) for w in self._workers[role]]
 
     async def refresh(self) -> None:
-        """Re-read live workers and loads; on a Redis error keep last-known state and degrade.
+        """Re-read live workers and loads; on a directory error keep last-known state and degrade.
 
         A role whose workers all vanish at once keeps its last-known list for ``ttl_s``
         seconds: a Redis restart empties the registry until the workers' next heartbeats,
         and routing should not answer UNAVAILABLE meanwhile.
         """
+        in_flight = self._in_flight.snapshot()
         try:
             fresh = await asyncio.gather(*(self.registry.live_workers(role) for role in Role))
         except REDIS_ERRORS as exc:
@@ -226,54 +321,83 @@ class ClusterView:
         if self._degraded:
             logger.info("Redis reachable again: prefix-aware routing resumes")
         self._degraded = False
+        ours = [w for workers in fresh for w in workers if w.config.model_id == self.model_id]
+        self._pool = choose_pool(ours, self._pool)
+        accepted = self._accept([w for workers in fresh for w in workers])
+        if accepted:
+            self._pool = dataclasses.replace(self._pool, max_model_len=min(w.config.max_model_len for w in accepted))
         now = time.monotonic()
-        for role, workers in zip(Role, fresh):
+        for role in Role:
+            workers = [w for w in accepted if w.role == role]
             if workers or not self._workers[role]:
                 self._emptied_at.pop(role, None)
                 self._workers[role] = workers
             elif now - self._emptied_at.setdefault(role, now) >= self.registry.ns.ttl_s:
                 self._workers[role] = []
-        self._in_flight.mark_refresh()
+        self._in_flight.mark_refresh(in_flight)
 
-    async def choose(self, block_hashes: Sequence[bytes], prompt_len: int, block_size: int) -> Route:
-        """Pick the workers for one request and count it as in flight on both.
+    def _accept(self, workers: list[WorkerInfo]) -> list[WorkerInfo]:
+        """The workers that can join the pool; logs each refused one once (per reason)."""
+        accepted, refused = [], {}
+        for worker in workers:
+            reason = refusal(worker, self.model_id, self._pool)
+            if reason is None:
+                accepted.append(worker)
+                continue
+            refused[worker.worker_id] = reason
+            if self._refused.get(worker.worker_id) != reason:
+                logger.error("refusing %s worker %s at %s: it %s", worker.role, worker.worker_id, worker.address,
+                             reason)
+        self._refused = refused
+        metrics.REFUSED_WORKERS.set(len(refused))
+        return accepted
+
+    async def choose(self, block_hashes: Sequence[bytes], prompt_len: int, exclude: frozenset[str] = frozenset()) -> Route:
+        """Pick the workers for one request and count it as in flight on both (once: call
+        :meth:`prefill_done` and :meth:`decode_done` whatever happens next).
 
         Args:
-            block_hashes: chained hashes of the prompt's full blocks (``prompt_len // block_size``).
+            block_hashes: chained hashes of the prompt's full blocks (``prompt_len // block_size``
+                of the pool's block size).
             prompt_len: prompt length in tokens (>= 1).
-            block_size: tokens per block; must be the namespace's.
+            exclude: worker ids to avoid (they failed this request already); one of them is
+                picked only when no other worker of its role exists.
 
         Raises:
             ValueError: inconsistent arguments.
-            NoWorkerError: no live prefill or no live decode worker is known.
-            NoCapacityError: no decode worker has the prompt's blocks plus the margin free.
+            NoWorkerError: no live decode worker is known.
+            NoCapacityError: no decode worker has room for the prompt's blocks plus the margin.
         """
-        if block_size != self.registry.ns.block_size:
-            raise ValueError(f"block_size={block_size} but this view routes block_size={self.registry.ns.block_size}")
-        if prompt_len < 1 or len(block_hashes) != prompt_len // block_size:
+        pool = self._pool
+        if pool is None or not self.routable:
+            raise NoWorkerError("no live decode worker")
+        if prompt_len < 1 or len(block_hashes) != prompt_len // pool.block_size:
             raise ValueError(f"{len(block_hashes)} block hashes do not fit prompt_len={prompt_len}")
-        prefills, decodes = self.workers(Role.PREFILL), self.workers(Role.DECODE)
-        for role, workers in ((Role.PREFILL, prefills), (Role.DECODE, decodes)):
-            if not workers:
-                raise NoWorkerError(f"no live {role} worker")
-        prompt_blocks = _cdiv(prompt_len, block_size)
-        decode = pick_decode(decodes, prompt_blocks, self.policy, self._rng)
+        prefills = _avoiding(self.workers(Role.PREFILL), exclude)
+        decodes = _avoiding(self.workers(Role.DECODE), exclude)
+        prompt_blocks = cdiv(prompt_len, pool.block_size)
+        cached = await self._cached_runs(prefills + decodes, block_hashes)
+        decode = pick_decode(decodes, prompt_blocks, cached, pool.block_size, self.policy, self._rng)
         if decode is None:
             raise NoCapacityError(
                 f"no decode worker has {prompt_blocks + self.policy.decode_margin_blocks} free blocks "
                 f"(most free: {max(w.load.free_blocks for w in decodes)})"
             )
-        cached = await self._cached_runs(prefills, block_hashes)
-        prefill = pick_prefill(prefills, cached, block_size, self.policy, self._rng)
-        assert prefill is not None  # prefills is not empty
-        self.index.note_routed(prefill.worker_id, block_hashes)
-        self._in_flight.add(prefill.worker_id, 1)
+        prefill = pick_prefill(prefills, cached, pool.block_size, self.policy, self._rng)
+        for worker in (prefill, decode):
+            if worker is not None:
+                self.index.note_routed(worker.worker_id, block_hashes)
+        if prefill is not None:
+            self._in_flight.add(prefill.worker_id, 1)
         self._in_flight.add(decode.worker_id, 1, prompt_blocks)
-        return Route(prefill, decode, cached.get(prefill.worker_id, 0), prompt_blocks)
+        return Route(prefill, decode, cached.get(prefill.worker_id, 0) if prefill else 0,
+                     cached.get(decode.worker_id, 0), prompt_blocks)
 
     def prefill_done(self, route: Route) -> None:
-        """The request's prefill ended (first token sent, or it failed)."""
-        self._in_flight.add(route.prefill.worker_id, -1)
+        """The request's prefill ended (first token sent, it failed, or the decode worker
+        prefills it instead)."""
+        if route.prefill is not None:
+            self._in_flight.add(route.prefill.worker_id, -1)
 
     def decode_done(self, route: Route) -> None:
         """The request ended on its decode worker (finished, cancelled or failed)."""
@@ -288,3 +412,9 @@ class ClusterView:
             logger.warning("prefix index unreachable (%s): routing on load only until Redis is back", exc)
             self._degraded = True
             return {}
+
+
+def _avoiding(workers: list[WorkerInfo], exclude: frozenset[str]) -> list[WorkerInfo]:
+    """``workers`` minus the excluded ones, unless that leaves none."""
+    kept = [w for w in workers if w.worker_id not in exclude]
+    return kept or workers

@@ -16,8 +16,9 @@ from collections.abc import Sequence
 
 import grpc
 
-from gateway.prefix_index import leading_run
-from gateway.registry import ClusterNamespace, Role, WorkerInfo, WorkerLoad
+from cluster.prefix_index import leading_run
+from cluster.registry import ClusterNamespace, Role, WorkerInfo, WorkerLoad
+from cluster.translate import worker_config_from_proto
 from protos.tandem.v1 import worker_pb2
 
 _STATS_TIMEOUT_S = 0.5
@@ -29,12 +30,13 @@ def static_worker_id(role: Role, address: str) -> str:
 
 
 class StaticRegistry:
-    """``WorkerRegistry.live_workers`` over fixed addresses: a worker is live while GetStats answers.
+    """A ``router.WorkerDirectory`` over fixed addresses: a worker is live while ``GetStats``
+    answers, which also carries its published config.
 
     Args:
         clients: ``orchestrator.WorkerClients`` (channels shared with the request path).
         addresses: role → worker addresses.
-        ns: the namespace (its ``block_size`` and ``ttl_s`` are what ``ClusterView`` reads).
+        ns: the namespace (its ``ttl_s`` is what ``ClusterView`` reads).
     """
 
     def __init__(self, clients, addresses: dict[Role, list[str]], ns: ClusterNamespace) -> None:
@@ -53,11 +55,12 @@ class StaticRegistry:
         except grpc.aio.AioRpcError:
             return None
         load = WorkerLoad(stats.num_running, stats.num_waiting, stats.num_free_blocks, stats.num_total_blocks)
-        return WorkerInfo(static_worker_id(role, address), role, address, load)
+        return WorkerInfo(static_worker_id(role, address), role, address, worker_config_from_proto(stats.config), load)
 
 
 class RoutedPrefixIndex:
-    """An in-process, approximate prefix index: which prompts this gateway sent to which worker.
+    """A ``router.PrefixLocator`` in-process and approximate: which prompts this gateway sent to
+    which worker.
 
     With no Redis, workers cannot report their cached blocks, so the gateway remembers what it
     routed (the approach of SGLang's cache-aware router): a worker that prefilled a prompt is

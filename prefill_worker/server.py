@@ -1,9 +1,16 @@
 """The prefill worker's gRPC servicer (``tandem.v1.PrefillWorker``).
 
 A prefill is the engine told to stop after the first token: the request runs with
-``max_tokens=1`` and ``hold_blocks=True``, so its prompt blocks stay pinned after it finishes;
-they are pushed into the decode worker's reservation and released as soon as the transfer is
-acknowledged, fails, is aborted, or the prefill lease (``lease_s``) runs out.
+``max_tokens=1`` and ``pin_prompt_blocks=True``, so each prompt block is pinned as soon as the
+chunk that fills it is computed, and stays pinned after the request finishes. The transfer into
+the decode worker's reservation is opened before the prefill starts (the open stream keeps the
+reservation alive however long the prefill takes); each block is sent as soon as it is pinned
+(chunked prefill is the pipeline: only the last chunk's transfer is on the time to first
+token), except the leading ones the decode worker already holds; the blocks are unpinned when
+the transfer is acknowledged, fails or is aborted. Blocks go by NIXL where both workers have it
+(the decode worker reads them from this pool), else in the gRPC stream. The first token's
+finish reason is decided here from the request's real parameters (EOS, stop token ids,
+``max_tokens``, ``max_model_len``).
 """
 
 from __future__ import annotations
@@ -16,14 +23,19 @@ import time
 
 import grpc
 
-from engine.serving.async_engine import AsyncEngine, EngineError
-from engine.serving.metrics import WorkerMetrics
-from engine.serving.server import (
-    Admission, RpcError, request_id_var, sampling_params_from_proto, token_logprobs,
+from cluster.channels import ChannelCache
+from cluster.log import request_id_var
+from cluster.metrics import WorkerMetrics
+from cluster.registry import Role
+from cluster.settings import WorkerSettings
+from cluster.translate import (
+    check_prompt_ids, finish_reason_to_proto, sampling_params_from_proto, token_logprobs, worker_config_to_proto,
 )
-from engine.serving.settings import WorkerSettings
-from kvtransfer import BlockLayout, KVDestination, KVSender, KVTransferError
-from prefill_worker.faults import make_sender
+from cluster.worker import Admission, kv_transport, published_config
+from engine.async_engine import AsyncEngine, EngineError
+from engine.sampling_params import SamplingParams
+from kvtransfer import GRPC_MESSAGE_OPTIONS, BlockLayout, GrpcKVSender, KVDestination, KVSender
+from protos.status import StatusError
 from protos.tandem.v1 import worker_pb2, worker_pb2_grpc
 
 logger = logging.getLogger(__name__)
@@ -34,10 +46,14 @@ class PrefillServicer(worker_pb2_grpc.PrefillWorkerServicer):
 
     Args:
         engine: the worker's running engine.
-        settings: ``lease_s`` (prefill lease) and ``max_num_seqs`` (queue bound) are used.
+        settings: ``max_num_seqs`` (queue bound), the KV transport settings and the request caps
+            are used.
         metrics: the worker's metrics.
-        sender: the KV transport (default: gRPC, one channel per decode worker; see
-            :mod:`prefill_worker.faults` for the test-only corruption hook).
+        sender: the KV transport (default: NIXL or gRPC per ``kv_transport``, over the worker's
+            channels to decode workers).
+
+    Raises:
+        cluster.worker.StartupError: ``kv_transport`` is ``nixl`` and NIXL cannot start.
     """
 
     service_name = "tandem.v1.PrefillWorker"
@@ -45,11 +61,15 @@ class PrefillServicer(worker_pb2_grpc.PrefillWorkerServicer):
     def __init__(self, engine: AsyncEngine, settings: WorkerSettings, metrics: WorkerMetrics,
                  sender: KVSender | None = None) -> None:
         self.engine = engine
-        self.lease_s = settings.lease_s
+        self.limits = settings.limits()
         self.max_waiting = settings.max_num_seqs  # queued requests at most (back-pressure)
         self.metrics = metrics
-        self.sender = sender or make_sender(settings.lease_s)
+        self.channels = ChannelCache(GRPC_MESSAGE_OPTIONS)
+        transports, self.nixl = kv_transport(settings, settings.resolved_worker_id(str(Role.PREFILL)), engine.engine)
+        self.sender = sender or GrpcKVSender(self.channels.get, transports=transports, nixl=self.nixl,
+                                             verify_checksums=settings.kv_verify_checksums)
         self.layout = BlockLayout.of_cache(engine.kv_cache)
+        self.config = published_config(engine.engine)
         self.admission = Admission()
         self._tasks: dict[str, asyncio.Task[worker_pb2.PrefillResponse]] = {}
 
@@ -60,22 +80,24 @@ class PrefillServicer(worker_pb2_grpc.PrefillWorkerServicer):
         return 0
 
     async def close(self) -> None:
-        await self.sender.close()
+        await self.channels.close()
+        if self.nixl is not None:
+            self.nixl.close()
 
     # ----------------------------------------------------------------- RPCs
     async def Prefill(self, request: worker_pb2.PrefillRequest, context: grpc.aio.ServicerContext):  # noqa: N802
         request_id = request.request_id
         request_id_var.set(request_id)
-        await self.admission.check(context)
         start, status = time.perf_counter(), "OK"
         try:
+            self.admission.check()
             with self.admission.track():
                 prompt, params, destination = self._validate(request)
                 if self.engine.stats().num_waiting >= self.max_waiting:
-                    raise RpcError(grpc.StatusCode.RESOURCE_EXHAUSTED,
-                                   f"prefill queue is full ({self.max_waiting} requests waiting)")
+                    raise StatusError(grpc.StatusCode.RESOURCE_EXHAUSTED,
+                                      f"prefill queue is full ({self.max_waiting} requests waiting)")
                 if request_id in self._tasks:
-                    raise RpcError(grpc.StatusCode.ALREADY_EXISTS, f"request {request_id!r} is already prefilling")
+                    raise StatusError(grpc.StatusCode.ALREADY_EXISTS, f"request {request_id!r} is already prefilling")
                 task = asyncio.ensure_future(self._prefill(request_id, prompt, params, destination, start))
                 self._tasks[request_id] = task
                 try:
@@ -83,10 +105,10 @@ class PrefillServicer(worker_pb2_grpc.PrefillWorkerServicer):
                 except asyncio.CancelledError:
                     if asyncio.current_task().cancelling():
                         raise  # the call itself ended (client gone, deadline)
-                    raise RpcError(grpc.StatusCode.ABORTED, f"request {request_id!r} was aborted") from None
+                    raise StatusError(grpc.StatusCode.ABORTED, f"request {request_id!r} was aborted") from None
                 finally:
                     self._tasks.pop(request_id, None)
-        except (RpcError, KVTransferError) as exc:
+        except StatusError as exc:
             status = exc.code.name
             logger.info("prefill failed: %s", exc)
             await context.abort(exc.code, exc.message)
@@ -113,68 +135,67 @@ class PrefillServicer(worker_pb2_grpc.PrefillWorkerServicer):
     async def GetStats(self, request, context):  # noqa: N802
         s = self.engine.stats()
         return worker_pb2.WorkerStats(
-            num_free_blocks=s.num_free_blocks, num_total_blocks=s.num_total_blocks,
-            num_running=s.num_running, num_waiting=s.num_waiting, block_size=s.block_size)
+            num_free_blocks=s.num_free_blocks, num_total_blocks=s.num_total_blocks, num_running=s.num_running,
+            num_waiting=s.num_waiting, config=worker_config_to_proto(self.config, Role.PREFILL))
 
     # ------------------------------------------------------------- helpers
-    def _validate(self, request: worker_pb2.PrefillRequest):
+    def _validate(self, request: worker_pb2.PrefillRequest) -> tuple[list[int], SamplingParams, KVDestination]:
         if not request.request_id:
-            raise RpcError(grpc.StatusCode.INVALID_ARGUMENT, "request_id must not be empty")
+            raise StatusError.invalid_argument("request_id", "must not be empty")
         prompt = list(request.prompt_token_ids)
-        try:
-            self.engine.engine.validate_prompt(prompt)  # reads only the model's config
-        except ValueError as exc:
-            raise RpcError(grpc.StatusCode.INVALID_ARGUMENT, f"prompt_token_ids: {exc}") from None
-        try:
-            params = sampling_params_from_proto(request.sampling, self.engine.max_model_len)
-        except ValueError as exc:
-            raise RpcError(grpc.StatusCode.INVALID_ARGUMENT, f"sampling.{exc}") from None
+        check_prompt_ids("prompt_token_ids", prompt, self.config.max_model_len, self.config.vocab_size)
+        params = sampling_params_from_proto(request.sampling, len(prompt), self.config, self.limits)
         dest = request.destination
         if not dest.address or not dest.reservation_id:
-            raise RpcError(grpc.StatusCode.INVALID_ARGUMENT,
-                           "destination.address and destination.reservation_id must be set")
+            raise StatusError.invalid_argument("destination", "address and reservation_id must be set")
+        num_blocks = -(-len(prompt) // self.config.block_size)
+        if dest.num_cached_blocks > num_blocks:
+            raise StatusError.invalid_argument("destination.num_cached_blocks",
+                                               f"is {dest.num_cached_blocks}, more than the prompt's {num_blocks} blocks")
         if dest.HasField("layout"):
-            try:
-                theirs = BlockLayout.from_proto(dest.layout)
-            except KVTransferError as exc:
-                raise RpcError(grpc.StatusCode.FAILED_PRECONDITION, f"destination.layout: {exc.message}") from None
+            theirs = BlockLayout.from_proto(dest.layout)
             if theirs != self.layout:
-                raise RpcError(grpc.StatusCode.FAILED_PRECONDITION,
-                               f"destination.layout {theirs.dtype_name} {list(theirs.block_shape)} differs from "
-                               f"this worker's {self.layout.dtype_name} {list(self.layout.block_shape)}")
-        return prompt, params, KVDestination(dest.address, dest.reservation_id)
+                raise StatusError(grpc.StatusCode.FAILED_PRECONDITION,
+                                  f"destination.layout {theirs.dtype_name} {list(theirs.block_shape)} differs from "
+                                  f"this worker's {self.layout.dtype_name} {list(self.layout.block_shape)}")
+        return prompt, params, KVDestination(dest.address, dest.reservation_id, dest.num_cached_blocks,
+                                             tuple(dest.kv_transports) or ("grpc",))
 
-    async def _prefill(self, request_id: str, prompt: list[int], params, destination: KVDestination,
-                       start: float) -> worker_pb2.PrefillResponse:
-        # Stop strings are the gateway's (and decode's) business; the first token's draw is not
-        # affected by them or by max_tokens.
+    async def _prefill(self, request_id: str, prompt: list[int], params: SamplingParams,
+                       destination: KVDestination, start: float) -> worker_pb2.PrefillResponse:
+        # Stop strings are the gateway's business; the first token's draw does not depend on
+        # them or on max_tokens.
         first_params = dataclasses.replace(params, max_tokens=1, stop=[])
-        final = None
+        final, transport = None, "-"
         try:
-            try:
-                stream = self.engine.generate(request_id, prompt, first_params, hold_blocks=True)
-                async with contextlib.aclosing(stream) as outputs:
-                    async for out in outputs:
-                        final = out
-            except ValueError as exc:  # e.g. a duplicate request id in the engine
-                raise RpcError(grpc.StatusCode.INVALID_ARGUMENT, str(exc)) from None
-            if final is None or any(c.finish_reason == "abort" for c in final.outputs):
-                raise RpcError(grpc.StatusCode.ABORTED, f"request {request_id!r} was aborted")
-            self.metrics.ttft.observe(time.perf_counter() - start)
-            block_ids = await self.engine.prompt_blocks(request_id)
-            sent_at = time.perf_counter()
-            try:
-                async with asyncio.timeout(self.lease_s):
-                    await self.sender.send(self.engine.kv_cache, block_ids, destination, request_id)
-            except TimeoutError:
-                raise RpcError(grpc.StatusCode.DEADLINE_EXCEEDED,
-                               f"the prefill lease ({self.lease_s:g} s) ran out before the KV transfer "
-                               "was acknowledged") from None
-            self.metrics.kv_transfer_seconds.observe(time.perf_counter() - sent_at)
-            self.metrics.kv_bytes.inc(len(block_ids) * self.layout.block_nbytes)
+            async with self.sender.open(destination, request_id) as transfer:
+                transport, sent = transfer.transport, destination.num_cached_blocks
+                try:
+                    stream = self.engine.generate(request_id, prompt, first_params, pin_prompt_blocks=True)
+                    async with contextlib.aclosing(stream) as outputs:
+                        async for out in outputs:
+                            final, ready = out, out.pinned_block_ids[sent:]
+                            if ready:  # blocks the last chunk completed: on their way at once
+                                await transfer.send(self.engine.kv_cache, sent, ready)
+                                sent += len(ready)
+                except ValueError as exc:  # e.g. a duplicate request id in the engine
+                    raise StatusError(grpc.StatusCode.INVALID_ARGUMENT, str(exc)) from None
+                if final is None or any(c.finish_reason == "abort" for c in final.outputs):
+                    raise StatusError(grpc.StatusCode.ABORTED, f"request {request_id!r} was aborted")
+                self.metrics.ttft.observe(time.perf_counter() - start)
+                last_chunk_at = time.perf_counter()
+                await transfer.finish()
+            self.metrics.kv_transfer_seconds.labels(transport).observe(time.perf_counter() - last_chunk_at)
+            self.metrics.kv_transfers.labels(transport, "OK").inc()
+            self.metrics.kv_bytes.labels(transport).inc(transfer.num_sent * self.layout.block_nbytes)
+        except StatusError as exc:
+            self.metrics.kv_transfers.labels(transport, exc.code.name).inc()
+            raise
         finally:
-            self.engine.release(request_id)  # no-op unless held; safe while being cancelled
-        seed_state = worker_pb2.SeedState(seed=params.seed) if params.seed is not None else worker_pb2.SeedState()
+            self.engine.release(request_id)  # no-op unless pinned; safe while being cancelled
+        check_stop = self.engine.engine.check_stop  # reads only settings
+        reasons = [check_stop(params, c.token_ids[0], 1, len(prompt) + 1) for c in final.outputs]
         return worker_pb2.PrefillResponse(
             first_tokens=[token_logprobs(c.token_ids[0], c.logprobs[0], params.logprobs) for c in final.outputs],
-            num_cached_tokens=final.num_cached_tokens, seed_state=seed_state)
+            finish_reasons=[finish_reason_to_proto(r) for r in reasons], num_cached_tokens=final.num_cached_tokens,
+            kv_transport=transport)

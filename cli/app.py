@@ -9,7 +9,6 @@ running gateway: ``tandem generate "..."`` and ``tandem chat``. In-process engin
 
 from __future__ import annotations
 
-import asyncio
 import logging
 import os
 import runpy
@@ -20,7 +19,8 @@ import threading
 import typer
 from rich.console import Console
 
-app = typer.Typer(help="Tandem: disaggregated prefill/decode LLM serving over gRPC.", no_args_is_help=True)
+app = typer.Typer(help="Tandem: disaggregated prefill/decode LLM serving over gRPC.", no_args_is_help=True,
+                  pretty_exceptions_enable=False, rich_markup_mode=None)
 console = Console()
 err_console = Console(stderr=True)
 
@@ -45,18 +45,22 @@ def offline_chat(
     """Answer one chat message with the in-process engine, streaming the reply."""
     _setup_logging(verbose)
     from engine import LLMEngine, SamplingParams
-    from engine.llm import apply_chat_template
+    from engine.output_processor import OutputProcessor
 
     engine = LLMEngine(model)
+    if engine.tokenizer is None:
+        err_console.print(f"[red]error:[/red] model {engine.model_id} has no tokenizer")
+        raise typer.Exit(2)
     messages = ([{"role": "system", "content": system}] if system else []) + [
         {"role": "user", "content": message}
     ]
-    prompt = apply_chat_template(engine.tokenizer, messages)
-    engine.add_request("cli", prompt, SamplingParams(max_tokens=max_tokens, temperature=temperature))
+    processor = OutputProcessor(engine)
+    processor.add_request("cli", engine.tokenizer.apply_chat_template(messages),
+                          SamplingParams(max_tokens=max_tokens, temperature=temperature))
     console.print(f"[bold]user:[/bold] {message}\n[bold]assistant:[/bold] ", end="")
     printed = 0
     while engine.has_unfinished_requests:
-        for out in engine.step():
+        for out in processor.process(engine.step().outputs):
             text = out.outputs[0].text
             console.print(text[printed:], end="", markup=False, highlight=False)
             printed = len(text)
@@ -66,40 +70,15 @@ def offline_chat(
 # ----------------------------------------------------------------------------- servers
 
 
-@app.command("gateway")
-def gateway_cmd(
-    listen: str = typer.Option(None, help="host:port to bind (env TANDEM_GATEWAY_ADDR, default 127.0.0.1:50051)."),
-    model: str = typer.Option(None, help="Model (env TANDEM_MODEL; default SmolLM2-135M-Instruct). Tokenizer only."),
-    redis_url: str = typer.Option(None, help="Cluster Redis (env TANDEM_REDIS_URL)."),
-    redis_key_prefix: str = typer.Option(None, help="Deployment name in Redis keys (env TANDEM_REDIS_KEY_PREFIX)."),
-    block_size: int = typer.Option(None, help="Tokens per KV block; must equal the workers' (env TANDEM_BLOCK_SIZE)."),
-    kv_dtype: str = typer.Option(None, help="Workers' KV dtype for block hashes (env TANDEM_KV_DTYPE / TANDEM_DTYPE)."),
-    max_model_len: int = typer.Option(None, help="Longest prompt + output (env TANDEM_MAX_MODEL_LEN)."),
-    metrics_port: int = typer.Option(None, help="Prometheus port, 0 = off (env TANDEM_METRICS_PORT, default 9400)."),
-    static_prefill: list[str] = typer.Option(None, help="Prefill worker address when there is no Redis (repeat)."),
-    static_decode: list[str] = typer.Option(None, help="Decode worker address when there is no Redis (repeat)."),
-    log_level: str = typer.Option(None, help="DEBUG, INFO, WARNING (env TANDEM_LOG_LEVEL)."),
-) -> None:
-    """Run the public gRPC gateway (every other setting: TANDEM_* variables, see gateway/settings.py)."""
-    from pydantic import ValidationError
-
-    from gateway.server import serve, setup_logging
-    from gateway.settings import GatewaySettings
-
-    flags = {k: v for k, v in locals().items() if v not in (None, []) and k not in ("ValidationError", "serve",
-                                                                                    "setup_logging", "GatewaySettings")}
-    try:
-        settings = GatewaySettings(**flags)
-    except ValidationError as exc:
-        err_console.print(f"[red]bad setting:[/red] {exc}")
-        raise typer.Exit(2) from None
-    setup_logging(settings.log_level)
-    asyncio.run(serve(settings))
-
-
 def _run_worker(module: str, args: list[str]) -> None:
     sys.argv = [f"python -m {module}", *args]
     runpy.run_module(module, run_name="__main__", alter_sys=True)
+
+
+@app.command("gateway", context_settings=_WORKER_PASSTHROUGH, add_help_option=False)
+def gateway_cmd(ctx: typer.Context) -> None:
+    """Run the public gRPC gateway (all flags go to `python -m gateway`; try `tandem gateway --help`)."""
+    _run_worker("gateway", ctx.args)
 
 
 @app.command("prefill", context_settings=_WORKER_PASSTHROUGH, add_help_option=False)
@@ -119,7 +98,7 @@ def _run_local(model: str | None, listen: str, prefill: int, decode: int, once: 
     """Start a LocalCluster, then answer ``once`` or serve until a signal; stop it. Returns an exit code."""
     from rich.markup import escape
 
-    from gateway.launcher import ClusterError, LocalCluster
+    from cli.launcher import ClusterError, LocalCluster
 
     _setup_logging(False)
     styles = ["cyan", "magenta", "green", "yellow", "blue"]
@@ -141,14 +120,13 @@ def _run_local(model: str | None, listen: str, prefill: int, decode: int, once: 
     try:
         with err_console.status("starting the local cluster (loading the model)...") as status:
             cluster.start(timeout_s=timeout_s, on_wait=lambda text: status.update(text))
-            from gateway.client import wait_routable
-
-            wait_routable(cluster.gateway_addr, timeout_s=30)
         ready.set()
+        ports = ", ".join(f"{name} :{port}" for name, port in cluster.metrics_ports.items())
         err_console.print(f"[bold green]cluster ready[/bold green]: gateway at {cluster.gateway_addr} "
-                          f"({prefill} prefill + {decode} decode, redis {cluster.redis_url or 'none'})")
+                          f"({prefill} prefill + {decode} decode, redis {cluster.redis_url or 'none'}; "
+                          f"metrics {ports})")
         if once is not None:
-            return _ask(cluster.gateway_addr, [{"role": "user", "content": once}], max_tokens, temperature)
+            return _ask(cluster.gateway_addr, [{"role": "user", "content": once}], max_tokens, temperature, echo=True)
         err_console.print("serving; Ctrl-C stops everything")
         while not stop.wait(0.5):
             if dead := cluster.dead():
@@ -171,11 +149,11 @@ def serve_cmd(
     local: bool = typer.Option(False, "--local", help="Start Redis, workers and a gateway on this machine."),
     model: str = typer.Option(None, help="Model for every process (default SmolLM2-135M-Instruct)."),
     listen: str = typer.Option("127.0.0.1:50051", help="The gateway's address."),
-    prefill: int = typer.Option(1, min=1, help="Prefill workers."),
+    prefill: int = typer.Option(1, min=0, help="Prefill workers (0: the decode workers prefill themselves)."),
     decode: int = typer.Option(1, min=1, help="Decode workers."),
     once: str = typer.Option(None, help="Answer this one chat prompt, then shut down."),
-    max_tokens: int = typer.Option(128, help="With --once: new tokens at most."),
-    temperature: float = typer.Option(0.0, help="With --once: 0 = greedy."),
+    max_tokens: int = typer.Option(128, min=1, help="With --once: new tokens at most."),
+    temperature: float = typer.Option(0.0, min=0.0, help="With --once: 0 = greedy."),
     timeout: float = typer.Option(600, help="Seconds to wait for every process to be SERVING."),
     quiet: bool = typer.Option(False, "--quiet", "-q", help="Show only warnings and errors of the processes."),
 ) -> None:
@@ -192,8 +170,8 @@ def demo_cmd(
     prompt: str = typer.Argument(DEMO_PROMPT, help="The chat prompt."),
     model: str = typer.Option(None, help="Model (default SmolLM2-135M-Instruct)."),
     listen: str = typer.Option(None, help="The gateway's address (default: a free loopback port)."),
-    max_tokens: int = typer.Option(128, help="New tokens at most."),
-    temperature: float = typer.Option(0.0, help="0 = greedy."),
+    max_tokens: int = typer.Option(128, min=1, help="New tokens at most."),
+    temperature: float = typer.Option(0.0, min=0.0, help="0 = greedy."),
     quiet: bool = typer.Option(False, "--quiet", "-q", help="Show only warnings and errors of the processes."),
     verbose: bool = typer.Option(False, "--verbose", "-v", help="Keep showing the processes' logs after startup."),
 ) -> None:
@@ -202,7 +180,7 @@ def demo_cmd(
     The processes' logs show while the model loads; once the cluster is ready only their
     warnings and errors do (``--verbose``: everything), so the answer reads cleanly.
     """
-    from gateway.launcher import free_port
+    from cli.launcher import free_port
 
     listen = listen or f"127.0.0.1:{free_port()}"
     raise typer.Exit(_run_local(model, listen, 1, 1, prompt, max_tokens, temperature, 600, quiet,
@@ -213,17 +191,18 @@ def demo_cmd(
 
 
 def _ask(addr: str, messages: list[dict[str, str]], max_tokens: int, temperature: float,
-         prompt: str | None = None) -> int:
-    """Stream one answer to the terminal; returns an exit code. Appends the answer to ``messages``."""
+         prompt: str | None = None, echo: bool = False) -> int:
+    """Stream one answer to the terminal; returns an exit code (0, 1 on a failed call, 130 when
+    interrupted). Appends the answer to ``messages``. ``echo`` prints the user's message first."""
     import grpc
 
-    from gateway import client
+    from cli import client
     from protos.tandem.v1 import gateway_pb2
 
     params = client.sampling(max_tokens, temperature)
     request = (gateway_pb2.GenerateRequest(prompt=prompt, sampling=params) if prompt is not None
                else client.chat_request(messages, params))
-    if prompt is None:
+    if echo:
         console.print(f"[bold]user:[/bold] {messages[-1]['content']}")
     console.print("[bold]assistant:[/bold] ", end="")
     try:
@@ -245,12 +224,16 @@ def _ask(addr: str, messages: list[dict[str, str]], max_tokens: int, temperature
     return 0
 
 
+_GATEWAY_ADDR = typer.Option(os.environ.get("TANDEM_GATEWAY_ADDR", "127.0.0.1:50051"),
+                             help="Gateway address (env TANDEM_GATEWAY_ADDR).")
+
+
 @app.command("generate")
 def generate_cmd(
     prompt: str = typer.Argument(..., help="The prompt."),
-    addr: str = typer.Option(os.environ.get("TANDEM_GATEWAY_ADDR", "127.0.0.1:50051"), help="Gateway address."),
-    max_tokens: int = typer.Option(128, help="New tokens at most."),
-    temperature: float = typer.Option(0.0, help="0 = greedy."),
+    addr: str = _GATEWAY_ADDR,
+    max_tokens: int = typer.Option(128, min=1, help="New tokens at most."),
+    temperature: float = typer.Option(0.0, min=0.0, help="0 = greedy."),
     chat: bool = typer.Option(True, "--chat/--raw", help="Apply the chat template (default) or send raw text."),
 ) -> None:
     """Stream a completion of PROMPT from a running gateway."""
@@ -260,12 +243,18 @@ def generate_cmd(
 
 @app.command("chat")
 def chat_cmd(
-    addr: str = typer.Option(os.environ.get("TANDEM_GATEWAY_ADDR", "127.0.0.1:50051"), help="Gateway address."),
-    max_tokens: int = typer.Option(256, help="New tokens at most per answer."),
-    temperature: float = typer.Option(0.7, help="0 = greedy."),
+    addr: str = _GATEWAY_ADDR,
+    max_tokens: int = typer.Option(256, min=1, help="New tokens at most per answer."),
+    temperature: float = typer.Option(0.7, min=0.0, help="0 = greedy."),
     system: str = typer.Option(None, help="Optional system prompt."),
 ) -> None:
-    """Chat with a running gateway (keeps the history; empty line or Ctrl-D ends)."""
+    """Chat with a running gateway (keeps the history; empty line or Ctrl-D ends). Exits 1 when
+    the gateway cannot be reached."""
+    from cli.healthcheck import check
+
+    if not check(addr, timeout_s=5.0):
+        err_console.print(f"[red]error:[/red] no serving gateway at {addr}")
+        raise typer.Exit(1)
     messages = [{"role": "system", "content": system}] if system else []
     while True:
         try:
@@ -278,7 +267,24 @@ def chat_cmd(
         messages.append({"role": "user", "content": text})
         if _ask(addr, messages, max_tokens, temperature) != 0:
             messages.pop()
+            if not check(addr, timeout_s=5.0):
+                raise typer.Exit(1)
+
+
+def main(argv: list[str] | None = None) -> None:
+    """The ``tandem`` command: every usage error is one line on stderr and exit code 2; a
+    command's own failure exits non-zero (1) after one line saying why."""
+    argv = sys.argv[1:] if argv is None else argv
+    try:
+        code = app(argv or ["--help"], prog_name="tandem", standalone_mode=False)
+    except typer.Abort:
+        code = 130
+    except typer.TyperException as exc:  # usage errors (bad option, bad value, missing argument)
+        message = exc.format_message() if hasattr(exc, "format_message") else str(exc)
+        print(f"tandem: error: {message} (--help lists the options)", file=sys.stderr)
+        code = getattr(exc, "exit_code", 2)
+    sys.exit(code if isinstance(code, int) else 0)
 
 
 if __name__ == "__main__":
-    app()
+    main()

@@ -1,4 +1,4 @@
-"""gRPC health probe: ``python -m gateway.healthcheck HOST:PORT [SERVICE] [--timeout S]``.
+"""gRPC health probe: ``python -m cli.healthcheck HOST:PORT [SERVICE] [--timeout S]``.
 
 Exits 0 if the server answers SERVING for ``SERVICE`` (default: the whole server, ""), 1
 otherwise. Used by docker-compose healthchecks and by the local launcher (no
@@ -11,7 +11,7 @@ import argparse
 import sys
 
 import grpc
-from grpc_health.v1 import health_pb2, health_pb2_grpc
+from protos.grpc.health.v1 import health_pb2, health_pb2_grpc
 
 
 def check(address: str, service: str = "", timeout_s: float = 2.0) -> bool:
@@ -26,7 +26,7 @@ def check(address: str, service: str = "", timeout_s: float = 2.0) -> bool:
 
 
 def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(prog="python -m gateway.healthcheck", description=__doc__)
+    parser = argparse.ArgumentParser(prog="python -m cli.healthcheck", description=__doc__)
     parser.add_argument("address", help="host:port of a Tandem gateway or worker")
     parser.add_argument("service", nargs="?", default="", help='service name ("" = the whole server)')
     parser.add_argument("--timeout", type=float, default=2.0, help="seconds")

@@ -21,7 +21,6 @@ import signal
 import socket
 import subprocess
 import sys
-import tempfile
 import threading
 import time
 from collections import deque
@@ -29,7 +28,8 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from gateway.healthcheck import check
+from cli.healthcheck import check
+from cli.redis_server import RedisServer
 
 logger = logging.getLogger(__name__)
 
@@ -99,6 +99,12 @@ class Child:
             self.proc.wait()
 
 
+# NVLink multicast (NVLS) stays off in every process the launcher starts: on a shared host a
+# program using it can take the GPUs out of service, and NCCL, PyTorch's symmetric memory and
+# NVSHMEM would each try it on their own. ``env`` can still set these.
+NVLINK_MULTICAST_OFF = {"NCCL_NVLS_ENABLE": "0", "TORCH_SYMM_MEM_DISABLE_MULTICAST": "1", "NVSHMEM_DISABLE_NVLS": "1"}
+
+
 class ClusterError(RuntimeError):
     """A process of the cluster failed to start or died."""
 
@@ -115,12 +121,15 @@ class LocalCluster:
         redis: ``"auto"`` (TANDEM_REDIS_URL, else redis-server, else none), a URL, or ``None`` (none).
         sink: receives ``(process name, log line)``; default: print ``[name] line`` to stderr.
         log_dir: also write each process' output to ``log_dir/<name>.log``.
+        metrics: serve every process's Prometheus metrics, each on a free port of its own
+            (``metrics_ports`` says which).
     """
 
     def __init__(self, model: str | None = None, gateway_addr: str | None = None, num_prefill: int = 1,
                  num_decode: int = 1, env: dict[str, str] | None = None,
                  worker_env: dict[str, dict[str, str]] | None = None, redis: str | None = "auto",
-                 sink: Callable[[str, str], None] | None = None, log_dir: Path | None = None) -> None:
+                 sink: Callable[[str, str], None] | None = None, log_dir: Path | None = None,
+                 metrics: bool = True) -> None:
         self.model = model
         self.gateway_addr = gateway_addr or f"127.0.0.1:{free_port()}"
         self.num_prefill, self.num_decode = num_prefill, num_decode
@@ -129,11 +138,12 @@ class LocalCluster:
         self.redis_mode = redis
         self.sink = sink or (lambda name, line: print(f"[{name}] {line}", file=sys.stderr, flush=True))
         self.log_dir = log_dir
+        self.metrics = metrics
+        self.metrics_ports: dict[str, int] = {}
         self.redis_url: str | None = None
-        self.redis: Child | None = None
+        self.redis: RedisServer | None = None
         self.workers: dict[str, Child] = {}
         self.gateway: Child | None = None
-        self._tmp: tempfile.TemporaryDirectory | None = None
 
     # -- start -----------------------------------------------------------------------------
 
@@ -145,7 +155,7 @@ class LocalCluster:
         """
         try:
             self._start_redis()
-            base = {**os.environ, "PYTHONUNBUFFERED": "1", **self.env}
+            base = {**os.environ, "PYTHONUNBUFFERED": "1", **NVLINK_MULTICAST_OFF, **self.env}
             if self.model:
                 base["TANDEM_MODEL"] = self.model
             base["TANDEM_REDIS_URL"] = self.redis_url or ""
@@ -153,20 +163,26 @@ class LocalCluster:
                 for i in range(count):
                     name, address = f"{role}-{i}", f"127.0.0.1:{free_port()}"
                     env = {**base, "TANDEM_WORKER_ID": f"{role}-{i}-{os.getpid()}", **self.worker_env.get(name, {})}
-                    self.workers[name] = Child(name, [sys.executable, "-m", f"{role}_worker", "--listen", address],
-                                               env, address)
-            gw_env = {**base, "TANDEM_GATEWAY_ADDR": self.gateway_addr}
+                    self.workers[name] = Child(name, [sys.executable, "-m", f"{role}_worker", "--listen", address,
+                                                      *self._metrics_flag(name)], env, address)
+            argv = [sys.executable, "-m", "gateway", "--listen", self.gateway_addr, *self._metrics_flag("gateway")]
             if not self.redis_url:
-                gw_env["TANDEM_STATIC_PREFILL"] = ",".join(w.address for n, w in self.workers.items() if n[0] == "p")
-                gw_env["TANDEM_STATIC_DECODE"] = ",".join(w.address for n, w in self.workers.items() if n[0] == "d")
-            self.gateway = Child("gateway", [sys.executable, "-m", "gateway", "--listen", self.gateway_addr],
-                                 gw_env, self.gateway_addr)
+                argv += ["--static-prefill", ",".join(w.address for n, w in self.workers.items() if n[0] == "p"),
+                         "--static-decode", ",".join(w.address for n, w in self.workers.items() if n[0] == "d")]
+            self.gateway = Child("gateway", argv, base, self.gateway_addr)
             for child in [*self.workers.values(), self.gateway]:
                 child.start(self.sink, self.log_dir)
             self._wait_healthy(timeout_s, on_wait)
         except BaseException:
             self.stop()
             raise
+
+    def _metrics_flag(self, name: str) -> list[str]:
+        """``--metrics-port`` on a free port of its own for process ``name`` (two local clusters
+        never collide), or ``0`` (off) when the cluster serves no metrics."""
+        port = free_port() if self.metrics else 0
+        self.metrics_ports[name] = port
+        return ["--metrics-port", str(port)]
 
     def _start_redis(self) -> None:
         if self.redis_mode not in ("auto", None):
@@ -178,30 +194,16 @@ class LocalCluster:
             self.redis_url = os.environ["TANDEM_REDIS_URL"]
             logger.info("using Redis at %s (TANDEM_REDIS_URL)", self.redis_url)
             return
-        binary = shutil.which("redis-server")
-        if binary is None:
+        if shutil.which("redis-server") is None:
             logger.warning("no TANDEM_REDIS_URL and no redis-server on PATH: workers run unregistered and the "
                            "gateway routes over their fixed addresses with an in-process prefix index")
             return
-        self._tmp = tempfile.TemporaryDirectory(prefix="tandem-redis-")
-        port = free_port()
-        self.redis = Child("redis", [binary, "--bind", "127.0.0.1", "--port", str(port), "--dir", self._tmp.name,
-                                     "--save", "", "--appendonly", "no"], dict(os.environ))
-        self.redis.start(lambda name, line: None, self.log_dir)
-        self.redis_url = f"redis://127.0.0.1:{port}/0"
-        import redis as redis_sync
-
-        client = redis_sync.Redis(port=port, socket_timeout=0.5, socket_connect_timeout=0.5)
-        deadline = time.monotonic() + 10
-        while True:
-            try:
-                client.ping()
-                break
-            except redis_sync.ConnectionError:
-                if not self.redis.alive or time.monotonic() > deadline:
-                    raise ClusterError(f"redis-server did not start: {list(self.redis.tail)[-5:]}")
-                time.sleep(0.05)
-        client.close()
+        self.redis = RedisServer()
+        try:
+            self.redis.start()
+        except RuntimeError as exc:
+            raise ClusterError(str(exc)) from None
+        self.redis_url = self.redis.url
         logger.info("started redis-server at %s", self.redis_url)
 
     def _wait_healthy(self, timeout_s: float, on_wait: Callable[[str], None] | None) -> None:
@@ -228,7 +230,7 @@ class LocalCluster:
         return [c.name for c in self.children() if c.proc is not None and not c.alive]
 
     def children(self) -> list[Child]:
-        return [c for c in [self.gateway, *self.workers.values(), self.redis] if c is not None]
+        return [c for c in [self.gateway, *self.workers.values()] if c is not None]
 
     def stop(self, timeout_s: float = 30.0) -> None:
         """SIGTERM the gateway (it drains), then the workers, then Redis; SIGKILL stragglers."""
@@ -240,11 +242,8 @@ class LocalCluster:
         for worker in self.workers.values():
             worker.wait(timeout_s)
         if self.redis is not None:
-            self.redis.signal(signal.SIGTERM)
-            self.redis.wait(5)
-        if self._tmp is not None:
-            self._tmp.cleanup()
-            self._tmp = None
+            self.redis.stop()
+            self.redis = None
 
     def __enter__(self) -> LocalCluster:
         return self

@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import time
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
 
@@ -63,25 +62,3 @@ def responses(address: str, request: gateway_pb2.GenerateRequest,
     """All messages of one Generate call."""
     with grpc.insecure_channel(address) as channel:
         yield from gateway_pb2_grpc.GatewayStub(channel).Generate(request, timeout=timeout_s)
-
-
-def wait_routable(address: str, timeout_s: float = 30.0) -> None:
-    """Block until the gateway can route a request (workers registered and seen), with a 1-token probe.
-
-    Raises:
-        TimeoutError: still UNAVAILABLE after ``timeout_s``.
-        grpc.RpcError: any other failure.
-    """
-    probe = gateway_pb2.GenerateRequest(request_id="readiness-probe", prompt="Hi",
-                                        sampling=gateway_pb2.SamplingParams(max_tokens=1, temperature=0))
-    deadline = time.monotonic() + timeout_s
-    while True:
-        try:
-            list(responses(address, probe, timeout_s=max(5.0, timeout_s)))
-            return
-        except grpc.RpcError as exc:
-            if exc.code() != grpc.StatusCode.UNAVAILABLE or time.monotonic() > deadline:
-                if exc.code() == grpc.StatusCode.UNAVAILABLE:
-                    raise TimeoutError(f"gateway {address} still cannot route: {exc.details()}") from exc
-                raise
-            time.sleep(0.25)
