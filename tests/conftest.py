@@ -1,8 +1,53 @@
-"""Test-wide setup: Triton runs under its CPU interpreter when no GPU is present."""
+"""Test-wide setup: Triton runs under its CPU interpreter when no GPU is present; Redis fixtures
+(the shared Redis at 127.0.0.1:6379 under a unique test-only key prefix, deleted afterwards,
+and private ``redis-server`` processes that a test may kill and restart)."""
 
 import os
+import shutil
+import uuid
 
+import pytest
+import redis
 import torch
+
+from cli.redis_server import RedisServer
+
+# The shared Redis every test machine runs (.ci/run starts it).
+REDIS_URL = "redis://127.0.0.1:6379/0"
 
 if not torch.cuda.is_available():
     os.environ.setdefault("TRITON_INTERPRET", "1")
+
+
+@pytest.fixture
+def key_prefix():
+    """A fresh ``test-<uuid>`` key prefix on the shared Redis; its keys are deleted after the test."""
+    client = redis.Redis.from_url(REDIS_URL, socket_timeout=2)
+    try:
+        client.ping()
+    except redis.ConnectionError:
+        pytest.fail("no Redis at 127.0.0.1:6379: redis-server --daemonize yes --bind 127.0.0.1 "
+                    "--port 6379 --save '' --appendonly no")
+    prefix = f"test-{uuid.uuid4().hex}"
+    yield prefix
+    keys = list(client.scan_iter(match=f"tandem:{prefix}:*", count=1000))
+    if keys:
+        client.delete(*keys)
+    client.close()
+
+
+@pytest.fixture
+def private_redis(tmp_path):
+    """A started :class:`RedisServer`, killed after the test."""
+    if shutil.which("redis-server") is None:
+        pytest.fail("redis-server is not on PATH")
+    server = RedisServer(tmp_path)
+    server.start()
+    yield server
+    server.stop()
+
+
+@pytest.fixture(scope="session")
+def redis_url() -> str:
+    """URL of the shared Redis (use with ``key_prefix``)."""
+    return REDIS_URL

@@ -8,29 +8,26 @@ from pathlib import Path
 
 import grpc
 
-from gateway.launcher import LocalCluster
+from cli.launcher import LocalCluster
 from protos.tandem.v1 import gateway_pb2, gateway_pb2_grpc, worker_pb2, worker_pb2_grpc
 
 SP = gateway_pb2.SamplingParams
 
 
 def start_cluster(tmp: Path, key_prefix: str, redis_url: str, num_prefill: int, num_decode: int,
-                  env: dict[str, str] | None = None, worker_env: dict | None = None) -> LocalCluster:
-    """Start workers and a gateway (logs in ``tmp``); wait until a request can be routed."""
-    from gateway.client import wait_routable
-
-    base = {"TANDEM_REDIS_KEY_PREFIX": key_prefix, "TANDEM_METRICS_PORT": "0", "TANDEM_LOG_LEVEL": "INFO",
+                  kv_transport: str, env: dict[str, str] | None = None, worker_env: dict | None = None) -> LocalCluster:
+    """Start workers and a gateway (logs in ``tmp``); return once every process reports SERVING
+    (the gateway does only when a request can be routed). Every prompt goes through a prefill
+    worker (``TANDEM_LOCAL_PREFILL_MAX_TOKENS=0``) unless ``env`` says otherwise; KV blocks move
+    by ``kv_transport`` (blocks read over NIXL are checksummed too: ``TANDEM_KV_VERIFY_CHECKSUMS``)."""
+    base = {"TANDEM_REDIS_KEY_PREFIX": key_prefix, "TANDEM_LOG_LEVEL": "INFO",
             "TANDEM_REGISTRY_TTL_S": "3", "TANDEM_HEARTBEAT_INTERVAL_S": "0.5",
             "TANDEM_KV_CACHE_MEMORY_BYTES": str(64 << 20), "TANDEM_DRAIN_TIMEOUT_S": "5",
-            "TANDEM_MAX_MODEL_LEN": "2048", **(env or {})}
+            "TANDEM_MAX_MODEL_LEN": "2048", "TANDEM_LOCAL_PREFILL_MAX_TOKENS": "0",
+            "TANDEM_KV_TRANSPORT": kv_transport, "TANDEM_KV_VERIFY_CHECKSUMS": "true", **(env or {})}
     cluster = LocalCluster(num_prefill=num_prefill, num_decode=num_decode, env=base, worker_env=worker_env,
                            redis=redis_url, sink=lambda name, line: None, log_dir=tmp)
     cluster.start(timeout_s=300)
-    try:
-        wait_routable(cluster.gateway_addr, timeout_s=30)
-    except BaseException:
-        cluster.stop()
-        raise
     return cluster
 
 
@@ -62,18 +59,19 @@ def wait_free_blocks(cluster: LocalCluster, expected: dict[str, int], within_s: 
 
 
 def collect(stub, request, timeout_s: float = 120) -> dict:
-    """Run one Generate call; per sample: token ids, text, finish reason; plus usage and messages."""
+    """Run one Generate call; per sample: token ids, text, finish reason; plus usage (checked to
+    come exactly once, on the stream's last message)."""
     samples: dict[int, dict] = {}
-    usage = None
-    for message in stub.Generate(request, timeout=timeout_s):
+    messages = list(stub.Generate(request, timeout=timeout_s))
+    for message in messages:
         s = samples.setdefault(message.index, {"token_ids": [], "text": "", "finish": 0})
         s["token_ids"] += message.token_ids
         s["text"] += message.text
         if message.finish_reason:
             s["finish"] = message.finish_reason
-        if message.HasField("usage"):
-            usage = message.usage
-    return {"samples": samples, "usage": usage}
+    with_usage = [i for i, m in enumerate(messages) if m.HasField("usage")]
+    assert with_usage == [len(messages) - 1], f"usage on messages {with_usage} of {len(messages)}"
+    return {"samples": samples, "usage": messages[-1].usage}
 
 
 def log_text(tmp: Path, name: str) -> str:

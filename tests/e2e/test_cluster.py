@@ -23,7 +23,6 @@ from protos.tandem.v1 import gateway_pb2
 from .cluster_helpers import SP, collect, free_blocks, gateway_stub, start_cluster, stats, wait_free_blocks
 
 pytestmark = pytest.mark.slow
-REDIS_URL = "redis://127.0.0.1:6379/0"
 PROMPTS = [
     "The capital of France is",
     "Write a haiku about the sea.",
@@ -37,14 +36,14 @@ PROMPTS = [
 
 
 @pytest.fixture(scope="module")
-def cluster(tmp_path_factory):
+def cluster(tmp_path_factory, redis_url, kv_transport):
     prefix = f"test-e2e-{uuid.uuid4().hex[:12]}"
     tmp = tmp_path_factory.mktemp("cluster")
-    cluster = start_cluster(tmp, prefix, REDIS_URL, num_prefill=2, num_decode=2)
+    cluster = start_cluster(tmp, prefix, redis_url, num_prefill=2, num_decode=2, kv_transport=kv_transport)
     cluster.tmp = tmp
     yield cluster
     cluster.stop()
-    client = redis.Redis.from_url(REDIS_URL)
+    client = redis.Redis.from_url(redis_url)
     keys = list(client.scan_iter(match=f"tandem:{prefix}:*"))
     if keys:
         client.delete(*keys)
@@ -58,12 +57,14 @@ def stub(cluster):
 
 
 @pytest.fixture(scope="module")
-def offline():
+def offline_llm() -> LLM:
+    return LLM(max_model_len=2048, kv_cache_memory_bytes=64 << 20)
+
+
+@pytest.fixture(scope="module")
+def offline(offline_llm):
     """Greedy reference outputs of the in-process engine: prompt -> (token ids, text)."""
-    llm = LLM(max_model_len=2048, kv_cache_memory_bytes=64 << 20)
-    tokenizer = llm.get_tokenizer()
-    prompts = [tokenizer.encode(p) for p in PROMPTS]
-    outs = llm.generate(prompts, SamplingParams(max_tokens=24, temperature=0), use_tqdm=False)
+    outs = offline_llm.generate(PROMPTS, SamplingParams(max_tokens=24, temperature=0), use_tqdm=False)
     return {p: (list(o.outputs[0].token_ids), o.outputs[0].text) for p, o in zip(PROMPTS, outs)}
 
 
@@ -108,6 +109,15 @@ def test_32_concurrent_streams_correct_spread_and_no_leak(cluster, stub, offline
     assert wait_free_blocks(cluster, before, within_s=3) == before
 
 
+def test_served_prompt_is_tokenized_like_the_offline_engine(stub, offline_llm):
+    """One rule for text prompts: the gateway's Tokenize (what Generate sees) equals what the
+    offline LLM.generate(text) computes on."""
+    for prompt in PROMPTS[:4]:
+        served = list(stub.Tokenize(gateway_pb2.TokenizeRequest(prompt=prompt), timeout=10).token_ids)
+        [out] = offline_llm.generate(prompt, SamplingParams(max_tokens=1, temperature=0), use_tqdm=False)
+        assert served == out.prompt_token_ids, prompt
+
+
 def test_n_samples_interleave_with_index_and_stop_string_cuts(stub):
     out = collect(stub, gateway_pb2.GenerateRequest(prompt="Count: one, two, three,",
                                                     sampling=SP(max_tokens=20, n=3, temperature=0.8, seed=7)))
@@ -147,3 +157,17 @@ def test_deadline_is_passed_on(stub):
     with pytest.raises(grpc.RpcError) as info:
         collect(stub, _greedy("Write an essay.", 2000, ignore_eos=True), timeout_s=1.0)
     assert info.value.code() == grpc.StatusCode.DEADLINE_EXCEEDED
+
+
+def test_every_process_serves_metrics_on_a_port_of_its_own(cluster):
+    """Regression: every process used to bind metrics port 9400, so a second local cluster on
+    the machine crashed. The launcher gives each its own free port."""
+    import urllib.request
+
+    ports = cluster.metrics_ports
+    assert set(ports) == {"gateway", "prefill-0", "prefill-1", "decode-0", "decode-1"}
+    assert len(set(ports.values())) == len(ports) and 0 not in ports.values()
+    for name, port in ports.items():
+        with urllib.request.urlopen(f"http://127.0.0.1:{port}/metrics", timeout=5) as reply:
+            text = reply.read().decode()
+        assert ("tandem_gateway_requests" if name == "gateway" else "tandem_kv_blocks_free") in text, name

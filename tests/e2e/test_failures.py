@@ -1,5 +1,5 @@
-"""End to end under failure: overload, a corrupted KV chunk, Redis going away and coming back,
-a decode worker killed mid-request. One prefill + two decode workers with small KV pools and a
+"""End to end under failure: overload, Redis going away and coming back, a decode worker killed
+mid-request. One prefill + two decode workers with small KV pools and a
 private redis-server (this module kills it), all real processes on loopback."""
 
 from __future__ import annotations
@@ -15,33 +15,33 @@ import pytest
 import redis
 
 from protos.tandem.v1 import gateway_pb2
-from tests.redis_server import RedisServer
+from cli.redis_server import RedisServer
 
 from .cluster_helpers import SP, collect, free_blocks, gateway_stub, log_text, start_cluster, stats, \
     wait_free_blocks
 
 pytestmark = pytest.mark.slow
 DECODE_BLOCKS = 40
-CORRUPT_TAG = "corrupt-me"
 
 
 @pytest.fixture(scope="module")
-def env(tmp_path_factory):
+def env(tmp_path_factory, kv_transport):
     tmp = tmp_path_factory.mktemp("failures")
     private = RedisServer(tmp)
     private.start()
     decode_env = {"TANDEM_NUM_BLOCKS": str(DECODE_BLOCKS)}
-    cluster = start_cluster(
-        tmp, f"test-fail-{uuid.uuid4().hex[:8]}", private.url, num_prefill=1, num_decode=2,
-        env={"TANDEM_ADMIT_WAIT_S": "3"},
-        worker_env={"decode-0": decode_env, "decode-1": decode_env,
-                    "prefill-0": {"TANDEM_TEST_CORRUPT_KV": CORRUPT_TAG}})
-    cluster.tmp, cluster.private_redis = tmp, private
-    channel, stub = gateway_stub(cluster)
-    yield cluster, stub
-    channel.close()
-    cluster.stop()
-    private.kill()
+    try:
+        cluster = start_cluster(
+            tmp, f"test-fail-{uuid.uuid4().hex[:8]}", private.url, num_prefill=1, num_decode=2,
+            kv_transport=kv_transport, env={"TANDEM_ADMIT_WAIT_S": "3"},
+            worker_env={"decode-0": decode_env, "decode-1": decode_env})
+        cluster.tmp, cluster.private_redis = tmp, private
+        channel, stub = gateway_stub(cluster)
+        yield cluster, stub
+        channel.close()
+        cluster.stop()
+    finally:
+        private.stop()
 
 
 def _req(prompt: str, max_tokens: int, request_id: str = "", **kw) -> gateway_pb2.GenerateRequest:
@@ -69,17 +69,6 @@ def test_overload_queues_or_refuses_never_crashes_or_leaks(env):
     assert "OK" in codes
     assert wait_free_blocks(cluster, before, within_s=3) == before
     assert not cluster.dead()
-
-
-def test_corrupted_kv_chunk_fails_that_request_only(env):
-    cluster, stub = env
-    before = free_blocks(cluster)
-    with pytest.raises(grpc.RpcError) as info:
-        collect(stub, _req("Hello there, how are you today?", 8, request_id=f"{CORRUPT_TAG}-1"))
-    assert info.value.code() == grpc.StatusCode.DATA_LOSS, info.value.details()
-    assert wait_free_blocks(cluster, before, within_s=2) == before
-    out = collect(stub, _req("Hello there, how are you today?", 8))
-    assert len(out["samples"][0]["token_ids"]) > 0
 
 
 def test_redis_outage_keeps_serving_and_recovers(env):

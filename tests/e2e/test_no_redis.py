@@ -13,7 +13,7 @@ pytestmark = pytest.mark.slow
 
 
 def test_no_redis_serves_and_routes_shared_prefixes(tmp_path):
-    cluster = start_cluster(tmp_path, "unused", None, num_prefill=2, num_decode=1)
+    cluster = start_cluster(tmp_path, "unused", None, num_prefill=2, num_decode=1, kv_transport="auto")
     try:
         assert "in-process prefix index" in log_text(tmp_path, "gateway")
         start = free_blocks(cluster)

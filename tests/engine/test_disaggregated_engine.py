@@ -16,7 +16,7 @@ def engines():
 
 def _run(engine, request_id):
     while True:
-        for out in engine.step():
+        for out in engine.step().outputs:
             if out.request_id == request_id and out.finished:
                 return out
 
@@ -24,11 +24,12 @@ def _run(engine, request_id):
 def _disaggregated(prefill, decode, request_id, prompt, params):
     ids = prefill.tokenize(prompt)
     first = params.__class__(**{**params.__dict__, "max_tokens": 1, "stop": []})
-    prefill.add_request(request_id, ids, first, hold_blocks=True)
+    prefill.add_request(request_id, ids, first, pin_prompt_blocks=True)
     first_out = _run(prefill, request_id)
-    src = prefill.prompt_blocks(request_id)
-    dst = decode.reserve_blocks(len(ids))
-    decode.kv_cache.tensor[dst] = prefill.kv_cache.tensor[src]
+    src = first_out.pinned_block_ids
+    assert len(src) == -(-len(ids) // 16)
+    dst, cached = decode.reserve_blocks(ids)
+    decode.kv_cache.tensor[dst[cached:]] = prefill.kv_cache.tensor[src[cached:]]
     assert prefill.release(request_id)
     first_tokens = [c.token_ids[0] for c in first_out.outputs]
     out = decode.add_prefilled_request(request_id, ids, first_tokens, params, dst)
@@ -48,7 +49,7 @@ def test_prefill_then_decode_equals_one_engine(engines, params):
         prefill.add_request(f"ref{i}", prompt, params)
         reference = _run(prefill, f"ref{i}")
         assert [c.token_ids for c in split.outputs] == [c.token_ids for c in reference.outputs]
-        assert [c.text for c in split.outputs] == [c.text for c in reference.outputs]
+        assert [c.finish_reason for c in split.outputs] == [c.finish_reason for c in reference.outputs]
     assert (prefill.num_free_blocks, decode.num_free_blocks) == free
 
 
@@ -56,18 +57,33 @@ def test_reserve_refuses_when_full_and_frees(engines):
     _, decode = engines
     free = decode.num_free_blocks
     with pytest.raises(NoFreeBlocksError):
-        decode.reserve_blocks(16 * (free + 1))
-    blocks = decode.reserve_blocks(40)
-    assert decode.num_free_blocks == free - 3
+        decode.reserve_blocks(list(range(100, 100 + 16 * (free + 1))))
+    blocks, cached = decode.reserve_blocks(list(range(200, 240)))
+    assert decode.num_free_blocks == free - 3 and cached == 0
     decode.free_blocks(blocks)
     assert decode.num_free_blocks == free
+
+
+def test_the_next_turn_reuses_what_the_decode_worker_holds(engines):
+    """No resends: blocks the decode engine received and decoded are in its prefix cache, so a
+    chat's next turn (previous prompt + answer + a question) reserves them as cached."""
+    prefill, decode = engines
+    params = SamplingParams(max_tokens=40, temperature=0, ignore_eos=True)
+    ids = prefill.tokenize(PROMPTS[0] + " in the fifteenth century, when")
+    turn1 = _disaggregated(prefill, decode, "turn1", ids, params)
+    history = ids + turn1.outputs[0].token_ids
+    turn2 = history + prefill.tokenize(" And then what happened?")
+    blocks, cached = decode.reserve_blocks(turn2)
+    # every full block of the history but the last one (its last token's KV was never computed)
+    assert cached == (len(history) - 1) // 16, (cached, len(history))
+    decode.free_blocks(blocks)
 
 
 def test_first_token_can_finish_the_request(engines):
     prefill, decode = engines
     free = decode.num_free_blocks
     ids = prefill.tokenize("Hello")
-    blocks = decode.reserve_blocks(len(ids))
+    blocks, _ = decode.reserve_blocks(ids)
     eos = next(iter(decode.eos_token_ids))
     out = decode.add_prefilled_request("eos", ids, [eos], SamplingParams(max_tokens=8), blocks)
     assert out.finished and out.outputs[0].finish_reason == "stop"

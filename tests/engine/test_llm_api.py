@@ -19,7 +19,7 @@ def no_leaks(llm):
     free = llm.engine.num_free_blocks
     yield
     assert llm.engine.num_free_blocks == free, "blocks leaked"
-    assert not llm.engine.requests and not llm.engine.held
+    assert not llm.engine.requests and not llm.engine.pinned
     llm.engine.block_pool.check_invariants()
 
 

@@ -12,6 +12,7 @@ import transformers
 from safetensors.torch import load_file, save_file
 
 import engine.gguf
+import engine.model_source
 from engine.attention import PagedAttentionBackend
 from engine.kv_cache import KVCache
 from engine.loader import load_model
@@ -139,10 +140,10 @@ def test_gguf_conversion_is_cached_and_race_safe(tmp_path, monkeypatch):
         (final / "config.json").write_text('{"winner": true}')
 
     monkeypatch.setattr(engine.gguf, "_write_hf_dir", convert_while_another_process_wins)
-    assert engine.gguf.gguf_to_hf_dir(gguf) == final
+    assert engine.gguf.convert(gguf) == final
     assert json.loads((final / "config.json").read_text()) == {"winner": True}
     assert os.listdir(tmp_path / "cache") == [final.name]  # our temp copy is gone
-    assert engine.gguf.gguf_to_hf_dir(gguf) == final and len(calls) == 1  # cache hit
+    assert engine.gguf.convert(gguf) == final and len(calls) == 1  # cache hit
 
 
 @pytest.mark.slow
@@ -154,12 +155,15 @@ def test_default_model_is_smollm2_and_matches_hf_gguf(hf_model, tmp_path, monkey
     assert loaded.config.num_hidden_layers == 30 and loaded.config.vocab_size == 49152
     assert loaded.model_id == "SmolLM2-135M-Instruct.Q4_1" and 2 in loaded.config.eos_token_id
     messages = [{"role": "user", "content": "What is the capital of France?"}]
-    prompt = loaded.tokenizer.apply_chat_template(messages, add_generation_prompt=True, tokenize=False)
-    ids = loaded.tokenizer.encode(prompt, add_special_tokens=False)
-    assert loaded.tokenizer.decode(ids) == prompt
+    prompt = loaded.tokenizer.render_chat(messages)
+    ids = loaded.tokenizer.apply_chat_template(messages)
+    assert loaded.tokenizer.decode(ids, skip_special_tokens=False) == prompt
 
     hf, hf_tokenizer = hf_model
+    assert hf_tokenizer.apply_chat_template(messages, add_generation_prompt=True, tokenize=False) == prompt
     assert hf_tokenizer.encode(prompt, add_special_tokens=False) == ids
+    for text in ("Hello world", "  spaces, émojis 🙂 and\nnewlines", "<|im_start|>user"):
+        assert loaded.tokenizer.encode(text) == hf_tokenizer.encode(text, add_special_tokens=True), text
     runner = PagedRunner(loaded.model, block_size=16)
     (out,) = runner.step([(0, ids)])
     torch.testing.assert_close(out, hf_logits(hf, ids), atol=5e-4, rtol=1e-4)
@@ -170,5 +174,5 @@ def test_default_model_is_smollm2_and_matches_hf_gguf(hf_model, tmp_path, monkey
     assert greedy == hf_greedy(hf, ids, max_new_tokens=8)
     assert "Paris" in loaded.tokenizer.decode(greedy)
 
-    monkeypatch.setattr(engine.gguf, "_write_hf_dir", None)  # a second load must not convert
+    monkeypatch.setattr(engine.model_source.subprocess, "run", None)  # a second load must not convert
     assert load_model(None, load_format="dummy").path == loaded.path

@@ -3,7 +3,6 @@
 import pytest
 
 from engine import LLM, SamplingParams
-from engine.llm import apply_chat_template
 from tests.engine.conftest import (
     CHATS, MAX_NEW_TOKENS, PLAIN_PROMPTS, SHARED_PREFIX_CHATS, hf_greedy,
 )
@@ -17,7 +16,8 @@ def prompts(hf_model):
     """Token ids of 10 prompts (plain, chat, chat with a shared long system prompt)."""
     _, tokenizer = hf_model
     plain = [tokenizer.encode(p, add_special_tokens=False) for p in PLAIN_PROMPTS]
-    chats = [apply_chat_template(tokenizer, c) for c in CHATS + SHARED_PREFIX_CHATS]
+    chats = [tokenizer.encode(tokenizer.apply_chat_template(c, tokenize=False, add_generation_prompt=True),
+                              add_special_tokens=False) for c in CHATS + SHARED_PREFIX_CHATS]
     ids = plain + chats
     assert len({len(p) for p in ids}) >= 6, "prompts should have different lengths"
     return ids
@@ -58,7 +58,7 @@ def test_preemption_matches_hf(prompts, expected):
     # 10 sequences of up to ~140 tokens need ~80 blocks of 16; 30 force preemption.
     llm = LLM(block_size=16, num_blocks=30)
     outs = _generate(llm, prompts)
-    assert llm.engine.scheduler.num_preemptions > 0
+    assert llm.engine.stats().num_preemptions > 0
     assert [o.outputs[0].token_ids for o in outs] == expected
 
 
@@ -69,5 +69,5 @@ def test_prefix_cache_hits_keep_outputs(prompts, expected):
     assert all(o.num_cached_tokens == 0 for o in outs)
     outs += _generate(llm, second)
     assert all(o.num_cached_tokens >= 48 for o in outs[2:]), [o.num_cached_tokens for o in outs]
-    assert llm.engine.prefix_cache_hit_rate > 0
+    assert llm.engine.stats().prefix_cache_hit_rate > 0
     assert [o.outputs[0].token_ids for o in outs] == expected[6:10]

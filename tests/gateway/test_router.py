@@ -10,10 +10,12 @@ import pytest
 from hypothesis import assume, given
 from hypothesis import strategies as st
 
-from engine.block_hash import hash_blocks, hash_seed
+from engine.block_hash import hash_blocks
 from engine.block_pool import BlockPool
-from gateway.prefix_index import PrefixIndex
-from gateway.registry import ClusterNamespace, Heartbeat, Role, WorkerInfo, WorkerLoad, WorkerRegistry, redis_client
+from tests.worker_config import BLOCK_SIZE, CONFIG
+from cluster.prefix_index import PrefixIndex
+from cluster.heartbeat import Heartbeat
+from cluster.registry import ClusterNamespace, Role, WorkerInfo, WorkerLoad, WorkerRegistry, redis_client
 from gateway.router import (
     ClusterView,
     NoCapacityError,
@@ -24,9 +26,8 @@ from gateway.router import (
     prefill_score,
 )
 
-BLOCK_SIZE = 4
 PROMPT = list(range(6 * BLOCK_SIZE + 1))  # 6 full blocks and one partial: 7 blocks on decode
-H = hash_blocks(PROMPT, BLOCK_SIZE, hash_seed("test/model", BLOCK_SIZE, "bfloat16"))
+H = hash_blocks(PROMPT, BLOCK_SIZE, CONFIG.hash_seed)
 
 loads = st.builds(
     WorkerLoad,
@@ -39,7 +40,7 @@ loads = st.builds(
 
 def workers_of(role: Role, min_size: int = 0):
     return st.lists(loads, min_size=min_size, max_size=8).map(
-        lambda ls: [WorkerInfo(f"{role.value[0]}{i}", role, f"10.0.0.{i}:5000", load) for i, load in enumerate(ls)]
+        lambda ls: [WorkerInfo(f"{role.value[0]}{i}", role, f"10.0.0.{i}:5000", CONFIG, load) for i, load in enumerate(ls)]
     )
 
 
@@ -47,7 +48,7 @@ def workers_of(role: Role, min_size: int = 0):
        seed=st.integers())
 def test_chosen_decode_worker_has_room_and_least_load(workers, prompt_blocks, margin, seed):
     policy = RoutingPolicy(decode_margin_blocks=margin)
-    chosen = pick_decode(workers, prompt_blocks, policy, random.Random(seed))
+    chosen = pick_decode(workers, prompt_blocks, {}, BLOCK_SIZE, policy, random.Random(seed))
     fitting = [w for w in workers if w.load.free_blocks >= prompt_blocks + margin]
     if not fitting:
         assert chosen is None
@@ -73,7 +74,7 @@ def test_chosen_prefill_worker_has_best_score_then_least_load(workers, runs, cos
 
 @given(load=loads, runs=st.lists(st.integers(0, 64), min_size=2, max_size=8, unique=True), seed=st.integers())
 def test_prefix_overlap_wins_when_loads_are_equal(load, runs, seed):
-    workers = [WorkerInfo(f"p{i}", Role.PREFILL, "a:1", load) for i in range(len(runs))]
+    workers = [WorkerInfo(f"p{i}", Role.PREFILL, "a:1", CONFIG, load) for i in range(len(runs))]
     cached = {w.worker_id: run for w, run in zip(workers, runs)}
     chosen = pick_prefill(workers, cached, BLOCK_SIZE, RoutingPolicy(), random.Random(seed))
     assert cached[chosen.worker_id] == max(runs)
@@ -83,35 +84,35 @@ def test_prefix_overlap_wins_when_loads_are_equal(load, runs, seed):
        seed=st.integers())
 def test_load_wins_when_overlap_is_small(run, busy, idle, cost, seed):
     assume(idle < busy and BLOCK_SIZE * run < cost * (busy - idle))
-    cached_busy = WorkerInfo("busy", Role.PREFILL, "a:1", WorkerLoad(running=busy))
-    empty_idle = WorkerInfo("idle", Role.PREFILL, "b:1", WorkerLoad(running=idle))
+    cached_busy = WorkerInfo("busy", Role.PREFILL, "a:1", CONFIG, WorkerLoad(running=busy))
+    empty_idle = WorkerInfo("idle", Role.PREFILL, "b:1", CONFIG, WorkerLoad(running=idle))
     chosen = pick_prefill([cached_busy, empty_idle], {"busy": run}, BLOCK_SIZE, RoutingPolicy(cost), random.Random(seed))
     assert chosen is empty_idle
 
 
 def test_ties_spread_over_equal_workers():
     rng = random.Random(7)
-    prefills = [WorkerInfo(f"p{i}", Role.PREFILL, "a:1", WorkerLoad(running=2)) for i in range(3)]
-    decodes = [WorkerInfo(f"d{i}", Role.DECODE, "a:1", WorkerLoad(free_blocks=50)) for i in range(3)]
+    prefills = [WorkerInfo(f"p{i}", Role.PREFILL, "a:1", CONFIG, WorkerLoad(running=2)) for i in range(3)]
+    decodes = [WorkerInfo(f"d{i}", Role.DECODE, "a:1", CONFIG, WorkerLoad(free_blocks=50)) for i in range(3)]
     picked_p = Counter(pick_prefill(prefills, {}, BLOCK_SIZE, RoutingPolicy(), rng).worker_id for _ in range(300))
-    picked_d = Counter(pick_decode(decodes, 10, RoutingPolicy(), rng).worker_id for _ in range(300))
+    picked_d = Counter(pick_decode(decodes, 10, {}, BLOCK_SIZE, RoutingPolicy(), rng).worker_id for _ in range(300))
     assert min(picked_p.values()) > 60 and len(picked_p) == 3
     assert min(picked_d.values()) > 60 and len(picked_d) == 3
 
 
 def test_load_only_mode_picks_least_loaded():
-    prefills = [WorkerInfo("p0", Role.PREFILL, "a:1", WorkerLoad(running=3)),
-                WorkerInfo("p1", Role.PREFILL, "a:1", WorkerLoad(waiting=1))]
+    prefills = [WorkerInfo("p0", Role.PREFILL, "a:1", CONFIG, WorkerLoad(running=3)),
+                WorkerInfo("p1", Role.PREFILL, "a:1", CONFIG, WorkerLoad(waiting=1))]
     assert pick_prefill(prefills, {}, BLOCK_SIZE, RoutingPolicy(), random.Random(0)).worker_id == "p1"
     assert pick_prefill([], {}, BLOCK_SIZE, RoutingPolicy(), random.Random(0)) is None
 
 
 def _ns(key_prefix: str, ttl_s: float = 3.0) -> ClusterNamespace:
-    return ClusterNamespace(key_prefix, "test/model", BLOCK_SIZE, ttl_s=ttl_s)
+    return ClusterNamespace(key_prefix, ttl_s=ttl_s)
 
 
 async def _register(registry: WorkerRegistry, worker_id: str, role: Role, **load: int) -> None:
-    await registry.heartbeat(WorkerInfo(worker_id, role, f"{worker_id}:5000", WorkerLoad(**load)))
+    await registry.heartbeat(WorkerInfo(worker_id, role, f"{worker_id}:5000", CONFIG, WorkerLoad(**load)))
 
 
 def test_choose_prefers_cached_prefix_and_spreads_a_burst(key_prefix, redis_url):
@@ -124,24 +125,56 @@ def test_choose_prefers_cached_prefix_and_spreads_a_burst(key_prefix, redis_url)
         for d in ("d0", "d1"):
             await _register(registry, d, Role.DECODE, total_blocks=100, free_blocks=100)
         await index.publish("p1", stored=H[:4], removed=[])
-        view = ClusterView(registry, index, RoutingPolicy(load_cost_tokens=64), random.Random(0))
+        view = ClusterView(registry, index, CONFIG.model_id, RoutingPolicy(load_cost_tokens=64), random.Random(0))
         await view.refresh()
 
-        first = await view.choose(H, len(PROMPT), BLOCK_SIZE)
+        first = await view.choose(H, len(PROMPT))
         assert (first.prefill.worker_id, first.cached_blocks, first.prompt_blocks) == ("p1", 4, 7)
         # p1 now has one request in flight (cost 64 tokens > 16 saved): the next goes elsewhere.
-        second = await view.choose(H, len(PROMPT), BLOCK_SIZE)
+        second = await view.choose(H, len(PROMPT))
         assert (second.prefill.worker_id, second.cached_blocks) == ("p0", 0)
         assert {first.decode.worker_id, second.decode.worker_id} == {"d0", "d1"}
         assert {w.worker_id: w.load.free_blocks for w in view.workers(Role.DECODE)} == {"d0": 93, "d1": 93}
 
         view.prefill_done(first)
         view.decode_done(first)
-        third = await view.choose(H, len(PROMPT), BLOCK_SIZE)
+        third = await view.choose(H, len(PROMPT))
         assert third.prefill.worker_id == "p1" and third.decode.worker_id == first.decode.worker_id
         # A refresh takes the workers' own reports as the new baseline.
         await view.refresh()
         assert all(w.load.num_seqs == 0 for w in view.workers(Role.PREFILL))
+        await client.aclose()
+
+    asyncio.run(main())
+
+
+class _ReadHook(WorkerRegistry):
+    """The real registry, with ``during_read`` run while the loads are on their way back."""
+
+    during_read = staticmethod(lambda: None)
+
+    async def live_workers(self, role):
+        workers = await super().live_workers(role)
+        self.during_read()
+        return workers
+
+
+def test_a_request_ending_while_loads_are_read_is_not_counted_twice(key_prefix, redis_url):
+    """The worker reported the request running; it ends while that report is being read: the
+    next estimate must not add the report's sequence to a count that no longer has it."""
+    async def main():
+        client = redis_client(redis_url)
+        ns = _ns(key_prefix)
+        registry, index = _ReadHook(client, ns), PrefixIndex(client, ns)
+        await _register(registry, "p0", Role.PREFILL)
+        await _register(registry, "d0", Role.DECODE, total_blocks=100, free_blocks=100)
+        view = ClusterView(registry, index, CONFIG.model_id)
+        await view.refresh()
+        route = await view.choose(H, len(PROMPT))
+        await _register(registry, "p0", Role.PREFILL, running=1)  # its heartbeat mid-request
+        registry.during_read = lambda: view.prefill_done(route)
+        await view.refresh()
+        assert [w.load.num_seqs for w in view.workers(Role.PREFILL)] == [0]
         await client.aclose()
 
     asyncio.run(main())
@@ -152,23 +185,21 @@ def test_choose_reports_missing_workers_and_capacity(key_prefix, redis_url):
         client = redis_client(redis_url)
         ns = _ns(key_prefix)
         registry, index = WorkerRegistry(client, ns), PrefixIndex(client, ns)
-        view = ClusterView(registry, index, RoutingPolicy(decode_margin_blocks=1))
+        view = ClusterView(registry, index, CONFIG.model_id, RoutingPolicy(decode_margin_blocks=1))
         await _register(registry, "p0", Role.PREFILL)
         await view.refresh()
         with pytest.raises(NoWorkerError, match="decode"):
-            await view.choose(H, len(PROMPT), BLOCK_SIZE)
+            await view.choose(H, len(PROMPT))
 
         await _register(registry, "d0", Role.DECODE, free_blocks=7, total_blocks=8)  # needs 7 + 1
         await view.refresh()
         with pytest.raises(NoCapacityError, match="8 free blocks"):
-            await view.choose(H, len(PROMPT), BLOCK_SIZE)
-        route = await view.choose(H[:5], len(PROMPT) - 4, BLOCK_SIZE)  # 6 blocks + 1 fit
+            await view.choose(H, len(PROMPT))
+        route = await view.choose(H[:5], len(PROMPT) - 4)  # 6 blocks + 1 fit
         assert route.decode.worker_id == "d0"
 
-        with pytest.raises(ValueError, match="block_size"):
-            await view.choose(H, len(PROMPT), 2 * BLOCK_SIZE)
         with pytest.raises(ValueError, match="block hashes"):
-            await view.choose(H[:2], len(PROMPT), BLOCK_SIZE)
+            await view.choose(H[:2], len(PROMPT))
         await client.aclose()
 
     asyncio.run(main())
@@ -181,16 +212,16 @@ def test_registry_emptied_at_once_keeps_last_known_workers_for_one_ttl(key_prefi
         registry, index = WorkerRegistry(client, ns), PrefixIndex(client, ns)
         await _register(registry, "p0", Role.PREFILL)
         await _register(registry, "d0", Role.DECODE, free_blocks=100, total_blocks=100)
-        view = ClusterView(registry, index)
+        view = ClusterView(registry, index, CONFIG.model_id)
         await view.refresh()
         # What a Redis restart looks like until the workers' next heartbeats.
         await client.delete(*[k async for k in client.scan_iter(match=f"tandem:{key_prefix}:*")])
         await view.refresh()
-        assert (await view.choose(H, len(PROMPT), BLOCK_SIZE)).prefill.worker_id == "p0"
+        assert (await view.choose(H, len(PROMPT))).prefill.worker_id == "p0"
         await asyncio.sleep(0.6)
         await view.refresh()
         with pytest.raises(NoWorkerError):
-            await view.choose(H, len(PROMPT), BLOCK_SIZE)
+            await view.choose(H, len(PROMPT))
         await client.aclose()
 
     asyncio.run(main())
@@ -198,37 +229,37 @@ def test_registry_emptied_at_once_keeps_last_known_workers_for_one_ttl(key_prefi
 
 def test_redis_outage_degrades_to_last_known_state_and_recovers(private_redis):
     async def main():
-        ns = ClusterNamespace("test-outage", "test/model", BLOCK_SIZE, ttl_s=1.0)
+        ns = ClusterNamespace("test-outage", ttl_s=1.0)
         worker_client, gateway_client = redis_client(private_redis.url, 0.2), redis_client(private_redis.url, 0.2)
         pool = BlockPool(8)
         for block, h in zip(pool.allocate(3), H):
             pool.cache(block, h)
         worker_registry = WorkerRegistry(worker_client, ns)
-        prefill = Heartbeat(worker_registry, WorkerInfo("p0", Role.PREFILL, "p0:5000"),
+        prefill = Heartbeat(worker_registry, WorkerInfo("p0", Role.PREFILL, "p0:5000", CONFIG),
                             lambda: WorkerLoad(running=1, free_blocks=5, total_blocks=8),
                             index=PrefixIndex(worker_client, ns), blocks=pool, interval_s=0.1)
-        decode = Heartbeat(worker_registry, WorkerInfo("d0", Role.DECODE, "d0:5000"),
+        decode = Heartbeat(worker_registry, WorkerInfo("d0", Role.DECODE, "d0:5000", CONFIG),
                            lambda: WorkerLoad(free_blocks=64, total_blocks=64), interval_s=0.1)
         prefill.start()
         decode.start()
-        view = ClusterView(WorkerRegistry(gateway_client, ns), PrefixIndex(gateway_client, ns))
+        view = ClusterView(WorkerRegistry(gateway_client, ns), PrefixIndex(gateway_client, ns), CONFIG.model_id)
         await asyncio.sleep(0.3)
         await view.refresh()
-        route = await view.choose(H, len(PROMPT), BLOCK_SIZE)
+        route = await view.choose(H, len(PROMPT))
         assert (route.prefill.worker_id, route.decode.worker_id, route.cached_blocks) == ("p0", "d0", 3)
 
         private_redis.kill()
         await asyncio.sleep(0.3)  # heartbeats fail meanwhile (and must not die)
         await view.refresh()
         assert view.degraded
-        route = await view.choose(H, len(PROMPT), BLOCK_SIZE)
+        route = await view.choose(H, len(PROMPT))
         assert (route.prefill.worker_id, route.decode.worker_id, route.cached_blocks) == ("p0", "d0", 0)
 
         private_redis.start()  # same port, empty: the heartbeats re-register and resync
         await asyncio.sleep(0.5)
         await view.refresh()
         assert not view.degraded
-        route = await view.choose(H, len(PROMPT), BLOCK_SIZE)
+        route = await view.choose(H, len(PROMPT))
         assert (route.prefill.worker_id, route.decode.worker_id, route.cached_blocks) == ("p0", "d0", 3)
 
         await prefill.stop()
@@ -251,19 +282,75 @@ def test_in_process_index_learns_from_routing_when_there_is_no_redis(key_prefix,
             await _register(registry, p, Role.PREFILL, total_blocks=100, free_blocks=100)
         await _register(registry, "d0", Role.DECODE, total_blocks=100, free_blocks=100)
         index = RoutedPrefixIndex(capacity_blocks=6)
-        view = ClusterView(registry, index, RoutingPolicy(load_cost_tokens=8), random.Random(0))
+        view = ClusterView(registry, index, CONFIG.model_id, RoutingPolicy(load_cost_tokens=8), random.Random(0))
         await view.refresh()
-        first = await view.choose(H, len(PROMPT), BLOCK_SIZE)
+        first = await view.choose(H, len(PROMPT))
         assert first.cached_blocks == 0
         view.prefill_done(first)
         view.decode_done(first)
-        again = await view.choose(H, len(PROMPT), BLOCK_SIZE)
+        again = await view.choose(H, len(PROMPT))
         assert (again.prefill.worker_id, again.cached_blocks) == (first.prefill.worker_id, 6)
         other = "p1" if first.prefill.worker_id == "p0" else "p0"
         assert (await index.cached_runs([other], H)) == {other: 0}
         # LRU bound: three newer hashes push out the oldest three, so the leading run is gone.
         index.note_routed(first.prefill.worker_id, [bytes([i]) * 16 for i in range(3)])
         assert (await index.cached_runs([first.prefill.worker_id], H)) == {first.prefill.worker_id: 0}
+        await client.aclose()
+
+    asyncio.run(main())
+
+
+def test_choose_avoids_excluded_workers_while_others_exist(key_prefix, redis_url):
+    """A retry goes to a different worker whenever one exists, and books its counts once."""
+    async def main():
+        client = redis_client(redis_url)
+        registry = WorkerRegistry(client, _ns(key_prefix))
+        for name, role in (("p0", Role.PREFILL), ("p1", Role.PREFILL), ("d0", Role.DECODE), ("d1", Role.DECODE)):
+            await _register(registry, name, role, total_blocks=100, free_blocks=100)
+        view = ClusterView(registry, PrefixIndex(client, _ns(key_prefix)), CONFIG.model_id, rng=random.Random(0))
+        await view.refresh()
+        first = await view.choose(H, len(PROMPT))
+        view.prefill_done(first)
+        view.decode_done(first)
+        retry = await view.choose(H, len(PROMPT), exclude=frozenset({first.prefill.worker_id, first.decode.worker_id}))
+        assert retry.prefill.worker_id != first.prefill.worker_id and retry.decode.worker_id != first.decode.worker_id
+        view.prefill_done(retry)
+        view.decode_done(retry)
+        assert all(w.load.num_seqs == 0 for role in Role for w in view.workers(role))
+        assert {w.load.free_blocks for w in view.workers(Role.DECODE)} == {100}
+        alone = await view.choose(H, len(PROMPT), exclude=frozenset({"p0", "p1"}))  # nobody else: allowed
+        assert alone.prefill.worker_id in ("p0", "p1")
+        await client.aclose()
+
+    asyncio.run(main())
+
+
+def test_workers_that_disagree_with_the_pool_are_refused(key_prefix, redis_url, caplog):
+    """Workers publish their cache settings; one of another model or block size never joins
+    the pool (a clear log line and the refused-workers gauge say so)."""
+    import dataclasses
+
+    from gateway import metrics
+
+    async def main():
+        client = redis_client(redis_url)
+        registry = WorkerRegistry(client, _ns(key_prefix))
+        await _register(registry, "p0", Role.PREFILL)
+        await _register(registry, "d0", Role.DECODE, free_blocks=100, total_blocks=100)
+        odd = dataclasses.replace(CONFIG, block_size=32)
+        await registry.heartbeat(WorkerInfo("d1", Role.DECODE, "d1:5000", odd, WorkerLoad(free_blocks=100)))
+        shorter = dataclasses.replace(CONFIG, max_model_len=512)  # less KV memory: joins, and lowers the limit
+        await registry.heartbeat(WorkerInfo("d2", Role.DECODE, "d2:5000", shorter, WorkerLoad(free_blocks=100)))
+        other_model = dataclasses.replace(CONFIG, model_id="another/model")
+        await registry.heartbeat(WorkerInfo("p1", Role.PREFILL, "p1:5000", other_model))
+        view = ClusterView(registry, PrefixIndex(client, _ns(key_prefix)), CONFIG.model_id)
+        await view.refresh()
+        assert view.pool == dataclasses.replace(CONFIG, max_model_len=512) and view.routable
+        assert [w.worker_id for role in Role for w in view.workers(role)] == ["p0", "d0", "d2"]
+        assert metrics.REFUSED_WORKERS._value.get() == 2
+        text = caplog.text
+        assert "refusing decode worker d1" in text and "block_size (32 vs 4)" in text
+        assert "refusing prefill worker p1" in text and "another/model" in text
         await client.aclose()
 
     asyncio.run(main())

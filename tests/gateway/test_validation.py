@@ -1,62 +1,46 @@
 """Bad input → INVALID_ARGUMENT naming the field, from a real gateway server on loopback.
 
-The gateway runs in-process with no cluster (validation comes before routing), so a request
-that passes every check gets UNAVAILABLE ("no cluster") instead of tokens.
+The gateway's pool is two worker entries in the real Redis at addresses where nothing
+listens (validation comes before routing), so a request that passes every check gets
+UNAVAILABLE instead of tokens.
 """
 
 from __future__ import annotations
 
-import asyncio
-import threading
+import uuid
 
 import grpc
 import pytest
 
-from gateway.server import Gateway, load_model_meta
+from cluster.registry import WorkerConfig
+from engine.block_hash import hash_seed
+from gateway.server import Gateway, load_served_model
 from gateway.settings import GatewaySettings
 from protos.tandem.v1 import gateway_pb2, gateway_pb2_grpc
 
+from .gateway_helpers import ServerThread, register_workers, unregister_all
+
 SP = gateway_pb2.SamplingParams
 MAX_MODEL_LEN = 64
-CAPS = dict(max_tokens_cap=100, max_n=4, max_logprobs=5, max_stop=2, max_stop_len=8, max_stop_token_ids=3,
-            max_request_bytes=16 << 10)
-
-
-class ServerThread:
-    """A Gateway on its own event loop in a background thread (tests use sync gRPC stubs)."""
-
-    def __init__(self, gateway: Gateway) -> None:
-        self.gateway = gateway
-        self.port: int | None = None
-        self._ready = threading.Event()
-        self._loop: asyncio.AbstractEventLoop | None = None
-        self._stop: asyncio.Event | None = None
-        self._thread = threading.Thread(target=lambda: asyncio.run(self._run()), daemon=True)
-
-    async def _run(self) -> None:
-        self._loop, self._stop = asyncio.get_running_loop(), asyncio.Event()
-        self.port = await self.gateway.start()
-        self._ready.set()
-        await self._stop.wait()
-        await self.gateway.stop(grace_s=0)
-
-    def __enter__(self) -> ServerThread:
-        self._thread.start()
-        assert self._ready.wait(30), "gateway did not start"
-        return self
-
-    def __exit__(self, *exc) -> None:
-        self._loop.call_soon_threadsafe(self._stop.set)
-        self._thread.join(10)
+CAPS = dict(max_n=4, max_logprobs=5, max_stop=2, max_stop_len=8, max_stop_token_ids=3, max_request_bytes=16 << 10)
 
 
 @pytest.fixture(scope="module")
-def stub():
-    settings = GatewaySettings(listen="127.0.0.1:0", max_model_len=MAX_MODEL_LEN, metrics_port=0, **CAPS)
-    model = load_model_meta(settings)
-    with ServerThread(Gateway(settings, model, with_cluster=False)) as server:
-        with grpc.insecure_channel(f"127.0.0.1:{server.port}") as channel:
-            yield gateway_pb2_grpc.GatewayStub(channel), model
+def stub(redis_url):
+    """A gateway whose pool (registered in Redis, nobody listening) has max_model_len 64."""
+    prefix = f"test-validation-{uuid.uuid4().hex[:8]}"
+    settings = GatewaySettings(listen="127.0.0.1:0", metrics_port=0, redis_url=redis_url, redis_key_prefix=prefix,
+                               registry_ttl_s=3600, **CAPS)
+    model = load_served_model(settings)
+    config = WorkerConfig(model.model_id, 16, MAX_MODEL_LEN, "float32", hash_seed(model.model_id, 16, "float32"),
+                          49152)
+    register_workers(redis_url, prefix, config)
+    try:
+        with ServerThread(Gateway(settings, model)) as server:
+            with grpc.insecure_channel(f"127.0.0.1:{server.port}") as channel:
+                yield gateway_pb2_grpc.GatewayStub(channel), model
+    finally:
+        unregister_all(redis_url, prefix)
 
 
 def _generate_error(stub, request) -> grpc.RpcError:
@@ -77,7 +61,8 @@ BAD_REQUESTS = [
      "token_ids.ids"),
     ("token id >= vocab", gateway_pb2.GenerateRequest(token_ids=gateway_pb2.TokenIds(ids=[1, 49152])),
      "token_ids.ids"),
-    ("max_tokens > cap", gateway_pb2.GenerateRequest(prompt="hi", sampling=SP(max_tokens=101)), "sampling.max_tokens"),
+    ("seed overflows for n", gateway_pb2.GenerateRequest(prompt="hi", sampling=SP(n=2, seed=2**64 - 1)),
+     "sampling.seed"),
     ("temperature < 0", gateway_pb2.GenerateRequest(prompt="hi", sampling=SP(temperature=-0.5)),
      "sampling.temperature"),
     ("temperature nan", gateway_pb2.GenerateRequest(prompt="hi", sampling=SP(temperature=float("nan"))),
@@ -113,11 +98,13 @@ def test_message_over_grpc_limit_is_refused_without_crashing(stub):
     assert stub[0].GetModelInfo(gateway_pb2.GetModelInfoRequest(), timeout=5).max_model_len == MAX_MODEL_LEN
 
 
-@pytest.mark.parametrize("sampling", [SP(max_tokens=0), SP(n=0), SP(top_k=0), SP(top_k=-1), SP(max_tokens=100)])
+@pytest.mark.parametrize("sampling", [SP(max_tokens=0), SP(n=0), SP(top_k=0), SP(top_k=-1), SP(max_tokens=10**6),
+                                      SP(n=2, seed=2**64 - 2)])
 def test_defaults_and_caps_pass_validation(stub, sampling):
-    """0 means the documented default (max_tokens: until max_model_len, n: 1): accepted."""
+    """0 means the documented default (max_tokens: until max_model_len, n: 1), and a max_tokens
+    beyond max_model_len is clamped to it: accepted."""
     error = _generate_error(stub[0], gateway_pb2.GenerateRequest(prompt="hi", sampling=sampling))
-    assert error.code() == grpc.StatusCode.UNAVAILABLE  # passed validation; no cluster behind this gateway
+    assert error.code() == grpc.StatusCode.UNAVAILABLE  # passed validation; nobody listens behind this gateway
 
 
 def test_tokenize_matches_model_tokenizer_and_chat_template(stub):
@@ -125,10 +112,9 @@ def test_tokenize_matches_model_tokenizer_and_chat_template(stub):
     assert list(gateway.Tokenize(gateway_pb2.TokenizeRequest(prompt="Hello world"), timeout=5).token_ids) == \
         model.tokenizer.encode("Hello world")
     chat = gateway_pb2.ChatMessages(messages=[gateway_pb2.ChatMessage(role="user", content="Hi there")])
-    from engine.llm import apply_chat_template
 
     assert list(gateway.Tokenize(gateway_pb2.TokenizeRequest(chat=chat), timeout=5).token_ids) == \
-        apply_chat_template(model.tokenizer, [{"role": "user", "content": "Hi there"}])
+        model.tokenizer.apply_chat_template([{"role": "user", "content": "Hi there"}])
     with pytest.raises(grpc.RpcError) as info:
         gateway.Tokenize(gateway_pb2.TokenizeRequest(), timeout=5)
     assert info.value.code() == grpc.StatusCode.INVALID_ARGUMENT and info.value.details().startswith("input")
@@ -137,4 +123,4 @@ def test_tokenize_matches_model_tokenizer_and_chat_template(stub):
 def test_model_info(stub):
     info = stub[0].GetModelInfo(gateway_pb2.GetModelInfoRequest(), timeout=5)
     assert (info.model_id, info.max_model_len, info.block_size, info.vocab_size) == \
-        (stub[1].meta.model_id, MAX_MODEL_LEN, 16, 49152)
+        (stub[1].model_id, MAX_MODEL_LEN, 16, 49152)

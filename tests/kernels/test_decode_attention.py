@@ -9,7 +9,8 @@ from hypothesis import strategies as st
 
 import kernels
 import kernels.reference as reference
-from kernels.decode_attention import launch_paged_decode, num_kv_splits
+import kernels.decode_attention as decode_attention
+from kernels.decode_attention import launch_paged_decode, launch_variants, num_kv_splits
 from paged_inputs import (
     DEVICE, REL_TOL, blocks_for, gpu_test, layer_views, rel_err, shuffled_block_tables,
 )
@@ -84,6 +85,23 @@ def test_split_count_fills_the_gpu():
     assert num_kv_splits(4, 8, 100, num_sms=132) == 1  # short contexts are not split
     # One launch shape per power-of-two bucket of max_seq_len (CUDA graphs).
     assert num_kv_splits(2, 8, 1100, num_sms=132) == num_kv_splits(2, 8, 2048, num_sms=132)
+
+
+def test_launch_variants_cover_every_configuration(monkeypatch):
+    """A warm-up that calls the kernel once per example compiles every variant an H100 server
+    with batches up to 256 and contexts up to 8192 can launch."""
+    monkeypatch.setattr(decode_attention, "sm_count", lambda device: 132)
+    cuda = torch.device("cuda")
+
+    def variant(num_seqs, max_seq_len):
+        splits = num_kv_splits(num_seqs, 8, max_seq_len, 132)
+        config = decode_attention._default_config(cuda, 128, torch.bfloat16, num_seqs * 8 * splits / 132)
+        return splits == 1, 1 << (splits - 1).bit_length(), config
+
+    examples = launch_variants(8, 128, torch.bfloat16, cuda, 256, 8192)
+    needed = {variant(n, length) for n in range(1, 257) for length in range(1, 8193, 97)}
+    assert {variant(*e) for e in examples} == needed
+    assert len(examples) == len(needed) < 20
 
 
 def test_cpu_tensors_need_the_interpreter(monkeypatch):

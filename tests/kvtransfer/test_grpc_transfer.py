@@ -14,9 +14,11 @@ import torch
 from engine.kv_cache import KVCache
 from engine.model_config import ModelConfig
 from kvtransfer import (
-    GRPC_MESSAGE_OPTIONS, GrpcKVReceiver, GrpcKVSender, KVDestination, KVReceiver, KVTransferError,
-    ReservationTable, encode_chunk, send_blocks,
+    DEFAULT_MAX_CHUNK_BYTES, GRPC_MESSAGE_OPTIONS, GrpcKVReceiver, GrpcKVSender, GrpcKVTransfer, KVDestination,
+    KVReceiver, ReservationTable, encode_chunk,
 )
+from kvtransfer.nixl import NixlAgent, coalesce
+from protos.status import StatusError
 from protos.tandem.v1 import kvtransfer_pb2, worker_pb2_grpc
 
 CONFIG = ModelConfig(vocab_size=32, hidden_size=32, intermediate_size=64, num_hidden_layers=2,
@@ -45,7 +47,8 @@ class TransferOnlyDecodeWorker(worker_pb2_grpc.DecodeWorkerServicer):
         self.kv = GrpcKVReceiver(receiver)
 
     async def TransferKV(self, request_iterator, context):  # noqa: N802 (gRPC method name)
-        return await self.kv.transfer_kv(request_iterator, context)
+        response, _ = await self.kv.transfer_kv(request_iterator, context)
+        return response
 
 
 @dataclass
@@ -58,11 +61,13 @@ class DecodePeer:
 
 
 @contextlib.asynccontextmanager
-async def decode_worker(cache: KVCache, lease_s: float = 30.0) -> AsyncIterator[DecodePeer]:
+async def decode_worker(cache: KVCache, lease_s: float = 30.0, nixl: NixlAgent | None = None,
+                        verify_checksums: bool = False) -> AsyncIterator[DecodePeer]:
     freed: list[int] = []
     table = ReservationTable(freed.extend, lease_s=lease_s)
     server = grpc.aio.server(options=GRPC_MESSAGE_OPTIONS)
-    worker_pb2_grpc.add_DecodeWorkerServicer_to_server(TransferOnlyDecodeWorker(KVReceiver(cache.tensor, table)), server)
+    receiver = KVReceiver(cache.tensor, table, nixl=nixl, verify_checksums=verify_checksums)
+    worker_pb2_grpc.add_DecodeWorkerServicer_to_server(TransferOnlyDecodeWorker(receiver), server)
     port = server.add_insecure_port("127.0.0.1:0")
     await server.start()
     address = f"127.0.0.1:{port}"
@@ -77,9 +82,17 @@ async def decode_worker(cache: KVCache, lease_s: float = 30.0) -> AsyncIterator[
 Tamper = Callable[[int, kvtransfer_pb2.KVChunk], Awaitable[kvtransfer_pb2.KVChunk | None]]
 
 
+async def send_blocks(stub, cache: torch.Tensor, block_ids: list[int], *, reservation_id: str, request_id: str,
+                      max_chunk_bytes: int = DEFAULT_MAX_CHUNK_BYTES) -> int:
+    """Open a transfer, send every block, wait for the acknowledgement (what a prefill worker does)."""
+    async with GrpcKVTransfer(stub, reservation_id, request_id, max_chunk_bytes=max_chunk_bytes) as transfer:
+        await transfer.send(cache, 0, block_ids)
+        return await transfer.finish()
+
+
 class TamperingStub:
-    """A test transport wrapper: passes each outgoing chunk through ``tamper(i, chunk)``, which may
-    change it, drop it (``None``) or stall."""
+    """A test transport wrapper: passes each outgoing chunk of blocks through ``tamper(i, chunk)``,
+    which may change it, drop it (``None``) or stall; the stream's opening message passes as is."""
 
     def __init__(self, stub: worker_pb2_grpc.DecodeWorkerStub, tamper: Tamper) -> None:
         self.stub, self.tamper = stub, tamper
@@ -93,8 +106,9 @@ class _TamperingCall:
         self.call, self.tamper, self.count = call, tamper, 0
 
     async def write(self, chunk: kvtransfer_pb2.KVChunk) -> None:
-        chunk = await self.tamper(self.count, chunk)
-        self.count += 1
+        if chunk.num_blocks:
+            chunk = await self.tamper(self.count, chunk)
+            self.count += 1
         if chunk is not None:
             await self.call.write(chunk)
 
@@ -124,11 +138,15 @@ def test_blocks_arrive_bit_exact_in_reserved_slots(dtype: torch.dtype, blocks_pe
     async def scenario() -> None:
         async with decode_worker(dst) as peer:
             reservation = peer.table.reserve("req-1", DST_IDS)
-            sender = GrpcKVSender(max_chunk_bytes=blocks_per_chunk * block_nbytes)
+            channel = grpc.aio.insecure_channel(peer.address, options=GRPC_MESSAGE_OPTIONS)
+            sender = GrpcKVSender(lambda address: channel, max_chunk_bytes=blocks_per_chunk * block_nbytes)
             try:
-                acked = await sender.send(src.tensor, SRC_IDS, KVDestination(peer.address, reservation.reservation_id), "req-1")
+                async with sender.open(KVDestination(peer.address, reservation.reservation_id), "req-1") as transfer:
+                    await transfer.send(src.tensor, 0, SRC_IDS[:1])  # as blocks become ready
+                    await transfer.send(src.tensor, 1, SRC_IDS[1:])
+                    acked = await transfer.finish()
             finally:
-                await sender.close()
+                await channel.close()
             assert acked == len(DST_IDS)
             assert peer.table.claim(reservation.reservation_id, "req-1") == DST_IDS
             assert peer.freed == []
@@ -154,7 +172,7 @@ def test_corrupted_chunk_is_data_loss_and_frees_the_reservation() -> None:
         async with decode_worker(dst) as peer:
             reservation = peer.table.reserve("req-1", DST_IDS)
             stub = TamperingStub(peer.stub, flip_a_byte_of_second_chunk)
-            with pytest.raises(KVTransferError) as info:
+            with pytest.raises(StatusError) as info:
                 await send_blocks(stub, src.tensor, SRC_IDS, reservation_id=reservation.reservation_id,
                                   request_id="req-1", max_chunk_bytes=1)
             assert info.value.code == grpc.StatusCode.DATA_LOSS and "CRC-32" in info.value.message
@@ -219,7 +237,7 @@ def test_stream_ending_early_is_refused_and_frees() -> None:
     async def scenario() -> None:
         async with decode_worker(dst) as peer:
             reservation = peer.table.reserve("req-1", DST_IDS)
-            with pytest.raises(KVTransferError) as info:
+            with pytest.raises(StatusError) as info:
                 await send_blocks(TamperingStub(peer.stub, drop_last), src.tensor, SRC_IDS,
                                   reservation_id=reservation.reservation_id, request_id="req-1", max_chunk_bytes=1)
             assert info.value.code == grpc.StatusCode.INVALID_ARGUMENT
@@ -239,7 +257,7 @@ def test_expired_lease_frees_blocks_and_refuses_the_late_transfer() -> None:
             await wait_for(lambda: len(peer.table) == 0)
             reaper.cancel()
             assert sorted(peer.freed) == sorted(DST_IDS)
-            with pytest.raises(KVTransferError) as info:
+            with pytest.raises(StatusError) as info:
                 await send_blocks(peer.stub, src.tensor, SRC_IDS, reservation_id=reservation.reservation_id,
                                   request_id="req-1")
             assert info.value.code == grpc.StatusCode.NOT_FOUND and "expired" in info.value.message
@@ -287,7 +305,7 @@ def test_receiver_death_fails_the_sender_with_a_status() -> None:
                     await peer.server.stop(None)
                 return chunk
 
-            with pytest.raises(KVTransferError) as info:
+            with pytest.raises(StatusError) as info:
                 await send_blocks(TamperingStub(peer.stub, kill_receiver_after_first), src.tensor, SRC_IDS,
                                   reservation_id=reservation.reservation_id, request_id="req-1", max_chunk_bytes=1)
             # The code depends on where the write races the shutdown (UNAVAILABLE, CANCELLED, INTERNAL);
@@ -297,3 +315,111 @@ def test_receiver_death_fails_the_sender_with_a_status() -> None:
             assert sorted(peer.freed) == sorted(DST_IDS)
 
     asyncio.run(scenario())
+
+
+def test_open_stream_keeps_the_reservation_past_its_lease() -> None:
+    """A prefill slower than the lease keeps its reservation: the open stream suspends the lease;
+    once the stream ends the lease runs again, for the Decode claim."""
+    src, dst = make_cache(torch.float32, True), make_cache(torch.float32, False)
+
+    async def scenario() -> None:
+        async with decode_worker(dst, lease_s=0.1) as peer:
+            reaper = asyncio.create_task(peer.table.run_expiry(interval_s=0.02))
+            reservation = peer.table.reserve("req-1", DST_IDS)
+            async with GrpcKVTransfer(peer.stub, reservation.reservation_id, "req-1") as transfer:
+                await wait_for(lambda: reservation.attached)
+                await asyncio.sleep(0.4)  # four leases with nothing sent: the prefill computes
+                assert len(peer.table) == 1
+                await transfer.send(src.tensor, 0, SRC_IDS)
+                assert await transfer.finish() == len(DST_IDS)
+            assert not reservation.attached and len(peer.table) == 1
+            await wait_for(lambda: len(peer.table) == 0)  # nobody claimed it: the lease ends it
+            reaper.cancel()
+            assert sorted(peer.freed) == sorted(DST_IDS)
+
+    asyncio.run(scenario())
+
+
+# ------------------------------------------------------------------------------ NIXL
+_agents = iter(range(1_000_000))
+
+
+def agent(cache: KVCache) -> NixlAgent:
+    """A NIXL agent over ``cache`` with a name unique in this process."""
+    return NixlAgent(f"test-agent-{next(_agents)}", cache.tensor)
+
+
+def test_runs_adjacent_on_both_sides_coalesce() -> None:
+    assert coalesce([5, 6, 7, 1, 2], [3, 4, 5, 9, 0]) == [(5, 3, 3), (1, 9, 1), (2, 0, 1)]
+    assert coalesce([], []) == []
+
+
+@pytest.mark.parametrize("verify", [False, True], ids=["plain", "checksummed"])
+def test_nixl_reads_blocks_bit_exact_into_the_reserved_slots(verify: bool) -> None:
+    """The decode side reads the prefill side's blocks with NIXL (here UCX over host memory, as
+    on a CPU machine); positions arrive in two announcements, as a prefill streams them."""
+    src, dst = make_cache(torch.bfloat16, True), make_cache(torch.bfloat16, False)
+    sender_agent, receiver_agent = agent(src), agent(dst)
+
+    async def scenario() -> None:
+        async with decode_worker(dst, nixl=receiver_agent, verify_checksums=verify) as peer:
+            reservation = peer.table.reserve("req-1", DST_IDS)
+            channel = grpc.aio.insecure_channel(peer.address, options=GRPC_MESSAGE_OPTIONS)
+            sender = GrpcKVSender(lambda address: channel, transports=["nixl", "grpc"], nixl=sender_agent,
+                                  verify_checksums=verify)
+            destination = KVDestination(peer.address, reservation.reservation_id, kv_transports=("nixl", "grpc"))
+            try:
+                async with sender.open(destination, "req-1") as transfer:
+                    assert transfer.transport == "nixl"
+                    await transfer.send(src.tensor, 0, SRC_IDS[:2])
+                    await transfer.send(src.tensor, 2, SRC_IDS[2:])
+                    assert await transfer.finish() == len(DST_IDS)
+            finally:
+                await channel.close()
+            assert peer.table.claim(reservation.reservation_id, "req-1") == DST_IDS and peer.freed == []
+
+    asyncio.run(scenario())
+    for src_id, dst_id in zip(SRC_IDS, DST_IDS):
+        assert torch.equal(as_bytes(dst.block(dst_id)), as_bytes(src.block(src_id)))
+    assert not as_bytes(dst.tensor[sorted(set(range(8)) - set(DST_IDS))]).any()
+    sender_agent.close()
+    receiver_agent.close()
+
+
+@pytest.mark.parametrize("case", ["checksum", "outside the pool", "no nixl here"])
+def test_nixl_refusals_free_the_reservation(case: str) -> None:
+    src, dst = make_cache(torch.float32, True), make_cache(torch.float32, False)
+    sender_agent, receiver_agent = agent(src), agent(dst)
+    expected = {"checksum": grpc.StatusCode.DATA_LOSS, "outside the pool": grpc.StatusCode.INVALID_ARGUMENT,
+                "no nixl here": grpc.StatusCode.FAILED_PRECONDITION}[case]
+
+    async def scenario() -> None:
+        async with decode_worker(dst, nixl=None if case == "no nixl here" else receiver_agent,
+                                 verify_checksums=True) as peer:
+            reservation = peer.table.reserve("req-1", DST_IDS)
+            transfer = GrpcKVTransfer(peer.stub, reservation.reservation_id, "req-1", nixl_source=sender_agent.source(),
+                                      verify_checksums=True)
+            call = transfer._call
+            with pytest.raises(grpc.aio.AioRpcError) as info:
+                await call.write(kvtransfer_pb2.KVChunk(reservation_id=reservation.reservation_id, request_id="req-1",
+                                                        nixl_source=sender_agent.source()))
+                ids = [100] + SRC_IDS[1:] if case == "outside the pool" else SRC_IDS
+                await call.write(kvtransfer_pb2.KVChunk(
+                    reservation_id=reservation.reservation_id, request_id="req-1", first_block_index=0,
+                    num_blocks=len(ids), source_block_ids=ids, crc32=12345, has_crc32=True))
+                await call.done_writing()
+                await call
+            assert info.value.code() == expected, info.value
+            await wait_for(lambda: len(peer.table) == 0)
+            assert sorted(peer.freed) == sorted(DST_IDS)
+
+    asyncio.run(scenario())
+    sender_agent.close()
+    receiver_agent.close()
+
+
+def test_no_transport_in_common_is_a_clear_error() -> None:
+    sender = GrpcKVSender(lambda address: None, transports=["nixl"], nixl=None)
+    with pytest.raises(StatusError) as info:
+        sender.open(KVDestination("decode:1", "r", kv_transports=("grpc",)), "req-1")
+    assert info.value.code == grpc.StatusCode.FAILED_PRECONDITION and "no KV transport in common" in info.value.message

@@ -4,7 +4,8 @@ import grpc
 import pytest
 import torch
 
-from kvtransfer import KV_DTYPES, BlockLayout, KVTransferError, decode_chunk, encode_chunk
+from kvtransfer import KV_DTYPES, BlockLayout, decode_chunk, encode_chunk
+from protos.status import StatusError
 from protos.tandem.v1 import kvtransfer_pb2
 
 BLOCK_SHAPE = (2, 2, 4, 2, 8)  # [num_layers, 2, block_size, num_kv_heads, head_dim]
@@ -58,7 +59,7 @@ def test_bad_chunk_is_refused_with_a_clear_status(name: str) -> None:
     mutate, code, text = _mutations()[name]
     chunk = encode_chunk(random_blocks(2, torch.bfloat16), reservation_id="r", request_id="q", first_block_index=0)
     mutate(chunk)
-    with pytest.raises(KVTransferError) as info:
+    with pytest.raises(StatusError) as info:
         decode_chunk(chunk, BlockLayout(torch.bfloat16, BLOCK_SHAPE))
     assert info.value.code == code and text in info.value.message
 
@@ -68,7 +69,7 @@ def test_flipped_byte_is_data_loss() -> None:
     data = bytearray(chunk.data)
     data[100] ^= 0x01
     chunk.data = bytes(data)
-    with pytest.raises(KVTransferError) as info:
+    with pytest.raises(StatusError) as info:
         decode_chunk(chunk, BlockLayout(torch.float32, BLOCK_SHAPE))
     assert info.value.code == grpc.StatusCode.DATA_LOSS and "CRC-32" in info.value.message
 
@@ -81,6 +82,6 @@ def test_layout_rejects_unsupported_dtype() -> None:
 def test_layout_proto_round_trip_and_unknown_dtype() -> None:
     layout = BlockLayout(torch.bfloat16, BLOCK_SHAPE)
     assert BlockLayout.from_proto(layout.to_proto()) == layout
-    with pytest.raises(KVTransferError) as info:
+    with pytest.raises(StatusError) as info:
         BlockLayout.from_proto(kvtransfer_pb2.KVBlockLayout(dtype="object", block_shape=BLOCK_SHAPE))
     assert info.value.code == grpc.StatusCode.INVALID_ARGUMENT

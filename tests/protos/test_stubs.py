@@ -15,7 +15,7 @@ def test_checked_in_stubs_match_proto_sources(tmp_path: Path) -> None:
 
 def test_no_stub_without_a_proto_source() -> None:
     on_disk = {
-        p.relative_to(REPO_ROOT).as_posix() for pattern in ("*_pb2.py", "*_pb2.pyi", "*_pb2_grpc.py")
+        p.relative_to(REPO_ROOT).as_posix() for pattern in ("*_pb2.py", "*_pb2.pyi", "*_pb2_grpc.py", "*.binpb")
         for p in (REPO_ROOT / "protos").rglob(pattern)
     }
     assert on_disk == set(generated_paths())

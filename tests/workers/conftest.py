@@ -4,26 +4,22 @@ grpc.aio servers on loopback ephemeral ports (and the shared Redis under a test 
 from __future__ import annotations
 
 import contextlib
-import uuid
 from collections.abc import AsyncIterator
 from dataclasses import dataclass
 
 import grpc
 import pytest
-import redis
 
 from decode_worker.server import DecodeServicer
 from engine import EngineConfig, LLMEngine
-from engine.serving import AsyncEngine, WorkerSettings
-from engine.serving.metrics import WorkerMetrics
-from engine.serving.server import WorkerServer
-from gateway.registry import Role
+from cluster.settings import WorkerSettings
+from engine.async_engine import AsyncEngine
+from cluster.metrics import WorkerMetrics
+from cluster.worker import WorkerServer
+from cluster.registry import Role
 from kvtransfer import GRPC_MESSAGE_OPTIONS
 from prefill_worker.server import PrefillServicer
 from protos.tandem.v1 import worker_pb2_grpc
-
-REDIS_URL = "redis://127.0.0.1:6379/0"
-
 
 @pytest.fixture(scope="session")
 def engines() -> tuple[LLMEngine, LLMEngine]:
@@ -32,18 +28,6 @@ def engines() -> tuple[LLMEngine, LLMEngine]:
     prefill = LLMEngine(None, EngineConfig(num_blocks=96, block_size=16, max_num_batched_tokens=128))
     decode = LLMEngine(None, EngineConfig(num_blocks=64, block_size=16))
     return prefill, decode
-
-
-@pytest.fixture
-def key_prefix():
-    """A unique Redis key prefix; its keys are deleted afterwards."""
-    client = redis.Redis.from_url(REDIS_URL, socket_timeout=2)
-    prefix = f"test-workers-{uuid.uuid4().hex}"
-    yield prefix
-    keys = list(client.scan_iter(match=f"tandem:{prefix}:*", count=1000))
-    if keys:
-        client.delete(*keys)
-    client.close()
 
 
 @dataclass
@@ -78,7 +62,7 @@ async def worker(llm: LLMEngine, role: Role, **overrides) -> AsyncIterator[Worke
         servicer, stub_cls = PrefillServicer(engine, s, metrics), worker_pb2_grpc.PrefillWorkerStub
     else:
         servicer, stub_cls = DecodeServicer(engine, s, metrics), worker_pb2_grpc.DecodeWorkerStub
-    server = WorkerServer(s, role, engine, servicer, metrics, publish_blocks=role is Role.PREFILL)
+    server = WorkerServer(s, role, engine, servicer, metrics)
     await server.start()
     channel = grpc.aio.insecure_channel(server.address, options=GRPC_MESSAGE_OPTIONS)
     try:

@@ -15,7 +15,7 @@ import urllib.request
 
 import grpc
 import pytest
-from grpc_health.v1 import health_pb2, health_pb2_grpc
+from protos.grpc.health.v1 import health_pb2, health_pb2_grpc
 
 from protos.tandem.v1 import worker_pb2, worker_pb2_grpc
 
@@ -44,7 +44,7 @@ def test_worker_process_serves_and_exits_cleanly_on_sigterm(module):
             assert health.status == health_pb2.HealthCheckResponse.SERVING
             stub_cls = worker_pb2_grpc.PrefillWorkerStub if module == "prefill_worker" else worker_pb2_grpc.DecodeWorkerStub
             stats = stub_cls(channel).GetStats(worker_pb2.GetStatsRequest(), timeout=5)
-            assert (stats.num_total_blocks, stats.block_size) == (8, 16)
+            assert (stats.num_total_blocks, stats.config.block_size) == (8, 16)
         with urllib.request.urlopen(f"http://127.0.0.1:{metrics_port}/metrics", timeout=5) as reply:
             text = reply.read().decode()
         assert 'tandem_kv_blocks_free{role="' in text and "tandem_time_to_first_token_seconds" in text
@@ -55,3 +55,19 @@ def test_worker_process_serves_and_exits_cleanly_on_sigterm(module):
             proc.kill()
             proc.wait()
         proc.stderr.close()
+
+
+def test_a_taken_port_is_one_line_naming_the_address_and_the_setting():
+    with socket.socket() as taken:
+        taken.bind(("127.0.0.1", 0))
+        taken.listen()
+        port = taken.getsockname()[1]
+        for flags, setting in ((["--listen", f"127.0.0.1:{port}"], "--listen / TANDEM_LISTEN"),
+                               (["--metrics-port", str(port)], "--metrics-port / TANDEM_METRICS_PORT")):
+            out = subprocess.run(
+                [sys.executable, "-m", "decode_worker", "--model", "smollm2-135m", "--load-format", "dummy",
+                 "--num-blocks", "8", "--log-level", "WARNING", *flags],
+                env={**os.environ, "TANDEM_REDIS_URL": ""}, capture_output=True, text=True, timeout=120)
+            assert out.returncode == 1, out.stderr
+            lines = [line for line in out.stderr.splitlines() if line.strip()]
+            assert len(lines) == 1 and f"127.0.0.1:{port}" in lines[0] and setting in lines[0], out.stderr

@@ -8,16 +8,17 @@ import time
 
 import grpc
 import pytest
-from grpc_health.v1 import health_pb2, health_pb2_grpc
+from protos.grpc.health.v1 import health_pb2, health_pb2_grpc
 
 from engine import LLM, SamplingParams
-from engine.serving.async_engine import AsyncEngine, EngineError
+from engine.async_engine import AsyncEngine, EngineError
 from engine.block_hash import hash_blocks, hash_seed
-from gateway.prefix_index import PrefixIndex
-from gateway.registry import ClusterNamespace, Role, WorkerRegistry, redis_client
+from cluster.prefix_index import PrefixIndex
+from cluster.registry import ClusterNamespace, Role, WorkerRegistry, redis_client
+from kvtransfer import encode_chunk
 from protos.tandem.v1 import gateway_pb2, kvtransfer_pb2, worker_pb2
 
-from .conftest import REDIS_URL, pair
+from .conftest import pair
 
 pytestmark = pytest.mark.slow
 
@@ -41,15 +42,26 @@ def no_leaks(engines):
     assert free_blocks(engines) == start
     for e in engines:
         e.block_pool.check_invariants()
-        assert not e.requests and not e.held
+        assert not e.requests and not e.pinned
+
+
+def prompt_ids(count: int, seed: int = 0) -> list[int]:
+    """``count`` token ids, distinct per ``seed`` (no two prompts share a prefix by accident)."""
+    return [(1000 * seed + 7 * i) % 40000 + 100 for i in range(count)]
+
+
+def destination_of(p, admit: worker_pb2.AdmitResponse) -> worker_pb2.KVDestination:
+    """What the gateway tells the prefill worker: the reservation Admit granted."""
+    return worker_pb2.KVDestination(address=p.decode.address, reservation_id=admit.reservation_id,
+                                    layout=admit.layout, num_cached_blocks=admit.num_cached_blocks,
+                                    kv_transports=admit.kv_transports)
 
 
 async def generate(p, request_id: str, prompt: list[int], sampling: gateway_pb2.SamplingParams):
     """What the gateway does: Admit, Prefill into the reservation, Decode; returns
     (first tokens, per-sample decoded token ids, per-sample finish reasons, prefill response)."""
-    admit = await p.decode.stub.Admit(worker_pb2.AdmitRequest(request_id=request_id, num_prompt_tokens=len(prompt)))
-    destination = worker_pb2.KVDestination(address=p.decode.address, reservation_id=admit.reservation_id,
-                                           layout=admit.layout)
+    admit = await p.decode.stub.Admit(worker_pb2.AdmitRequest(request_id=request_id, prompt_token_ids=prompt))
+    destination = destination_of(p, admit)
     pre = await p.prefill.stub.Prefill(worker_pb2.PrefillRequest(
         request_id=request_id, prompt_token_ids=prompt, sampling=sampling, destination=destination))
     first = [t.token_id for t in pre.first_tokens]
@@ -57,7 +69,7 @@ async def generate(p, request_id: str, prompt: list[int], sampling: gateway_pb2.
     tokens, reasons = [[] for _ in range(n)], [None] * n
     async for msg in p.decode.stub.Decode(worker_pb2.DecodeRequest(
             request_id=request_id, reservation_id=admit.reservation_id, prompt_token_ids=prompt,
-            first_token_ids=first, sampling=sampling, seed_state=pre.seed_state)):
+            first_token_ids=first, sampling=sampling)):
         assert reasons[msg.index] is None, "message after a sample's last one"
         assert len(msg.logprobs) == len(msg.token_ids)
         tokens[msg.index].extend(msg.token_ids)
@@ -71,28 +83,57 @@ def reference(offline: LLM, prompts, params: SamplingParams):
     return offline.generate(prompts, params, use_tqdm=False)
 
 
-async def until(predicate, timeout_s: float = 1.0) -> None:
+async def until(predicate, timeout_s: float = 5.0) -> None:
     deadline = time.monotonic() + timeout_s
     while not predicate():
         assert time.monotonic() < deadline, "condition not reached in time"
         await asyncio.sleep(0.02)
 
 
-def test_greedy_through_the_pair_equals_offline(engines, offline):
+@pytest.mark.parametrize("transport", ["nixl", "grpc"])
+def test_greedy_through_the_pair_equals_offline(engines, offline, transport):
     tok = offline.get_tokenizer()
     prompts = [tok.encode(p, add_special_tokens=False) for p in PROMPTS]
     expected = reference(offline, prompts, SamplingParams(max_tokens=16, temperature=0))
 
     async def main():
-        async with pair(engines) as p:
+        async with pair(engines, kv_transport=transport, kv_verify_checksums=True) as p:
             sampling = gateway_pb2.SamplingParams(max_tokens=16, temperature=0)
             return await asyncio.gather(*(generate(p, f"g{i}", ids, sampling) for i, ids in enumerate(prompts)))
 
     results = asyncio.run(main())
-    for (first, tokens, reasons, _), ref in zip(results, expected):
+    for (first, tokens, reasons, pre), ref in zip(results, expected):
+        assert pre.kv_transport == transport
         assert [first[0], *tokens[0]] == ref.outputs[0].token_ids
         want = gateway_pb2.FINISH_REASON_LENGTH if ref.outputs[0].finish_reason == "length" else gateway_pb2.FINISH_REASON_STOP
         assert reasons == [want]
+
+
+def test_the_next_turn_is_neither_recomputed_nor_resent(engines, offline):
+    """Multi-turn chat: the decode worker keeps the previous turn (prompt and answer) in its
+    prefix cache; the next turn's Admit reports those blocks cached, and with a local prefill
+    (conditional disaggregation) only the new question is computed, by the decode worker. The
+    tokens equal the offline engine's."""
+    tok = offline.get_tokenizer()
+    turn1 = tok.encode(PROMPTS[0] + " in a small workshop where", add_special_tokens=False)
+    sampling = gateway_pb2.SamplingParams(max_tokens=24, temperature=0, ignore_eos=True)
+
+    async def main():
+        async with pair(engines) as p:
+            first, tokens, _, _ = await generate(p, "turn1", turn1, sampling)
+            turn2 = turn1 + [first[0], *tokens[0]] + tok.encode(" Who worked there?", add_special_tokens=False)
+            admit = await p.decode.stub.Admit(worker_pb2.AdmitRequest(request_id="turn2", prompt_token_ids=turn2))
+            local = [m async for m in p.decode.stub.Decode(worker_pb2.DecodeRequest(
+                request_id="turn2", reservation_id=admit.reservation_id, prompt_token_ids=turn2, sampling=sampling,
+                local_prefill=True))]
+            return turn2, admit, local
+
+    turn2, admit, local = asyncio.run(main())
+    history = len(turn2) - len(tok.encode(" Who worked there?", add_special_tokens=False))
+    assert admit.num_cached_blocks == (history - 1) // 16 and admit.num_cached_blocks * 16 >= 0.6 * len(turn2)
+    [ref] = reference(offline, [turn2], SamplingParams(max_tokens=24, temperature=0, ignore_eos=True))
+    assert [t for m in local for t in m.token_ids] == ref.outputs[0].token_ids
+    assert local[-1].finish_reason == gateway_pb2.FINISH_REASON_LENGTH
 
 
 def test_seeded_n2_through_the_pair_equals_offline(engines, offline):
@@ -110,7 +151,7 @@ def test_seeded_n2_through_the_pair_equals_offline(engines, offline):
     assert [[f, *t] for f, t in zip(first, tokens)] == [c.token_ids for c in ref.outputs]
     assert reasons == [gateway_pb2.FINISH_REASON_LENGTH] * 2
     assert all(len(t.top_logprobs) == 2 for t in pre.first_tokens)
-    assert pre.seed_state.seed == 11
+    assert list(pre.finish_reasons) == [gateway_pb2.FINISH_REASON_UNSPECIFIED] * 2
 
 
 def test_admit_beyond_capacity_is_resource_exhausted(engines):
@@ -119,18 +160,21 @@ def test_admit_beyond_capacity_is_resource_exhausted(engines):
             stub, total = p.decode.stub, engines[1].num_blocks
             granted = 0
             for i in range(3):  # 3 x 20 of 64 blocks
-                r = await stub.Admit(worker_pb2.AdmitRequest(request_id=f"cap{i}", num_prompt_tokens=20 * 16))
+                r = await stub.Admit(worker_pb2.AdmitRequest(request_id=f"cap{i}", prompt_token_ids=prompt_ids(20 * 16, i)))
                 granted += r.num_blocks
             assert engines[1].num_free_blocks == total - granted
             with pytest.raises(grpc.aio.AioRpcError) as err:
-                await stub.Admit(worker_pb2.AdmitRequest(request_id="cap3", num_prompt_tokens=(total - granted + 1) * 16))
+                await stub.Admit(worker_pb2.AdmitRequest(request_id="cap3",
+                                                         prompt_token_ids=prompt_ids((total - granted + 1) * 16, 3)))
             assert err.value.code() == grpc.StatusCode.RESOURCE_EXHAUSTED
             assert engines[1].num_free_blocks == total - granted
             with pytest.raises(grpc.aio.AioRpcError) as err:  # one request, one reservation
-                await stub.Admit(worker_pb2.AdmitRequest(request_id="cap0", num_prompt_tokens=16))
+                await stub.Admit(worker_pb2.AdmitRequest(request_id="cap0", prompt_token_ids=prompt_ids(16, 0)))
             assert err.value.code() == grpc.StatusCode.ALREADY_EXISTS
             stats = await stub.GetStats(worker_pb2.GetStatsRequest())
-            assert (stats.num_free_blocks, stats.num_waiting, stats.block_size) == (total - granted, 3, 16)
+            assert (stats.num_free_blocks, stats.num_waiting, stats.config.block_size) == (total - granted, 3, 16)
+            assert (stats.config.role, stats.config.model_id, stats.config.kv_cache_dtype) == \
+                ("decode", engines[1].model_id, "float32")
             for i in range(3):
                 assert (await stub.Abort(worker_pb2.AbortRequest(request_id=f"cap{i}"))).found
             assert not (await stub.Abort(worker_pb2.AbortRequest(request_id="cap0"))).found
@@ -141,10 +185,9 @@ def test_admit_beyond_capacity_is_resource_exhausted(engines):
 
 def test_expired_lease_frees_the_reservation(engines):
     async def main():
-        async with pair(engines) as p:
+        async with pair(engines, lease_s=0.2) as p:
             start = await p.decode.engine.num_free_blocks()
-            r = await p.decode.stub.Admit(worker_pb2.AdmitRequest(request_id="lease", num_prompt_tokens=40,
-                                                                  lease_ms=200))
+            r = await p.decode.stub.Admit(worker_pb2.AdmitRequest(request_id="lease", prompt_token_ids=prompt_ids(40)))
             assert r.lease_ms == 200 and r.num_blocks == 3
             assert await p.decode.engine.num_free_blocks() == start - 3
             await asyncio.sleep(0.6)
@@ -165,10 +208,10 @@ def test_cancelled_decode_stream_frees_blocks_within_a_second(engines):
             start = await p.decode.engine.num_free_blocks()
             prompt = list(range(100, 140))
             sampling = gateway_pb2.SamplingParams(max_tokens=500, temperature=0, ignore_eos=True)
-            admit = await p.decode.stub.Admit(worker_pb2.AdmitRequest(request_id="cancel", num_prompt_tokens=40))
+            admit = await p.decode.stub.Admit(worker_pb2.AdmitRequest(request_id="cancel", prompt_token_ids=prompt))
             pre = await p.prefill.stub.Prefill(worker_pb2.PrefillRequest(
                 request_id="cancel", prompt_token_ids=prompt, sampling=sampling,
-                destination=worker_pb2.KVDestination(address=p.decode.address, reservation_id=admit.reservation_id)))
+                destination=destination_of(p, admit)))
             call = p.decode.stub.Decode(worker_pb2.DecodeRequest(
                 request_id="cancel", reservation_id=admit.reservation_id, prompt_token_ids=prompt,
                 first_token_ids=[pre.first_tokens[0].token_id], sampling=sampling))
@@ -193,11 +236,10 @@ def test_abort_and_cancel_during_prefill_free_blocks(engines):
             start = await p.prefill.engine.num_free_blocks()
             for how in ("abort", "cancel"):
                 rid = f"prefill-{how}"
-                admit = await p.decode.stub.Admit(worker_pb2.AdmitRequest(request_id=rid, num_prompt_tokens=600))
+                admit = await p.decode.stub.Admit(worker_pb2.AdmitRequest(request_id=rid, prompt_token_ids=prompt))
                 call = p.prefill.stub.Prefill(worker_pb2.PrefillRequest(
                     request_id=rid, prompt_token_ids=prompt, sampling=gateway_pb2.SamplingParams(max_tokens=4),
-                    destination=worker_pb2.KVDestination(address=p.decode.address,
-                                                         reservation_id=admit.reservation_id)))
+                    destination=destination_of(p, admit)))
                 await until(lambda: rid in engines[0].requests, 5.0)  # computing
                 if how == "abort":
                     assert (await p.prefill.stub.Abort(worker_pb2.AbortRequest(request_id=rid, reason="test"))).found
@@ -209,8 +251,10 @@ def test_abort_and_cancel_during_prefill_free_blocks(engines):
                 t0 = time.monotonic()
                 await until(lambda: engines[0].num_free_blocks == start and rid not in engines[0].requests)
                 assert time.monotonic() - t0 < 1.0
-                # The gateway tells the decode side too.
-                assert (await p.decode.stub.Abort(worker_pb2.AbortRequest(request_id=rid))).found
+                # The prefill's transfer stream, open on the reservation since the prefill began,
+                # ended with it: the decode worker has already freed the reservation.
+                await until(lambda: len(p.decode.server.servicer.table) == 0)
+                assert not (await p.decode.stub.Abort(worker_pb2.AbortRequest(request_id=rid))).found
 
     asyncio.run(main())
 
@@ -241,20 +285,20 @@ def test_bad_requests_are_refused_naming_the_field(engines):
                     await p.prefill.stub.Prefill(request)
                 assert err.value.code() == code and word in err.value.details(), err.value
             with pytest.raises(grpc.aio.AioRpcError) as err:
-                await p.decode.stub.Admit(worker_pb2.AdmitRequest(request_id="b", num_prompt_tokens=0))
-            assert err.value.code() == grpc.StatusCode.INVALID_ARGUMENT and "num_prompt_tokens" in err.value.details()
+                await p.decode.stub.Admit(worker_pb2.AdmitRequest(request_id="b"))
+            assert err.value.code() == grpc.StatusCode.INVALID_ARGUMENT and "prompt_token_ids" in err.value.details()
 
     asyncio.run(main())
 
 
-def test_shutdown_drains_in_flight_and_refuses_new_work(engines, key_prefix):
+def test_shutdown_drains_in_flight_and_refuses_new_work(engines, key_prefix, redis_url):
     async def main():
-        ns = ClusterNamespace(key_prefix, engines[0].model_id, 16)
-        client = redis_client(REDIS_URL)
+        ns = ClusterNamespace(key_prefix)
+        client = redis_client(redis_url)
         registry = WorkerRegistry(client, ns)
-        async with pair(engines, redis_url=REDIS_URL, redis_key_prefix=key_prefix,
+        async with pair(engines, redis_url=redis_url, redis_key_prefix=key_prefix,
                         heartbeat_interval_s=0.2) as p:
-            for _ in range(50):
+            for _ in range(200):
                 if len(await registry.live_workers(Role.DECODE)) == 1:
                     break
                 await asyncio.sleep(0.05)
@@ -263,13 +307,13 @@ def test_shutdown_drains_in_flight_and_refuses_new_work(engines, key_prefix):
 
             prompt = list(range(200, 230))
             sampling = gateway_pb2.SamplingParams(max_tokens=24, temperature=0, ignore_eos=True)
-            admit = await p.decode.stub.Admit(worker_pb2.AdmitRequest(request_id="drain", num_prompt_tokens=30))
+            admit = await p.decode.stub.Admit(worker_pb2.AdmitRequest(request_id="drain", prompt_token_ids=prompt))
             pre = await p.prefill.stub.Prefill(worker_pb2.PrefillRequest(
                 request_id="drain", prompt_token_ids=prompt, sampling=sampling,
-                destination=worker_pb2.KVDestination(address=p.decode.address, reservation_id=admit.reservation_id)))
+                destination=destination_of(p, admit)))
             # The prefill worker published the prompt's full block to the prefix index.
             index, hashes = PrefixIndex(client, ns), hash_blocks(prompt, 16, hash_seed(engines[0].model_id, 16, "float32"))
-            for _ in range(50):
+            for _ in range(200):
                 if (await index.cached_runs([p.prefill.server.worker_id], hashes)) == {p.prefill.server.worker_id: 1}:
                     break
                 await asyncio.sleep(0.05)
@@ -285,13 +329,13 @@ def test_shutdown_drains_in_flight_and_refuses_new_work(engines, key_prefix):
             reply = await health.Check(health_pb2.HealthCheckRequest(service="tandem.v1.DecodeWorker"))
             assert reply.status == health_pb2.HealthCheckResponse.NOT_SERVING
             with pytest.raises(grpc.aio.AioRpcError) as err:
-                await p.decode.stub.Admit(worker_pb2.AdmitRequest(request_id="late", num_prompt_tokens=8))
+                await p.decode.stub.Admit(worker_pb2.AdmitRequest(request_id="late", prompt_token_ids=prompt_ids(8)))
             assert err.value.code() == grpc.StatusCode.UNAVAILABLE
-            tokens, last = list(first_msg.token_ids), first_msg
+            generated, last = list(first_msg.token_ids), first_msg
             while (msg := await call.read()) != grpc.aio.EOF:  # the in-flight request finishes
-                tokens.extend(msg.token_ids)
+                generated.extend(msg.token_ids)
                 last = msg
-            assert len(tokens) == 23 and last.finish_reason == gateway_pb2.FINISH_REASON_LENGTH
+            assert len(generated) == 23 and last.finish_reason == gateway_pb2.FINISH_REASON_LENGTH
             await shutdown
             assert await registry.live_workers(Role.DECODE) == []  # deregistered
             assert len(await registry.live_workers(Role.PREFILL)) == 1
@@ -308,7 +352,7 @@ def test_engine_failure_fails_the_request_not_the_thread(engines, monkeypatch):
         engine = AsyncEngine(decode)
         engine.start()
         try:
-            blocks = await engine.reserve_blocks(20)
+            blocks, _ = await engine.reserve_blocks(list(range(1, 21)))
             bad_token = decode.model_config.vocab_size + 5  # the engine refuses it and frees the blocks
             with pytest.raises(ValueError, match="first_token_ids"):
                 async for _ in engine.add_prefilled("bad", list(range(1, 21)), [bad_token],
@@ -338,18 +382,64 @@ def test_engine_failure_fails_the_request_not_the_thread(engines, monkeypatch):
     asyncio.run(main())
 
 
-def test_corrupted_kv_chunk_is_data_loss_and_frees_both_sides(engines, monkeypatch):
-    monkeypatch.setenv("TANDEM_TEST_CORRUPT_KV", "corrupt-me")
+def test_corrupted_kv_fails_that_request_only(engines):
+    """A sender whose chunk fails its checksum gets DATA_LOSS and the reservation is freed; a
+    request admitted beside it is untouched and completes."""
+    async def main():
+        async with pair(engines) as p:
+            bad = await p.decode.stub.Admit(worker_pb2.AdmitRequest(request_id="corrupt", prompt_token_ids=prompt_ids(40, 7)))
+            chunk = encode_chunk(p.decode.engine.kv_cache[:3].clone(), reservation_id=bad.reservation_id,
+                                 request_id="corrupt", first_block_index=0)
+            chunk.data = bytes([chunk.data[0] ^ 0xFF]) + chunk.data[1:]
+            call = p.decode.stub.TransferKV()
+            await call.write(chunk)
+            await call.done_writing()
+            with pytest.raises(grpc.aio.AioRpcError) as err:
+                await call
+            assert err.value.code() == grpc.StatusCode.DATA_LOSS
+            assert len(p.decode.server.servicer.table) == 0  # the receiver released the reservation
+            tok = engines[0].tokenizer
+            first, tokens, reasons, _ = await generate(p, "fine", tok.encode(PROMPTS[0]),
+                                                       gateway_pb2.SamplingParams(max_tokens=6, temperature=0))
+            assert len([first[0], *tokens[0]]) == 6 and reasons == [gateway_pb2.FINISH_REASON_LENGTH]
+
+    asyncio.run(main())
+
+
+def test_prefill_slower_than_the_lease_keeps_its_reservation(engines):
+    """Regression: a reservation's lease used to run out while a long prompt was still being
+    prefilled (an 8191-token prompt failed with a false RESOURCE_EXHAUSTED). The transfer stream,
+    opened before the prefill starts, keeps the reservation alive however long it takes."""
+    prompt = [(11 * i) % 40000 + 100 for i in range(900)]  # 8 chunks of 128 tokens on the prefill engine
+
+    async def main():
+        async with pair(engines, lease_s=0.2) as p:
+            sampling = gateway_pb2.SamplingParams(max_tokens=3, temperature=0, ignore_eos=True)
+            t0 = time.monotonic()
+            first, tokens, reasons, _ = await generate(p, "long", prompt, sampling)
+            assert time.monotonic() - t0 > 0.4, "the prefill should outlast the lease twice over"
+            assert len([first[0], *tokens[0]]) == 3 and reasons == [gateway_pb2.FINISH_REASON_LENGTH]
+
+    asyncio.run(main())
+
+
+def test_first_token_finish_reason_comes_from_the_prefill_worker(engines, offline):
+    ids = offline.get_tokenizer().encode(PROMPTS[0])
+    [ref] = reference(offline, [ids], SamplingParams(max_tokens=1, temperature=0))
+    greedy_first = ref.outputs[0].token_ids[0]
 
     async def main():
         async with pair(engines) as p:
-            prompt = list(range(300, 340))
-            admit = await p.decode.stub.Admit(worker_pb2.AdmitRequest(request_id="corrupt-me-1", num_prompt_tokens=40))
-            with pytest.raises(grpc.aio.AioRpcError) as err:
-                await p.prefill.stub.Prefill(worker_pb2.PrefillRequest(
-                    request_id="corrupt-me-1", prompt_token_ids=prompt, sampling=gateway_pb2.SamplingParams(max_tokens=2),
-                    destination=worker_pb2.KVDestination(address=p.decode.address, reservation_id=admit.reservation_id)))
-            assert err.value.code() == grpc.StatusCode.DATA_LOSS
-            assert len(p.decode.server.servicer.table) == 0  # the receiver released the reservation
+            out = {}
+            for name, sampling in (("length", gateway_pb2.SamplingParams(max_tokens=1, temperature=0)),
+                                   ("stop", gateway_pb2.SamplingParams(max_tokens=8, temperature=0,
+                                                                       stop_token_ids=[greedy_first]))):
+                admit = await p.decode.stub.Admit(worker_pb2.AdmitRequest(request_id=name, prompt_token_ids=ids))
+                pre = await p.prefill.stub.Prefill(worker_pb2.PrefillRequest(
+                    request_id=name, prompt_token_ids=ids, sampling=sampling, destination=destination_of(p, admit)))
+                out[name] = list(pre.finish_reasons)
+                await p.decode.stub.Abort(worker_pb2.AbortRequest(request_id=name))
+            return out
 
-    asyncio.run(main())
+    out = asyncio.run(main())
+    assert out == {"length": [gateway_pb2.FINISH_REASON_LENGTH], "stop": [gateway_pb2.FINISH_REASON_STOP]}

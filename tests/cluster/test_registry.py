@@ -7,10 +7,11 @@ import asyncio
 import pytest
 
 from engine.block_pool import BlockPool
-from gateway.prefix_index import PrefixIndex
-from gateway.registry import (
+from tests.worker_config import CONFIG
+from cluster.prefix_index import PrefixIndex
+from cluster.heartbeat import Heartbeat
+from cluster.registry import (
     ClusterNamespace,
-    Heartbeat,
     Role,
     WorkerInfo,
     WorkerLoad,
@@ -20,11 +21,11 @@ from gateway.registry import (
 
 
 def _ns(key_prefix: str, ttl_s: float = 3.0) -> ClusterNamespace:
-    return ClusterNamespace(key_prefix, "test/model", 4, ttl_s=ttl_s)
+    return ClusterNamespace(key_prefix, ttl_s=ttl_s)
 
 
 def _worker(worker_id: str, role: Role = Role.PREFILL, **load: int) -> WorkerInfo:
-    return WorkerInfo(worker_id, role, f"10.0.0.1:{50000 + len(worker_id)}", WorkerLoad(**load))
+    return WorkerInfo(worker_id, role, f"10.0.0.1:{50000 + len(worker_id)}", CONFIG, WorkerLoad(**load))
 
 
 def test_heartbeat_registers_worker_with_its_load(key_prefix, redis_url):
@@ -57,8 +58,8 @@ def test_keys_are_namespaced(key_prefix, redis_url):
         return keys
 
     assert asyncio.run(main()) == [
-        f"tandem:{key_prefix}:test/model:4:worker:p0",
-        f"tandem:{key_prefix}:test/model:4:workers:prefill",
+        f"tandem:{key_prefix}:worker:p0",
+        f"tandem:{key_prefix}:workers:prefill",
     ]
 
 
@@ -184,11 +185,11 @@ def test_heartbeat_resyncs_the_index_when_redis_lost_the_workers_keys(key_prefix
 
 def test_invalid_configuration_is_rejected(key_prefix):
     with pytest.raises(ValueError, match="ttl_s"):
-        ClusterNamespace(key_prefix, "m", 16, ttl_s=0)
-    with pytest.raises(ValueError, match="block_size"):
-        ClusterNamespace(key_prefix, "m", 0)
+        ClusterNamespace(key_prefix, ttl_s=0)
+    with pytest.raises(ValueError, match="key_prefix"):
+        ClusterNamespace("")
     with pytest.raises(ValueError, match="worker_id"):
-        WorkerInfo("a:b", Role.DECODE, "x:1")
+        WorkerInfo("a:b", Role.DECODE, "x:1", CONFIG)
     registry = WorkerRegistry(redis_client("redis://127.0.0.1:6379/0"), _ns(key_prefix, ttl_s=1.0))
     with pytest.raises(ValueError, match="interval_s"):
         Heartbeat(registry, _worker("p0"), WorkerLoad, interval_s=1.0)

@@ -9,15 +9,17 @@ from hypothesis import strategies as st
 
 from engine.block_hash import hash_blocks, hash_seed
 from engine.block_pool import BlockPool
-from gateway.prefix_index import PrefixIndex, leading_run, net_events
-from gateway.registry import ClusterNamespace, Heartbeat, Role, WorkerInfo, WorkerLoad, WorkerRegistry, redis_client
+from tests.worker_config import CONFIG
+from cluster.prefix_index import PrefixIndex, leading_run, net_events
+from cluster.heartbeat import Heartbeat
+from cluster.registry import ClusterNamespace, Role, WorkerInfo, WorkerLoad, WorkerRegistry, redis_client
 
 BLOCK_SIZE = 4
 H = hash_blocks(list(range(6 * BLOCK_SIZE)), BLOCK_SIZE, hash_seed("test/model", BLOCK_SIZE, "bfloat16"))
 
 
 def _index(client, key_prefix: str, ttl_s: float = 3.0) -> PrefixIndex:
-    return PrefixIndex(client, ClusterNamespace(key_prefix, "test/model", BLOCK_SIZE, ttl_s=ttl_s))
+    return PrefixIndex(client, ClusterNamespace(key_prefix, ttl_s=ttl_s))
 
 
 def test_run_is_the_leading_prefix_only(key_prefix, redis_url):
@@ -74,9 +76,9 @@ def test_dead_workers_blocks_expire_with_it(key_prefix, redis_url):
         pool = BlockPool(8)
         for block, h in zip(pool.allocate(3), H):
             pool.cache(block, h)
-        alive = Heartbeat(registry, WorkerInfo("alive", Role.PREFILL, "a:1"), WorkerLoad,
+        alive = Heartbeat(registry, WorkerInfo("alive", Role.PREFILL, "a:1", CONFIG), WorkerLoad,
                           index=index, blocks=pool, interval_s=0.1)
-        dead = Heartbeat(registry, WorkerInfo("dead", Role.PREFILL, "b:1"), WorkerLoad,
+        dead = Heartbeat(registry, WorkerInfo("dead", Role.PREFILL, "b:1", CONFIG), WorkerLoad,
                          index=index, blocks=pool, interval_s=0.1)
         await dead.beat()  # one beat, then silence: a crashed worker
         alive.start()
@@ -96,7 +98,7 @@ def test_heartbeat_publishes_block_pool_events(key_prefix, redis_url):
         client = redis_client(redis_url)
         index = _index(client, key_prefix)
         pool = BlockPool(3)
-        task = Heartbeat(WorkerRegistry(client, index.ns), WorkerInfo("p0", Role.PREFILL, "a:1"), WorkerLoad,
+        task = Heartbeat(WorkerRegistry(client, index.ns), WorkerInfo("p0", Role.PREFILL, "a:1", CONFIG), WorkerLoad,
                          index=index, blocks=pool, interval_s=1.0)
         blocks = pool.allocate(3)
         for block, h in zip(blocks, H):

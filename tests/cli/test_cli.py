@@ -1,0 +1,101 @@
+"""The ``tandem`` command line, the servers' flags, the health probe and the compose file,
+without a cluster: every error is one line and a non-zero exit."""
+
+from __future__ import annotations
+
+import shutil
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from cli.launcher import free_port
+from cluster.settings import WorkerSettings, from_args
+from gateway.settings import GatewaySettings
+
+ROOT = Path(__file__).resolve().parents[2]
+
+
+def tandem(*args: str, stdin: str = "", timeout_s: float = 60) -> subprocess.CompletedProcess:
+    """Run ``tandem ARGS`` (as ``python -m cli``) and capture its output."""
+    return subprocess.run([sys.executable, "-m", "cli", *args], input=stdin, capture_output=True, text=True,
+                          timeout=timeout_s, cwd=ROOT)
+
+
+def test_cli_lists_every_command():
+    result = tandem("--help")
+    assert result.returncode == 0
+    for command in ("gateway", "prefill", "decode", "serve", "demo", "generate", "chat", "offline-chat"):
+        assert command in result.stdout
+
+
+@pytest.mark.parametrize("args,word", [
+    (["generate", "hi", "--max-tokens", "-1"], "--max-tokens"),
+    (["generate", "hi", "--temperature", "-2"], "--temperature"),
+    (["generate", "hi", "--bogus"], "--bogus"),
+    (["no-such-command"], "no-such-command"),
+    (["gateway", "--listen", "nonsense"], "--listen / TANDEM_GATEWAY_ADDR"),
+    (["prefill", "--block-size", "17"], "--block-size / TANDEM_BLOCK_SIZE"),
+    (["decode", "--no-such-flag", "1"], "--no-such-flag"),
+])
+def test_a_usage_error_is_one_line_and_exit_2(args, word):
+    result = tandem(*args)
+    assert result.returncode == 2, result
+    lines = result.stderr.strip().splitlines()
+    assert len(lines) == 1 and word in lines[0] and "Traceback" not in result.stderr, result.stderr
+
+
+def test_serve_without_local_explains_itself():
+    result = tandem("serve")
+    assert result.returncode == 2 and "--local" in result.stderr
+
+
+def test_client_commands_fail_with_one_line_when_no_gateway_answers():
+    address = f"127.0.0.1:{free_port()}"
+    chat = tandem("chat", "--addr", address, stdin="hello\n")
+    assert chat.returncode == 1 and len(chat.stderr.strip().splitlines()) == 1, chat
+    generate = tandem("generate", "hi", "--addr", address, "--max-tokens", "2")
+    assert generate.returncode == 1 and "UNAVAILABLE" in generate.stderr and "Traceback" not in generate.stderr
+
+
+def test_server_help_lists_every_flag_and_boolean_flags_take_no_value():
+    for command, settings_cls in (("prefill", WorkerSettings), ("decode", WorkerSettings),
+                                  ("gateway", GatewaySettings)):
+        result = tandem(command, "--help")
+        assert result.returncode == 0, result
+        for field in settings_cls.model_fields:
+            assert f"--{field.replace('_', '-')}" in result.stdout, (command, field)
+    assert "--enable-prefix-caching, --no-enable-prefix-caching" in tandem("decode", "--help").stdout
+    assert "<bool>" not in tandem("generate", "--help").stdout
+    assert "--chat / --raw" in tandem("generate", "--help").stdout
+
+
+def test_flags_win_over_the_environment_and_lists_split(monkeypatch):
+    monkeypatch.setenv("TANDEM_GATEWAY_ADDR", "0.0.0.0:6000")
+    monkeypatch.setenv("TANDEM_REDIS_KEY_PREFIX", "prod")
+    monkeypatch.setenv("TANDEM_STATIC_DECODE", "a:1, b:2")
+    s = from_args(GatewaySettings, ["--redis-key-prefix", "staging"], "gateway", "")
+    assert (s.listen, s.redis_key_prefix, s.static_decode) == ("0.0.0.0:6000", "staging", ["a:1", "b:2"])
+    w = from_args(WorkerSettings, ["--no-enable-prefix-caching", "--block-size", "32"], "worker", "")
+    assert (w.enable_prefix_caching, w.engine_config().block_size) == (False, 32)
+
+
+def test_healthcheck_fails_on_a_closed_port():
+    probe = subprocess.run([sys.executable, "-m", "cli.healthcheck", f"127.0.0.1:{free_port()}",
+                            "--timeout", "0.5"], capture_output=True, timeout=30)
+    assert probe.returncode == 1
+
+
+@pytest.mark.skipif(shutil.which("docker-compose") is None, reason="docker-compose not installed")
+def test_compose_file_is_valid_and_workers_have_no_host_ports():
+    out = subprocess.run(["docker-compose", "-f", str(ROOT / "docker-compose.yml"), "config"],
+                         capture_output=True, text=True, timeout=60)
+    assert out.returncode == 0, out.stderr
+    import yaml
+
+    services = yaml.safe_load(out.stdout)["services"]
+    assert set(services) == {"redis", "gateway", "prefill", "decode"}
+    for worker in ("prefill", "decode"):
+        assert "ports" not in services[worker] and "container_name" not in services[worker]
+        assert services[worker]["deploy"]["resources"]["reservations"]["devices"][0]["driver"] == "nvidia"

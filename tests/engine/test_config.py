@@ -1,0 +1,30 @@
+"""Engine settings: validation naming the field, and the CUDA graph ladder they imply."""
+
+import pytest
+import torch
+
+from engine.config import EngineConfig
+from engine.cuda_graphs import cuda_graph_sizes
+
+CUDA, CPU = torch.device("cuda"), torch.device("cpu")
+
+
+@pytest.mark.parametrize("sizes", [[], [0], [4096], [2, -1]])
+def test_bad_cuda_graph_batch_sizes_name_the_field(sizes):
+    with pytest.raises(ValueError, match="cuda_graph_batch_sizes"):
+        EngineConfig(cuda_graph_batch_sizes=sizes, max_num_batched_tokens=2048)
+
+
+def test_default_ladder_covers_every_batch_up_to_max_num_seqs_with_little_padding():
+    sizes = cuda_graph_sizes(EngineConfig(max_num_seqs=256), CUDA)
+    assert sizes[:4] == [1, 2, 4, 8] and sizes[-1] == 256
+    padded = [min(s for s in sizes if s >= n) for n in range(1, 257)]
+    assert max(p - n for n, p in zip(range(1, 257), padded)) <= 7
+    assert cuda_graph_sizes(EngineConfig(max_num_seqs=3), CUDA) == [1, 2, 3]
+
+
+def test_explicit_sizes_are_sorted_and_graphs_are_off_where_they_cannot_run():
+    config = EngineConfig(cuda_graph_batch_sizes=[32, 1, 8, 8])
+    assert cuda_graph_sizes(config, CUDA) == [1, 8, 32]
+    assert cuda_graph_sizes(config, CPU) == []
+    assert cuda_graph_sizes(EngineConfig(enforce_eager=True), CUDA) == []

@@ -1,0 +1,90 @@
+"""The gateway server as an outside client sees it: health that tells the truth (NOT_SERVING
+until a request can be routed), ``Health/List``, watch streams that end on drain instead of
+holding it, and reflection v1 and v1alpha that list the services and carry the proto
+comments (what ``grpcurl describe`` shows)."""
+
+from __future__ import annotations
+
+import time
+import uuid
+
+import grpc
+import pytest
+from google.protobuf import descriptor_pb2
+
+from cluster.registry import WorkerConfig
+from engine.block_hash import hash_seed
+from gateway.server import Gateway, load_served_model
+from gateway.settings import GatewaySettings
+from protos.grpc.health.v1 import health_pb2, health_pb2_grpc
+from protos.grpc.reflection.v1 import reflection_pb2 as v1, reflection_pb2_grpc as v1_grpc
+from protos.grpc.reflection.v1alpha import reflection_pb2 as v1alpha, reflection_pb2_grpc as v1alpha_grpc
+from protos.tandem.v1 import gateway_pb2, gateway_pb2_grpc
+
+from .gateway_helpers import ServerThread, register_workers, unregister_all
+
+SERVING, NOT_SERVING = health_pb2.HealthCheckResponse.SERVING, health_pb2.HealthCheckResponse.NOT_SERVING
+
+
+@pytest.fixture
+def gateway(redis_url):
+    prefix = f"test-server-{uuid.uuid4().hex[:8]}"
+    settings = GatewaySettings(listen="127.0.0.1:0", metrics_port=0, redis_url=redis_url, redis_key_prefix=prefix,
+                               registry_ttl_s=3600, refresh_interval_s=0.1)
+    model = load_served_model(settings)
+    config = WorkerConfig(model.model_id, 16, 2048, "float32", hash_seed(model.model_id, 16, "float32"), 49152)
+    with ServerThread(Gateway(settings, model)) as server:
+        server.prefix, server.config = prefix, config
+        with grpc.insecure_channel(f"127.0.0.1:{server.port}") as channel:
+            server.channel = channel
+            yield server
+    unregister_all(redis_url, prefix)
+
+
+def wait_status(health, status: int, timeout_s: float = 5.0) -> None:
+    deadline = time.monotonic() + timeout_s
+    while health.Check(health_pb2.HealthCheckRequest(), timeout=2).status != status:
+        assert time.monotonic() < deadline, f"health never became {status}"
+        time.sleep(0.05)
+
+
+def test_not_serving_until_a_request_can_be_routed(gateway, redis_url):
+    health = health_pb2_grpc.HealthStub(gateway.channel)
+    assert health.Check(health_pb2.HealthCheckRequest(), timeout=2).status == NOT_SERVING
+    with pytest.raises(grpc.RpcError) as info:
+        gateway_pb2_grpc.GatewayStub(gateway.channel).GetModelInfo(gateway_pb2.GetModelInfoRequest(), timeout=2)
+    assert info.value.code() == grpc.StatusCode.UNAVAILABLE
+    register_workers(redis_url, gateway.prefix, gateway.config, roles=("prefill",))
+    time.sleep(0.5)
+    assert health.Check(health_pb2.HealthCheckRequest(), timeout=2).status == NOT_SERVING  # no decode worker
+    register_workers(redis_url, gateway.prefix, gateway.config, roles=("decode",))
+    wait_status(health, SERVING)  # a decode worker alone serves (it prefills locally)
+    statuses = health.List(health_pb2.HealthListRequest(), timeout=2).statuses
+    assert {name: s.status for name, s in statuses.items()} == {"": SERVING, "tandem.v1.Gateway": SERVING}
+
+
+def test_a_watch_stream_ends_on_drain_instead_of_holding_it(gateway):
+    health = health_pb2_grpc.HealthStub(gateway.channel)
+    watch = health.Watch(health_pb2.HealthCheckRequest(service=""), timeout=60)
+    assert next(watch).status == NOT_SERVING  # no workers registered: not routable
+    started = time.monotonic()
+    gateway.call(lambda: gateway.gateway.stop(grace_s=30))
+    assert time.monotonic() - started < 5, "the drain waited for the watch stream"
+    assert [m.status for m in watch] == []  # the stream ended cleanly (nothing after NOT_SERVING)
+
+
+@pytest.mark.parametrize("pb2,grpc_module", [(v1, v1_grpc), (v1alpha, v1alpha_grpc)], ids=["v1", "v1alpha"])
+def test_reflection_lists_services_and_describes_fields_with_their_comments(gateway, pb2, grpc_module):
+    stub = grpc_module.ServerReflectionStub(gateway.channel)
+    requests = [pb2.ServerReflectionRequest(list_services=""),
+                pb2.ServerReflectionRequest(file_containing_symbol="tandem.v1.SamplingParams"),
+                pb2.ServerReflectionRequest(file_containing_symbol="no.such.Symbol")]
+    listed, described, missing = list(stub.ServerReflectionInfo(iter(requests), timeout=5))
+    names = {s.name for s in listed.list_services_response.service}
+    assert {"tandem.v1.Gateway", "grpc.health.v1.Health", "grpc.reflection.v1.ServerReflection"} <= names
+    files = [descriptor_pb2.FileDescriptorProto.FromString(b)
+             for b in described.file_descriptor_response.file_descriptor_proto]
+    gateway_file = next(f for f in files if f.package == "tandem.v1")
+    comments = " ".join(loc.leading_comments for loc in gateway_file.source_code_info.location)
+    assert "Makes the samples reproducible" in comments and "max_stop_token_ids" in comments
+    assert missing.error_response.error_code == grpc.StatusCode.NOT_FOUND.value[0]
