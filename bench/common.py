@@ -6,6 +6,7 @@ import datetime as dt
 import json
 import os
 import platform
+import re
 from pathlib import Path
 
 RESULTS_DIR = Path(__file__).resolve().parent / "results"
@@ -37,6 +38,23 @@ def machine() -> str:
     except (OSError, StopIteration):
         pass
     return f"{name}, {os.cpu_count()} cores"
+
+
+def copy_bandwidth_tbps() -> float:
+    """Device-to-device copy of 1 GiB on the current CUDA device, bytes read + written per second
+    (TB/s; median of ``triton.testing.do_bench``): the memory ceiling the GPU benchmarks compare to."""
+    import torch
+    from triton.testing import do_bench
+
+    src = torch.randn(2**28, device="cuda")
+    dst = torch.empty_like(src)
+    ms = do_bench(lambda: dst.copy_(src), warmup=25, rep=100, return_mode="median")
+    return 2 * src.numel() * src.element_size() / ms / 1e9
+
+
+def gpu_tag(name: str) -> str:
+    """A file-name part for a GPU: ``"NVIDIA H100 80GB HBM3"`` -> ``"h100-80gb-hbm3"``."""
+    return re.sub(r"[^a-z0-9]+", "-", name.lower().replace("nvidia", "")).strip("-")
 
 
 def write_result(benchmark: str, metrics: dict[str, float], workload: dict, tag: str = "",

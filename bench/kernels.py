@@ -8,14 +8,16 @@ TFLOP/s of ``kernels.paged_prefill_attention`` for a 512-token chunk over a cach
 
 Times are medians of CUDA-graph replays, as the decode worker runs them: each graph holds
 several calls rotating over input sets that together span far more than L2, so neither launch
-overhead nor a warm cache flatters anyone. ``paged_decode_eager_us_*`` adds the eager time
+overhead nor a warm cache flatters anyone. The paged kernel and contiguous SDPA are timed three
+times each, in turn, and their medians compared. ``paged_decode_eager_us_*`` adds the eager time
 (``triton.testing.do_bench``, L2 flushed per call), host launch overhead included.
 
 Prints the results as JSON and writes ``<out-dir>/kernels-<gpu>-<date>.json``. ``--sweep``
 times tuning variants instead (tile sizes, warps, stages, split counts), writes
-``<out-dir>/sweep.json`` and prints the best ones.
+``<out-dir>/sweep.json`` and prints the best ones; ``--sweep focus`` times only the curated
+variants of the 16x2048 shape (:data:`FOCUS_VARIANTS`), each beside SDPA, in about a minute.
 
-Usage: python bench/kernels.py [--sweep [NxCTX ...]] [--out-dir DIR]
+Usage: python bench/kernels.py [--sweep [focus | NxCTX ...]] [--out-dir DIR]
 """
 
 from __future__ import annotations
@@ -24,7 +26,6 @@ import argparse
 import itertools
 import json
 import math
-import re
 import statistics
 import sys
 from pathlib import Path
@@ -36,7 +37,7 @@ from triton.testing import do_bench
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from bench.common import write_result  # noqa: E402
+from bench.common import copy_bandwidth_tbps, gpu_tag, write_result  # noqa: E402
 import kernels.reference as reference  # noqa: E402
 from kernels.decode_attention import MIN_SPLIT_TOKENS, launch_paged_decode, num_kv_splits  # noqa: E402
 from kernels.prefill_attention import launch_paged_prefill  # noqa: E402
@@ -47,6 +48,17 @@ BLOCK_SIZES = [8, 32, 64, 128]
 PREFILL_CACHED = [0, 2048, 8192]
 PREFILL_CHUNK = 512
 SWEEP_SHAPES = [(1, 8192), (16, 2048), (64, 2048), (128, 1024)]
+# 16x2048 sits on the 95%-of-SDPA line (128 programs on 132 SMs, one per SM): the variants worth
+# timing there, (BLOCK_N, warps, stages, splits, K/V eviction policy, head-major block layout).
+# `--sweep focus` times only these.
+FOCUS_SHAPE = (16, 2048)
+FOCUS_VARIANTS = [
+    (64, 4, 3, 1, "", False), (64, 4, 3, 1, "evict_first", False), (64, 4, 4, 1, "evict_first", False),
+    (32, 4, 4, 1, "", False), (32, 4, 5, 1, "evict_first", False), (32, 2, 4, 1, "evict_first", False),
+    (128, 8, 3, 1, "evict_first", False), (64, 8, 3, 1, "", False), (64, 4, 2, 2, "", False),
+    (64, 4, 3, 2, "evict_first", False), (64, 4, 3, 1, "", True), (64, 4, 3, 1, "evict_first", True),
+    (32, 4, 4, 1, "", True),
+]
 ROTATE_BYTES = 256 * 2**20  # rotate input sets until they span this much, well past L2
 SCALE = HEAD_DIM ** -0.5
 
@@ -84,13 +96,21 @@ def _rel_err(out: torch.Tensor, ref: torch.Tensor) -> float:
 
 class DecodeInputs:
     """One decode batch: a 2-layer block-major pool, its layer-1 views, shuffled block tables,
-    and the same K/V laid out contiguously ``[num_seqs, KV_HEADS, context, HEAD_DIM]``."""
+    and the same K/V laid out contiguously ``[num_seqs, KV_HEADS, context, HEAD_DIM]``.
 
-    def __init__(self, num_seqs: int, context: int, block_size: int, gen: torch.Generator):
+    ``head_major`` orders a block's tokens by head (``[..., KV_HEADS, block_size, HEAD_DIM]``, one
+    head's tokens contiguous) instead of the engine's token-major order: a layout to compare, seen
+    by the kernel through the same strided view."""
+
+    def __init__(self, num_seqs: int, context: int, block_size: int, gen: torch.Generator, head_major: bool = False):
         blocks_per_seq = context // block_size
         num_blocks = num_seqs * blocks_per_seq
-        self.pool = torch.randn(num_blocks, 2, 2, block_size, KV_HEADS, HEAD_DIM, device="cuda", dtype=DTYPE)
-        self.k_cache, self.v_cache = self.pool[:, 1, 0], self.pool[:, 1, 1]
+        if head_major:
+            self.pool = torch.randn(num_blocks, 2, 2, KV_HEADS, block_size, HEAD_DIM, device="cuda", dtype=DTYPE)
+            self.k_cache, self.v_cache = self.pool[:, 1, 0].transpose(1, 2), self.pool[:, 1, 1].transpose(1, 2)
+        else:
+            self.pool = torch.randn(num_blocks, 2, 2, block_size, KV_HEADS, HEAD_DIM, device="cuda", dtype=DTYPE)
+            self.k_cache, self.v_cache = self.pool[:, 1, 0], self.pool[:, 1, 1]
         perm = torch.randperm(num_blocks, generator=gen).to(torch.int32)
         self.block_tables = perm.view(num_seqs, blocks_per_seq).cuda()
         self.seq_lens = torch.full((num_seqs,), context, dtype=torch.int32, device="cuda")
@@ -134,10 +154,11 @@ def _decode_reference(inp: DecodeInputs) -> torch.Tensor:
     return torch.cat(parts)
 
 
-def _input_sets(num_seqs: int, context: int, block_size: int, gen: torch.Generator) -> list[DecodeInputs]:
-    first = DecodeInputs(num_seqs, context, block_size, gen)
+def _input_sets(num_seqs: int, context: int, block_size: int, gen: torch.Generator,
+                head_major: bool = False) -> list[DecodeInputs]:
+    first = DecodeInputs(num_seqs, context, block_size, gen, head_major)
     count = min(8, max(1, math.ceil(ROTATE_BYTES / first.pool.numel() / first.pool.element_size())))
-    return [first] + [DecodeInputs(num_seqs, context, block_size, gen) for _ in range(count - 1)]
+    return [first] + [DecodeInputs(num_seqs, context, block_size, gen, head_major) for _ in range(count - 1)]
 
 
 def _rotating(sets: list, fn):
@@ -155,13 +176,16 @@ def bench_decode(metrics: dict, gen: torch.Generator) -> None:
         tag = f"{num_seqs}x{context}"
         sets = _input_sets(num_seqs, context, 16, gen)
         nbytes = sets[0].kv_bytes()
-        paged_ms = _graph_ms(sets, _paged)
         metrics[f"paged_decode_eager_us_{tag}"] = _eager_ms(_rotating(sets, _paged)) * 1e3
         metrics[f"paged_decode_max_rel_err_{tag}"] = _rel_err(_paged(sets[0]), _decode_reference(sets[0]))
         gather_ms = _graph_ms(sets, lambda s: _sdpa_decode(s.q, *s.contiguous_kv()))
         contiguous = [(s.q, *s.contiguous_kv()) for s in sets]
+        paged_runs, fold_runs = [], []
+        for _ in range(3):  # in turn, so that a drift of the clocks cancels in the ratio
+            paged_runs.append(_graph_ms(sets, _paged))
+            fold_runs.append(_graph_ms(contiguous, lambda c: _sdpa_decode(*c)))
+        paged_ms, fold_ms = statistics.median(paged_runs), statistics.median(fold_runs)
         del sets
-        fold_ms = _graph_ms(contiguous, lambda c: _sdpa_decode(*c))
         gqa_ms = _graph_ms(contiguous, lambda c: _sdpa_decode_gqa(*c))
         sdpa_ms = min(fold_ms, gqa_ms)
         del contiguous
@@ -230,14 +254,6 @@ def bench_prefill(metrics: dict, gen: torch.Generator) -> None:
         print(f"prefill {tag}: {metrics[f'prefill_tflops_{tag}']:.1f} TFLOP/s", flush=True)
 
 
-def copy_bandwidth() -> float:
-    """Device-to-device copy, bytes read + written per second (TB/s): the memory ceiling."""
-    src = torch.randn(2**28, device="cuda")
-    dst = torch.empty_like(src)
-    ms = _eager_ms(lambda: dst.copy_(src))
-    return 2 * src.numel() * src.element_size() / ms / 1e9
-
-
 def sweep(gen: torch.Generator, shapes: list[tuple[int, int]]) -> list[dict]:
     """Decode tile configs x split counts at ``shapes``, then (for a full sweep) prefill tile
     configs; returns one row per variant."""
@@ -277,34 +293,64 @@ def sweep(gen: torch.Generator, shapes: list[tuple[int, int]]) -> list[dict]:
     return rows
 
 
+def sweep_focus(gen: torch.Generator) -> list[dict]:
+    """Time :data:`FOCUS_VARIANTS` at :data:`FOCUS_SHAPE`, each beside contiguous SDPA timed in
+    turn with it (so slow drifts of the clock cancel in the ratio)."""
+    num_seqs, context = FOCUS_SHAPE
+    layouts = {head_major: _input_sets(num_seqs, context, 16, gen, head_major) for head_major in (False, True)}
+    nbytes = layouts[False][0].kv_bytes()
+    contiguous = [(s.q, *s.contiguous_kv()) for s in layouts[False]]
+    rows = []
+    for block_n, warps, stages, splits, eviction, head_major in FOCUS_VARIANTS:
+        knobs = dict(block_n=block_n, num_warps=warps, num_stages=stages, num_splits=splits, kv_eviction=eviction)
+        paged, sdpa = [], []
+        try:
+            for _ in range(3):  # in turn with SDPA, as in the main run
+                paged.append(_graph_ms(layouts[head_major], lambda s: _paged(s, **knobs)))
+                sdpa.append(_graph_ms(contiguous, lambda c: _sdpa_decode(*c)))
+        except triton.runtime.errors.OutOfResources as err:
+            print(f"decode {knobs}: {err}", flush=True)
+            continue
+        ms = statistics.median(paged)
+        variant = f"n{block_n}w{warps}s{stages}x{splits}{'e' if eviction else ''}{'-hm' if head_major else ''}"
+        rows.append(dict(kernel="decode", shape=f"{num_seqs}x{context}", variant=variant,
+                         us=ms * 1e3, tbps=nbytes / ms / 1e9, vs_sdpa=statistics.median(sdpa) / ms))
+    return rows
+
+
 def _print_sweep(rows: list[dict]) -> None:
-    print("\nsweep: best variants per (kernel, shape); decode variant = n<BLOCK_N>w<warps>s<stages>x<splits>")
+    print("\nsweep: best variants per (kernel, shape); decode variant = n<BLOCK_N>w<warps>s<stages>x<splits>, "
+          "e: K/V loads evict_first, -hm: head-major block layout")
     for kernel, shape in sorted({(r["kernel"], r["shape"]) for r in rows}):
         group = [r for r in rows if (r["kernel"], r["shape"]) == (kernel, shape)]
         group.sort(key=lambda r: r["us"])
-        for row in group[:6]:
+        for row in group[:8]:
             unit = f"{row['tbps']:.2f} TB/s" if "tbps" in row else f"{row['tflops']:.1f} TFLOP/s"
-            print(f"  {kernel:7} {shape:14} {row['variant']:14} {row['us']:9.1f} us  {unit}")
+            ratio = f"  {row['vs_sdpa']:.3f} of SDPA" if "vs_sdpa" in row else ""
+            print(f"  {kernel:7} {shape:14} {row['variant']:14} {row['us']:9.1f} us  {unit}{ratio}")
 
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--sweep", nargs="*", metavar="NxCTX",
-                        help="time tuning variants instead (decode at these shapes; all, and prefill, if none named)")
+                        help="time tuning variants instead (decode at these shapes; all, and prefill, if none "
+                             "named; 'focus': the curated 16x2048 variants beside SDPA)")
     parser.add_argument("--out-dir", type=Path, default=Path(__file__).resolve().parent / "results")
     args = parser.parse_args()
     if not torch.cuda.is_available():
         raise SystemExit("bench/kernels.py needs a CUDA GPU")
     gen = torch.Generator().manual_seed(0)
     if args.sweep is not None:
-        shapes = [tuple(map(int, s.split("x"))) for s in args.sweep] or SWEEP_SHAPES
-        rows = sweep(gen, shapes)
+        if args.sweep == ["focus"]:
+            rows = sweep_focus(gen)
+        else:
+            rows = sweep(gen, [tuple(map(int, s.split("x"))) for s in args.sweep] or SWEEP_SHAPES)
         args.out_dir.mkdir(parents=True, exist_ok=True)
         (args.out_dir / "sweep.json").write_text(json.dumps(rows, indent=1) + "\n")
         _print_sweep(rows)
         return
     props = torch.cuda.get_device_properties(0)
-    metrics: dict[str, float] = {"d2d_copy_tbps": copy_bandwidth()}
+    metrics: dict[str, float] = {"d2d_copy_tbps": copy_bandwidth_tbps()}
     print(f"{props.name}: device-to-device copy {metrics['d2d_copy_tbps']:.2f} TB/s", flush=True)
     bench_decode(metrics, gen)
     bench_prefill(metrics, gen)
@@ -318,8 +364,7 @@ def main() -> None:
                   "host launch overhead included",
         "bandwidth": "K+V bytes read once / time, TB/s",
     }
-    tag = re.sub(r"[^a-z0-9]+", "-", props.name.lower().replace("nvidia", "")).strip("-")
-    path = write_result("kernels", {k: round(v, 6) for k, v in metrics.items()}, workload, tag=tag,
+    path = write_result("kernels", {k: round(v, 6) for k, v in metrics.items()}, workload, tag=gpu_tag(props.name),
                         out_dir=args.out_dir, gpu=props.name)
     print(f"wrote {path}")
 

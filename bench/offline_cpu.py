@@ -21,8 +21,7 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 from bench.common import machine, write_result  # noqa: E402
 from engine import LLM, SamplingParams  # noqa: E402
-from engine.gguf import default_gguf_path  # noqa: E402
-from engine.llm import apply_chat_template  # noqa: E402
+from engine.model_source import default_gguf_path  # noqa: E402
 
 TOPICS = [
     "the water cycle", "how vaccines work", "the French revolution", "black holes",
@@ -38,7 +37,7 @@ def chat_prompts(tokenizer) -> list[list[int]]:
     for i, topic in enumerate(TOPICS):
         detail = " Use simple words and give one example." * (i % 4)
         messages = [{"role": "user", "content": f"Explain {topic} in a short paragraph.{detail}"}]
-        prompts.append(apply_chat_template(tokenizer, messages))
+        prompts.append(tokenizer.apply_chat_template(messages))
     return prompts
 
 

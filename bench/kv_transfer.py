@@ -1,0 +1,192 @@
+"""KV transfer bandwidth between two worker processes: NIXL against the gRPC stream.
+
+One request's blocks move from a "prefill" pool in this process to a reservation in a "decode"
+pool in a second process, through Tandem's own data plane (``GrpcKVSender`` →
+``DecodeWorker.TransferKV`` → ``GrpcKVReceiver``/``KVReceiver``, with NIXL reads or the bytes in
+the stream), for 16, 256 and 2048 blocks of Llama-3-8B's shape (32 layers x 8 KV heads x 128 x
+16 tokens, bf16: 2 MiB a block). The time runs from opening the transfer to the receiver's
+acknowledgement; the median of several repetitions is reported. In the same run, a plain copy
+of the same bytes in one process from ``--device`` to ``--peer-device`` (device-to-device or
+peer-to-peer on GPUs, ``memcpy`` on the CPU) is the ceiling. The sending pool sits on
+``--device``, the receiving one on ``--peer-device`` (default: the same GPU, shared by both
+processes, or host memory; ``--device cuda:0 --peer-device cuda:1`` measures GPU to GPU).
+
+Metrics (``kv_transfer``): ``nixl_gbps_{16,256,2048}_blocks``, ``grpc_gbps_...``, ``copy_gbps``
+(GB/s = 1e9 bytes/s of KV moved).
+
+Usage: ``python bench/kv_transfer.py [--device cuda|cpu] [--peer-device cuda:1] [--repeats 5]``
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import os
+import statistics
+import subprocess
+import sys
+import time
+
+import grpc
+import torch
+
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+
+from bench.common import machine, write_result  # noqa: E402
+from engine.kv_cache import KVCache  # noqa: E402
+from engine.model_config import ModelConfig  # noqa: E402
+from engine.presets import PRESETS  # noqa: E402
+from kvtransfer import (  # noqa: E402
+    GRPC_MESSAGE_OPTIONS, GrpcKVReceiver, GrpcKVSender, KVDestination, KVReceiver, ReservationTable,
+)
+from kvtransfer.nixl import NixlAgent  # noqa: E402
+from protos.tandem.v1 import worker_pb2, worker_pb2_grpc  # noqa: E402
+
+BLOCK_COUNTS = (16, 256, 2048)
+BLOCK_SIZE = 16
+
+
+def make_pool(device: str, num_blocks: int) -> KVCache:
+    """A pool of Llama-3-8B-shaped blocks, filled with random bytes."""
+    cache = KVCache(ModelConfig.from_hf_dict(PRESETS["llama-3-8b"]), num_blocks, BLOCK_SIZE, torch.bfloat16, device)
+    cache.tensor.view(torch.int16).random_(-(1 << 15), (1 << 15) - 1)
+    return cache
+
+
+class ReceiverServicer(worker_pb2_grpc.DecodeWorkerServicer):
+    """The decode side of the data plane, without an engine: Admit reserves blocks from a free
+    list in id order (as a fresh pool allocates), TransferKV receives."""
+
+    def __init__(self, cache: KVCache, nixl: NixlAgent) -> None:
+        self.free = list(range(cache.num_blocks))
+        self.table = ReservationTable(self.free.extend)
+        self.receiver = GrpcKVReceiver(KVReceiver(cache.tensor, self.table, nixl=nixl))
+
+    async def Admit(self, request, context):  # noqa: N802
+        count = len(request.prompt_token_ids) // BLOCK_SIZE
+        self.free.sort()
+        blocks = self.free[:count]
+        del self.free[:count]
+        reservation = self.table.reserve(request.request_id, blocks)
+        return worker_pb2.AdmitResponse(reservation_id=reservation.reservation_id, num_blocks=count,
+                                        kv_transports=self.receiver.receiver.transports)
+
+    async def TransferKV(self, request_iterator, context):  # noqa: N802
+        response, _ = await self.receiver.transfer_kv(request_iterator, context)
+        return response
+
+    async def Abort(self, request, context):  # noqa: N802
+        self.table.release_request(request.request_id, "done")
+        return worker_pb2.AbortResponse(found=True)
+
+
+async def serve(device: str, num_blocks: int) -> None:
+    cache = make_pool(device, num_blocks)
+    server = grpc.aio.server(options=GRPC_MESSAGE_OPTIONS)
+    worker_pb2_grpc.add_DecodeWorkerServicer_to_server(ReceiverServicer(cache, NixlAgent(f"bench-rx-{os.getpid()}",
+                                                                                         cache.tensor)), server)
+    port = server.add_insecure_port("127.0.0.1:0")
+    await server.start()
+    print(f"PORT {port}", flush=True)
+    await server.wait_for_termination()
+
+
+def copy_gbps(device: str, peer_device: str, nbytes: int) -> float:
+    """Bytes per second of one plain copy of ``nbytes`` from ``device`` to ``peer_device`` (the
+    median of several), in GB/s."""
+    src = torch.empty(nbytes, dtype=torch.uint8, device=device).random_()
+    dst = torch.empty(nbytes, dtype=torch.uint8, device=peer_device)
+    times = []
+    for _ in range(6):
+        if torch.cuda.is_available():
+            torch.cuda.synchronize()
+        start = time.perf_counter()
+        dst.copy_(src)
+        if torch.cuda.is_available():
+            torch.cuda.synchronize()
+        times.append(time.perf_counter() - start)
+    return nbytes / statistics.median(times[1:]) / 1e9
+
+
+async def measure(address: str, cache: KVCache, nixl: NixlAgent, repeats: int,
+                  block_counts: tuple[int, ...]) -> dict[str, float]:
+    channel = grpc.aio.insecure_channel(address, options=GRPC_MESSAGE_OPTIONS)
+    stub = worker_pb2_grpc.DecodeWorkerStub(channel)
+    block_nbytes = cache.tensor[0].numel() * cache.tensor.element_size()
+    metrics = {}
+    for transport in ("nixl", "grpc"):
+        sender = GrpcKVSender(lambda _: channel, transports=[transport], nixl=nixl)
+        for count in block_counts:
+            times = []
+            for repeat in range(repeats + 1):  # the first is a warm-up (connection, registration)
+                rid = f"{transport}-{count}-{repeat}"
+                admit = await stub.Admit(worker_pb2.AdmitRequest(request_id=rid, prompt_token_ids=[0] * count * BLOCK_SIZE))
+                destination = KVDestination(address, admit.reservation_id, kv_transports=tuple(admit.kv_transports))
+                start = time.perf_counter()
+                async with sender.open(destination, rid) as transfer:
+                    await transfer.send(cache.tensor, 0, list(range(count)))
+                    await transfer.finish()
+                times.append(time.perf_counter() - start)
+                await stub.Abort(worker_pb2.AbortRequest(request_id=rid))
+            metrics[f"{transport}_gbps_{count}_blocks"] = round(count * block_nbytes / statistics.median(times[1:]) / 1e9, 3)
+            print(f"{transport:>5} {count:>5} blocks: {metrics[f'{transport}_gbps_{count}_blocks']:8.2f} GB/s", flush=True)
+    await channel.close()
+    return metrics
+
+
+def transfer_metrics(device: str, peer_device: str, repeats: int = 5,
+                     block_counts: tuple[int, ...] = BLOCK_COUNTS) -> dict[str, float]:
+    """Run the receiving process on ``peer_device`` and measure both transports and the copy
+    ceiling (the metrics named in the module's docstring)."""
+    num_blocks = max(block_counts)
+    receiver = subprocess.Popen([sys.executable, os.path.abspath(__file__), "--serve", "--device", peer_device,
+                                 "--block-counts", str(num_blocks)], stdout=subprocess.PIPE, text=True)
+    try:
+        line = receiver.stdout.readline()
+        while line and not line.startswith("PORT "):
+            line = receiver.stdout.readline()
+        if not line:
+            raise SystemExit("the receiving process did not start")
+        address = f"127.0.0.1:{line.split()[1]}"
+        cache = make_pool(device, num_blocks)
+        nixl = NixlAgent(f"bench-tx-{os.getpid()}", cache.tensor)
+        metrics = asyncio.run(measure(address, cache, nixl, repeats, block_counts))
+        nixl.close()
+    finally:
+        receiver.terminate()
+        receiver.wait(30)
+    block_nbytes = cache.tensor[0].numel() * cache.tensor.element_size()
+    del cache
+    metrics["copy_gbps"] = round(copy_gbps(device, peer_device, max(block_counts) * block_nbytes), 3)
+    if 256 in block_counts:
+        metrics["nixl_over_grpc_256_blocks"] = round(metrics["nixl_gbps_256_blocks"] / metrics["grpc_gbps_256_blocks"], 3)
+    return metrics
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
+    parser.add_argument("--peer-device", default=None, help="the receiving pool's device (default: --device)")
+    parser.add_argument("--repeats", type=int, default=5)
+    parser.add_argument("--block-counts", default=",".join(map(str, BLOCK_COUNTS)),
+                        help="blocks per transfer, comma-separated (each pool holds the largest)")
+    parser.add_argument("--serve", action="store_true", help="(internal) run the receiving process")
+    args = parser.parse_args()
+    block_counts = tuple(int(c) for c in args.block_counts.split(","))
+    if args.serve:
+        asyncio.run(serve(args.device, max(block_counts)))
+        return
+    peer_device = args.peer_device or args.device
+    metrics = transfer_metrics(args.device, peer_device, args.repeats, block_counts)
+    gpu = torch.cuda.get_device_name() if args.device.startswith("cuda") else None
+    block = make_pool("cpu", 1).tensor
+    workload = {"block_shape": list(block.shape[1:]), "dtype": "bfloat16",
+                "block_bytes": block.numel() * block.element_size(), "block_counts": list(block_counts), "repeats": args.repeats,
+                "device": args.device, "peer_device": peer_device, "processes": 2}
+    keys = {"gpu": gpu} if gpu else {"machine": machine()}
+    tag = gpu.lower().replace(" ", "-") if gpu else "cpu"
+    write_result("kv_transfer", metrics, workload, tag=tag, model="llama-3-8b", **keys)
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,388 @@
+"""Serving benchmark: a client of the public gRPC API against a running Tandem cluster.
+
+It starts a local cluster (``cli.launcher.LocalCluster``: gateway + prefill + decode workers,
+Redis if ``redis-server`` exists, else the static mode), drives it with token-id prompts and
+measures, per request, the time to first token (TTFT), the time per output token after it
+(TPOT) and the end-to-end latency, from the client's side:
+
+- closed loop: ``--concurrency`` streams, each sending its next request when the last ends;
+- open loop: Poisson arrivals at each of ``--rates`` requests/s.
+
+Goodput is the requests per second that meet both SLOs (``--slo-ttft``, ``--slo-tpot``). In the
+same run, after the cluster stops, the same prompts go through the offline engine
+(``LLM.generate``, all at once) for the service-to-offline ratio.
+
+Workloads (seeded token ids, so any model works, random-weight ones included):
+
+- ``random``: prompts of 256-768 tokens, 128 output tokens;
+- ``shared_prefix``: a 1024-token shared system prompt + 32-96 unique tokens, 128 outputs;
+- ``multi_turn``: conversations of 4 turns, each turn's prompt the previous turn's prompt + its
+  answer + a new 32-64-token question (answers of 64 tokens); ``reused_block_fraction`` is the
+  share of prompt tokens, from turn 2 on, served from a prefix cache (neither recomputed nor
+  resent);
+- ``long``: prompts of 2048-4096 tokens, 256 outputs;
+- ``interference``: decode-heavy requests (128-256-token prompts, 256 outputs) interleaved one
+  to one with long prefills (3072-4096-token prompts, 8 outputs); the decode-heavy ones' TTFT
+  and TPOT quantiles are reported on their own (``decode_heavy_*``): the stall a long prefill
+  puts on running decodes is what disaggregation exists to remove.
+
+Every output is greedy with EOS ignored, so the token counts are exact. One record per
+workload and setting (benchmark ``serving``) goes under ``bench/results/``; ``--setups
+disagg,colocated`` runs both deployments of the same GPUs in one call and writes the goodput
+comparison (benchmark ``serving_2gpu``, see ``bench/serving_compare.py``).
+
+Usage: ``python bench/serving.py --model llama-3-8b --load-format dummy --workloads random
+--concurrency 128`` (``--help`` lists the rest).
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import os
+import random
+import sys
+import time
+from dataclasses import dataclass, field
+
+import grpc
+
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+
+from bench.common import machine, write_result  # noqa: E402
+from cli.launcher import LocalCluster  # noqa: E402
+from protos.tandem.v1 import gateway_pb2, gateway_pb2_grpc  # noqa: E402
+
+WORKLOADS = ("random", "shared_prefix", "multi_turn", "long", "interference")
+# Token ids are drawn above this, so that no prompt is made of a tokenizer's special tokens.
+_FIRST_ID = 1000
+
+
+@dataclass
+class Request:
+    """One Generate call of a workload: its prompt and output length; ``turn`` > 0 continues
+    conversation ``conversation`` (its prompt is built when the previous turn has answered);
+    ``kind`` names a class reported on its own; ``answer`` is filled by the run."""
+
+    prompt: list[int]
+    max_tokens: int
+    conversation: int = -1
+    turn: int = 0
+    question: list[int] = field(default_factory=list)
+    kind: str = ""
+    answer: list[int] = field(default_factory=list)
+
+
+@dataclass
+class Result:
+    """What the client saw of one request (seconds since the run started)."""
+
+    sent: float
+    first_token: float
+    last_token: float
+    output_tokens: int
+    prompt_tokens: int
+    cached_tokens: int
+    turn: int = 0
+    kind: str = ""
+    error: str = ""
+
+    @property
+    def ttft(self) -> float:
+        return self.first_token - self.sent
+
+    @property
+    def tpot(self) -> float:
+        return (self.last_token - self.first_token) / max(1, self.output_tokens - 1)
+
+    @property
+    def e2e(self) -> float:
+        return self.last_token - self.sent
+
+
+def make_workload(name: str, num_requests: int, vocab_size: int, seed: int = 0) -> list[Request]:
+    """The requests of a workload (``multi_turn``: ``num_requests`` conversations' first turns
+    followed by their later turns, whose prompts are completed while the run goes)."""
+    rng = random.Random(seed)
+
+    def ids(n: int) -> list[int]:
+        return [rng.randrange(_FIRST_ID, vocab_size) for _ in range(n)]
+
+    if name == "random":
+        return [Request(ids(rng.randint(256, 768)), 128) for _ in range(num_requests)]
+    if name == "long":
+        return [Request(ids(rng.randint(2048, 4096)), 256) for _ in range(num_requests)]
+    if name == "shared_prefix":
+        shared = ids(1024)
+        return [Request(shared + ids(rng.randint(32, 96)), 128) for _ in range(num_requests)]
+    if name == "multi_turn":
+        first = [Request(ids(rng.randint(256, 512)), 64, conversation=c) for c in range(num_requests)]
+        later = [Request([], 64, conversation=c, turn=t, question=ids(rng.randint(32, 64)))
+                 for t in (1, 2, 3) for c in range(num_requests)]
+        return first + later
+    if name == "interference":
+        return [Request(ids(rng.randint(128, 256)), 256, kind="decode_heavy") if i % 2 == 0
+                else Request(ids(rng.randint(3072, 4096)), 8, kind="long_prefill") for i in range(num_requests)]
+    raise ValueError(f"workload must be one of {WORKLOADS}, got {name!r}")
+
+
+async def one(stub, request: Request, t0: float) -> Result:
+    """Send one request; its output token ids go to ``request.answer``. A call that fails
+    (overload, deadline) is a result with ``error`` set: it counts against goodput."""
+    sent = time.perf_counter() - t0
+    first = last = None
+    usage = None
+    call = stub.Generate(gateway_pb2.GenerateRequest(
+        token_ids=gateway_pb2.TokenIds(ids=request.prompt),
+        sampling=gateway_pb2.SamplingParams(max_tokens=request.max_tokens, temperature=0, ignore_eos=True)))
+    try:
+        async for message in call:
+            now = time.perf_counter() - t0
+            if message.token_ids:
+                first = now if first is None else first
+                last = now
+                request.answer.extend(message.token_ids)
+            if message.HasField("usage"):
+                usage = message.usage
+    except grpc.aio.AioRpcError as exc:
+        now = time.perf_counter() - t0
+        return Result(sent, now, now, 0, len(request.prompt), 0, request.turn, request.kind, exc.code().name)
+    return Result(sent, first, last, len(request.answer), len(request.prompt), usage.cached_prompt_tokens,
+                  request.turn, request.kind)
+
+
+class Conversations:
+    """Builds each later turn's prompt from the previous turn's prompt and answer."""
+
+    def __init__(self, requests: list[Request]) -> None:
+        self.last: dict[int, Request] = {}
+        self.ready = {r.conversation: asyncio.Event() for r in requests if r.conversation >= 0}
+
+    async def prepare(self, request: Request) -> None:
+        if request.turn:
+            while self.last.get(request.conversation) is None or self.last[request.conversation].turn != request.turn - 1:
+                self.ready[request.conversation].clear()
+                await self.ready[request.conversation].wait()
+            previous = self.last[request.conversation]
+            request.prompt = previous.prompt + previous.answer + request.question
+
+    def done(self, request: Request) -> None:
+        if request.conversation >= 0:
+            self.last[request.conversation] = request
+            self.ready[request.conversation].set()
+
+
+async def closed_loop(address: str, requests: list[Request], concurrency: int) -> tuple[list[Result], float]:
+    """``concurrency`` streams, each taking the next request when its last one ended."""
+    channel = grpc.aio.insecure_channel(address, options=[("grpc.max_receive_message_length", 64 << 20)])
+    stub = gateway_pb2_grpc.GatewayStub(channel)
+    queue = list(reversed(requests))
+    conversations = Conversations(requests)
+    results: list[Result] = []
+    t0 = time.perf_counter()
+
+    async def stream() -> None:
+        while queue:
+            request = queue.pop()
+            await conversations.prepare(request)
+            results.append(await one(stub, request, t0))
+            conversations.done(request)
+
+    await asyncio.gather(*(stream() for _ in range(concurrency)))
+    elapsed = time.perf_counter() - t0
+    await channel.close()
+    return results, elapsed
+
+
+async def open_loop(address: str, requests: list[Request], rate: float, seed: int = 0) -> tuple[list[Result], float]:
+    """Requests sent at Poisson arrivals of ``rate`` per second (conversations' later turns
+    wait for their previous turn)."""
+    channel = grpc.aio.insecure_channel(address, options=[("grpc.max_receive_message_length", 64 << 20)])
+    stub = gateway_pb2_grpc.GatewayStub(channel)
+    conversations = Conversations(requests)
+    rng = random.Random(seed)
+    results: list[Result] = []
+    t0 = time.perf_counter()
+
+    async def send(request: Request) -> None:
+        await conversations.prepare(request)
+        results.append(await one(stub, request, t0))
+        conversations.done(request)
+
+    tasks = []
+    for request in requests:
+        tasks.append(asyncio.create_task(send(request)))
+        await asyncio.sleep(rng.expovariate(rate))
+    await asyncio.gather(*tasks)
+    elapsed = time.perf_counter() - t0
+    await channel.close()
+    return results, elapsed
+
+
+def percentile(values: list[float], q: float) -> float:
+    """The ``q``-quantile (0..1) by linear interpolation."""
+    ordered = sorted(values)
+    if not ordered:
+        return float("nan")
+    position = q * (len(ordered) - 1)
+    low = int(position)
+    high = min(low + 1, len(ordered) - 1)
+    return ordered[low] + (ordered[high] - ordered[low]) * (position - low)
+
+
+def summarize(results: list[Result], elapsed: float, slo_ttft: float, slo_tpot: float) -> dict[str, float]:
+    """Throughput, latency quantiles (of the requests that completed) and goodput of one run:
+    the requests per second that completed within both SLOs, and their share (SLO attainment)."""
+    done = [r for r in results if not r.error]
+    good = sum(r.ttft <= slo_ttft and r.tpot <= slo_tpot for r in done)
+    metrics = {"service_output_tokens_per_s": sum(r.output_tokens for r in done) / elapsed,
+               "requests_per_s": len(done) / elapsed, "failed_requests": len(results) - len(done),
+               "goodput_rps": good / elapsed, "slo_attainment": good / max(1, len(results))}
+    for name in ("ttft", "tpot", "e2e"):
+        values = [getattr(r, name) for r in done]
+        for q in (50, 90, 99):
+            metrics[f"{name}_p{q}_s"] = percentile(values, q / 100)
+    for kind in sorted({r.kind for r in done if r.kind}):
+        for name in ("ttft", "tpot"):
+            values = [getattr(r, name) for r in done if r.kind == kind]
+            for q in (50, 99):
+                metrics[f"{kind}_{name}_p{q}_s"] = percentile(values, q / 100)
+    later = [r for r in done if r.turn > 0]
+    if later:
+        metrics["reused_block_fraction"] = sum(r.cached_tokens for r in later) / sum(r.prompt_tokens for r in later)
+    return {k: round(v, 6) for k, v in metrics.items()}
+
+
+def offline_tokens_per_s(model: str, load_format: str, requests: list[Request], engine_args: dict) -> float:
+    """Output tokens per second of the same prompts through ``LLM.generate`` (later turns of a
+    conversation use the prompts the service built)."""
+    from engine import LLM, SamplingParams
+
+    llm = LLM(model, load_format=load_format, **engine_args)
+    llm.generate([requests[0].prompt[:16]], SamplingParams(max_tokens=2, temperature=0), use_tqdm=False)
+    params = [SamplingParams(max_tokens=r.max_tokens, temperature=0, ignore_eos=True) for r in requests]
+    start = time.perf_counter()
+    outputs = llm.generate([r.prompt for r in requests], params, use_tqdm=False)
+    elapsed = time.perf_counter() - start
+    del llm
+    return sum(len(o.outputs[0].token_ids) for o in outputs) / elapsed
+
+
+def start_cluster(args, setup: str) -> LocalCluster:
+    """The deployment under test: ``disagg`` (``--prefill`` prefill + ``--decode`` decode
+    workers) or ``colocated`` (decode workers only, each prefilling its own requests), spread
+    over ``--gpus`` GPUs (worker i on GPU i mod gpus)."""
+    env = {"TANDEM_LOAD_FORMAT": args.load_format, "TANDEM_LOG_LEVEL": "WARNING",
+           "TANDEM_MAX_NUM_SEQS": str(args.max_num_seqs), "TANDEM_LOCAL_PREFILL_MAX_TOKENS": str(args.local_prefill),
+           "TANDEM_KV_TRANSPORT": args.kv_transport, "TANDEM_ADMIT_WAIT_S": "600", **args.env}
+    num_prefill = args.prefill if setup == "disagg" else 0
+    num_decode = args.decode if setup == "disagg" else args.prefill + args.decode
+    names = [f"prefill-{i}" for i in range(num_prefill)] + [f"decode-{i}" for i in range(num_decode)]
+    per_gpu = -(-len(names) // max(1, args.gpus))
+    worker_env = {}
+    for i, name in enumerate(names):
+        worker_env[name] = {"TANDEM_GPU_MEMORY_UTILIZATION": str(round(args.gpu_memory_utilization / per_gpu, 3))}
+        if args.gpus:
+            worker_env[name]["TANDEM_DEVICE"] = f"cuda:{i % args.gpus}"
+    cluster = LocalCluster(model=args.model, num_prefill=num_prefill, num_decode=num_decode, env=env,
+                           worker_env=worker_env, sink=lambda name, line: print(f"[{name}] {line}", file=sys.stderr)
+                           if "WARNING" in line or "ERROR" in line or "Traceback" in line else None,
+                           metrics=False)
+    cluster.start(timeout_s=args.startup_timeout)
+    return cluster
+
+
+def settings_of(args) -> list[tuple[str, float]]:
+    """("closed", concurrency) and ("open", rate) pairs to run."""
+    runs = [("closed", float(c)) for c in args.concurrency]
+    return runs + [("open", rate) for rate in args.rates]
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--model", default="smollm2-135m")
+    parser.add_argument("--load-format", default="dummy")
+    parser.add_argument("--vocab-size", type=int, default=None, help="default: the preset's")
+    parser.add_argument("--workloads", default="random", help=f"comma-separated, of {WORKLOADS}")
+    parser.add_argument("--num-requests", type=int, default=128, help="per workload (multi_turn: conversations)")
+    parser.add_argument("--concurrency", default="", help="closed-loop stream counts, comma-separated")
+    parser.add_argument("--rates", default="", help="open-loop request rates per second, comma-separated")
+    parser.add_argument("--slo-ttft", type=float, default=1.0, help="seconds")
+    parser.add_argument("--slo-tpot", type=float, default=0.04, help="seconds")
+    parser.add_argument("--prefill", type=int, default=1)
+    parser.add_argument("--decode", type=int, default=1)
+    parser.add_argument("--setups", default="disagg", help="disagg and/or colocated, comma-separated")
+    parser.add_argument("--gpus", type=int, default=0, help="GPUs to spread the workers over (0: CPU)")
+    parser.add_argument("--gpu-memory-utilization", type=float, default=0.85, help="per GPU, shared by its workers")
+    parser.add_argument("--max-num-seqs", type=int, default=256)
+    parser.add_argument("--local-prefill", type=int, default=0, help="TANDEM_LOCAL_PREFILL_MAX_TOKENS")
+    parser.add_argument("--kv-transport", default="auto")
+    parser.add_argument("--env", action="append", default=[], help="extra KEY=VALUE for every process")
+    parser.add_argument("--offline", action=argparse.BooleanOptionalAction, default=True,
+                        help="also run the prompts through the offline engine, for the ratio")
+    parser.add_argument("--startup-timeout", type=float, default=600)
+    parser.add_argument("--tag", default="")
+    args = parser.parse_args()
+    args.env = dict(kv.split("=", 1) for kv in args.env)
+    args.concurrency = [int(c) for c in args.concurrency.split(",") if c]
+    args.rates = [float(r) for r in args.rates.split(",") if r]
+    if not args.concurrency and not args.rates:
+        args.concurrency = [32]
+    from engine.presets import PRESETS
+
+    vocab = args.vocab_size or PRESETS.get(args.model, {}).get("vocab_size", 32000)
+    gpu = None
+    if args.gpus:
+        import torch
+
+        gpu = torch.cuda.get_device_name()
+    keys = {"gpu": f"{gpu} x{args.gpus}" if gpu else None} if gpu else {"machine": machine()}
+    from bench.serving_compare import write_comparison
+
+    by_setup: dict[str, dict] = {}
+    for setup in args.setups.split(","):
+        cluster = start_cluster(args, setup)
+        runs = {}
+        try:
+            for workload in args.workloads.split(","):
+                for mode, value in settings_of(args):
+                    requests = make_workload(workload, args.num_requests, vocab)
+                    if mode == "closed":
+                        results, elapsed = asyncio.run(closed_loop(cluster.gateway_addr, requests, int(value)))
+                    else:
+                        results, elapsed = asyncio.run(open_loop(cluster.gateway_addr, requests, value))
+                    metrics = summarize(results, elapsed, args.slo_ttft, args.slo_tpot)
+                    metrics["concurrency" if mode == "closed" else "rate_rps"] = value
+                    runs[(workload, mode, value)] = (metrics, requests)
+                    print(f"{setup:>9} {workload:>13} {mode}={value:g}: {metrics['service_output_tokens_per_s']:.0f} "
+                          f"tok/s, TTFT p50 {metrics['ttft_p50_s']:.3f} s, TPOT p50 {metrics['tpot_p50_s'] * 1e3:.1f} ms, "
+                          f"goodput {metrics['goodput_rps']:.2f} req/s", flush=True)
+        finally:
+            cluster.stop()
+        by_setup[setup] = runs
+    for setup, runs in by_setup.items():
+        offline_by_workload: dict[str, float] = {}
+        for (workload, mode, value), (metrics, requests) in runs.items():
+            if args.offline and workload not in offline_by_workload:
+                engine_args = {"max_num_seqs": args.max_num_seqs}
+                if gpu:
+                    engine_args["gpu_memory_utilization"] = args.gpu_memory_utilization
+                offline_by_workload[workload] = offline_tokens_per_s(args.model, args.load_format, requests, engine_args)
+            if workload in offline_by_workload:
+                metrics["offline_output_tokens_per_s"] = round(offline_by_workload[workload], 3)
+                metrics["service_to_offline_ratio"] = round(
+                    metrics["service_output_tokens_per_s"] / offline_by_workload[workload], 4)
+            workload_desc = {"name": workload, "setup": setup, "mode": mode, "value": value,
+                             "num_requests": args.num_requests, "prefill_workers": args.prefill if setup == "disagg" else 0,
+                             "decode_workers": args.decode if setup == "disagg" else args.prefill + args.decode,
+                             "gpus": args.gpus, "kv_transport": args.kv_transport,
+                             "local_prefill_max_tokens": args.local_prefill,
+                             "slo_ttft_s": args.slo_ttft, "slo_tpot_s": args.slo_tpot, "greedy": True, "ignore_eos": True}
+            write_result("serving", metrics, workload_desc, tag=f"{args.tag or setup}-{workload}-{mode}{value:g}",
+                         model=args.model, **keys)
+    if len(by_setup) > 1:
+        write_comparison(by_setup, args, keys)
+
+
+if __name__ == "__main__":
+    main()
