@@ -26,7 +26,7 @@ from kernels._launch import check_device
 
 __all__ = ["sample_tokens"]
 
-GOLDEN = 0x9E3779B9  # 2^32 / golden ratio: the chain's starting value
+GOLDEN = tl.constexpr(0x9E3779B9)  # 2^32 / golden ratio: the chain's starting value (a constexpr: kernels read no other globals)
 
 
 @triton.jit

@@ -49,7 +49,10 @@ def test_padded_rows_neither_write_the_cache_nor_change_real_rows(tiny_dir):
     hidden = graphs.forward(8)
     torch.testing.assert_close(hidden[:3], expected, rtol=1e-5, atol=1e-5)
     assert torch.isfinite(hidden[3:]).all()
-    assert torch.equal(engine.kv_cache.tensor, written)  # the same 3 slots written, nothing else
+    # The same 3 slots written and nothing else; their values agree up to rounding (a batch of 8
+    # rows may round differently from one of 3 on the CPU).
+    assert torch.equal(engine.kv_cache.tensor != cache_before, written != cache_before)
+    torch.testing.assert_close(engine.kv_cache.tensor, written, rtol=1e-5, atol=1e-5)
 
 
 def test_batch_size_for_pads_up_and_falls_back_to_eager(tiny_dir):

@@ -21,7 +21,7 @@ from protos.grpc.reflection.v1 import reflection_pb2 as v1, reflection_pb2_grpc 
 from protos.grpc.reflection.v1alpha import reflection_pb2 as v1alpha, reflection_pb2_grpc as v1alpha_grpc
 from protos.tandem.v1 import gateway_pb2, gateway_pb2_grpc
 
-from .gateway_helpers import ServerThread, register_workers, unregister_all
+from tests.gateway.gateway_helpers import ServerThread, register_workers, unregister_all
 
 SERVING, NOT_SERVING = health_pb2.HealthCheckResponse.SERVING, health_pb2.HealthCheckResponse.NOT_SERVING
 

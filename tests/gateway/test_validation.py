@@ -18,7 +18,7 @@ from gateway.server import Gateway, load_served_model
 from gateway.settings import GatewaySettings
 from protos.tandem.v1 import gateway_pb2, gateway_pb2_grpc
 
-from .gateway_helpers import ServerThread, register_workers, unregister_all
+from tests.gateway.gateway_helpers import ServerThread, register_workers, unregister_all
 
 SP = gateway_pb2.SamplingParams
 MAX_MODEL_LEN = 64
