@@ -4,17 +4,18 @@ The only code that changes a block's reference count. A block with no references
 the prefix cache (if it has a hash) until the pool needs it: the free list is kept in LRU
 order (vLLM v1's ``BlockPool`` design). :meth:`BlockPool.allocate` hands out free blocks that
 cache nothing first, so a cached prefix is evicted only when no such block is left, and
-several blocks at once as contiguous runs of ids where it can: a block-major pool makes a run
-one span of bytes, one descriptor of a KV transfer instead of one per block. Only then does it
-take cached blocks from the head of the LRU list, evicting their hashes.
+several blocks at once as runs of consecutive ids where it can (lowest free id first, each run
+extended while the next id is free): a block-major pool makes a run one span of bytes, one
+descriptor of a KV transfer instead of one per block. Only then does it take cached blocks from
+the head of the LRU list, evicting their hashes. Every operation costs O(blocks touched · log
+num_blocks), never a pass over the pool: the decode loop allocates for every sequence each step.
 """
 
 from __future__ import annotations
 
+import heapq
 from collections import OrderedDict
 from dataclasses import dataclass, field
-
-import numpy as np
 
 
 def cdiv(a: int, b: int) -> int:
@@ -53,6 +54,9 @@ class BlockPool:
         # Insertion order is eviction order: the head is the least recently freed block.
         self._free: OrderedDict[int, None] = OrderedDict.fromkeys(range(num_blocks))
         self._free_uncached: set[int] = set(range(num_blocks))  # free blocks with no hash
+        # A min-heap over _free_uncached's ids; it may also hold stale ids (taken since they were
+        # pushed), skipped when popped.
+        self._uncached_heap: list[int] = list(range(num_blocks))
         self._cached: dict[bytes, int] = {}
         self._events = BlockEvents()
 
@@ -66,8 +70,9 @@ class BlockPool:
         return len(self._cached)
 
     def allocate(self, count: int) -> list[int]:
-        """Take ``count`` unreferenced blocks: those caching nothing first (in contiguous runs of
-        ids, longest first), then cached ones least recently freed first, evicting their hashes.
+        """Take ``count`` unreferenced blocks: those caching nothing first (in runs of consecutive
+        ids, from the lowest free one), then cached ones least recently freed first, evicting
+        their hashes.
 
         Returns:
             The block ids, each now referenced once.
@@ -87,26 +92,18 @@ class BlockPool:
         return blocks
 
     def _uncached_runs(self, count: int) -> list[int]:
-        """Take up to ``count`` free uncached blocks, as runs of consecutive ids (longest first)."""
-        if not self._free_uncached:
-            return []
-        if count == 1:
-            block = self._free_uncached.pop()
-            del self._free[block]
-            return [block]
-        ids = np.fromiter(self._free_uncached, dtype=np.int64, count=len(self._free_uncached))
-        ids.sort()
-        breaks = np.flatnonzero(np.diff(ids) != 1) + 1
-        starts = np.concatenate(([0], breaks))
-        lengths = np.diff(np.concatenate((starts, [len(ids)])))
+        """Take up to ``count`` free uncached blocks: the lowest free id, then the ids after it
+        while they are free, then the next lowest, and so on."""
         blocks: list[int] = []
-        for run in np.argsort(-lengths, kind="stable"):
-            take = min(int(lengths[run]), count - len(blocks))
-            blocks.extend(ids[starts[run]: starts[run] + take].tolist())
-            if len(blocks) == count:
-                break
-        for block in blocks:
-            self._take(block)
+        free, heap = self._free_uncached, self._uncached_heap
+        while len(blocks) < count and free:
+            block = heapq.heappop(heap)
+            while block in free and len(blocks) < count:
+                self._take(block)
+                blocks.append(block)
+                block += 1
+        if len(heap) > 2 * len(free) + 1024:  # too many stale ids: rebuild (a sorted list is a heap)
+            self._uncached_heap = sorted(free)
         return blocks
 
     def _take(self, block: int) -> None:
@@ -139,6 +136,7 @@ class BlockPool:
                 self._free[block] = None
                 if self.block_hash[block] is None:
                     self._free_uncached.add(block)
+                    heapq.heappush(self._uncached_heap, block)
 
     def lookup(self, block_hash: bytes) -> int | None:
         """Return the block caching ``block_hash``, or ``None``."""

@@ -79,16 +79,17 @@ class MemoryProfile:
 
 
 def _peak_bytes(device: torch.device, run) -> int:
-    """Bytes the caching allocator reserved from the device at the peak of ``run()``, above what
-    it held before."""
+    """Bytes ``run()`` needs at its peak above what was in use before: the larger of the tensors'
+    peak (what it allocated) and the caching allocator's (what it reserved from the device, which
+    stays 0 when the allocations fit in segments the allocator already holds)."""
     gc.collect()
     torch.cuda.empty_cache()
     torch.cuda.synchronize(device)
     torch.cuda.reset_peak_memory_stats(device)
-    before = torch.cuda.memory_reserved(device)
+    reserved, allocated = torch.cuda.memory_reserved(device), torch.cuda.memory_allocated(device)
     run()
     torch.cuda.synchronize(device)
-    return torch.cuda.max_memory_reserved(device) - before
+    return max(torch.cuda.max_memory_reserved(device) - reserved, torch.cuda.max_memory_allocated(device) - allocated)
 
 
 def profile_memory(model: torch.nn.Module, config: EngineConfig, dtype: torch.dtype, device: torch.device,

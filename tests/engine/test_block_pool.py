@@ -92,3 +92,14 @@ def test_block_hash_chain_depends_on_whole_prefix():
     assert hash_blocks([1, 2, 3, 4, 5, 6, 7, 8], 4, seed, parent=a[0], start=4) == [a[1]]
     assert hash_seed("m", 8, "float32") != seed
     assert len(a[0]) == 16
+
+
+def test_uncached_blocks_come_in_runs_of_consecutive_ids_from_the_lowest():
+    pool = BlockPool(32)
+    assert pool.allocate(20) == list(range(20))
+    pool.free([10, 11, 12, 13, 14, 3])
+    assert pool.allocate(0) == []
+    assert pool.allocate(7) == [3, 10, 11, 12, 13, 14, 20]
+    pool.free([3])
+    assert pool.allocate(1) == [3]
+    pool.check_invariants()
