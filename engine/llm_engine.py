@@ -28,7 +28,7 @@ from engine.layers.linear import packed_linear_available
 from engine.loader import DTYPES, load_model
 from engine.model_runner import ModelRunner
 from engine.outputs import CompletionOutput, EngineStats, RequestOutput, StepOutput
-from engine.profiling import MemoryProfile, profile_memory
+from engine.profiling import MemoryProfile, device_used_bytes, profile_memory
 from engine.sampling_params import SamplingParams
 from engine.scheduler import Scheduler
 from engine.sequence import Sequence
@@ -105,6 +105,7 @@ class LLMEngine:
         self.device = resolve_device(config.device)
         self.dtype = resolve_dtype(config.dtype, self.device)
         torch.manual_seed(config.seed)
+        others_bytes = device_used_bytes(self.device) if self.device.type == "cuda" else 0
         loaded = load_model(model, dtype=self.dtype, device=self.device,
                             attn_backend=get_attention_backend(self.device), load_format=load_format)
         self.model, self.model_config = loaded.model, loaded.config
@@ -119,7 +120,8 @@ class LLMEngine:
         graph_sizes = cuda_graph_sizes(config, self.device)
         self.memory_profile: MemoryProfile | None = None
         if self.device.type == "cuda" and not config.num_blocks:
-            self.memory_profile = profile_memory(self.model, config, self.dtype, self.device, graph_sizes)
+            self.memory_profile = profile_memory(self.model, config, self.dtype, self.device, graph_sizes,
+                                                 others_bytes)
         self.num_blocks = config.num_blocks or self._num_blocks_from_budget()
         profile_s = time.perf_counter() - started - load_s
         max_len = min(config.max_model_len or self.model_config.max_position_embeddings,

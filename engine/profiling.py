@@ -62,16 +62,22 @@ class MemoryProfile:
 
     Attributes:
         total_bytes: the device's memory.
-        budget_bytes: ``total_bytes * gpu_memory_utilization``.
-        used_bytes: in use before the KV cache (weights, CUDA context, other processes).
+        budget_bytes: ``total_bytes * gpu_memory_utilization``: this engine's share (as vLLM's,
+            per instance: two workers on one GPU at 0.45 each fit).
+        others_bytes: in use on the device when the engine started (other processes, e.g. a
+            second worker on the same GPU, and this process's CUDA context); not in the budget.
+        used_bytes: what this engine took since it started, before the KV cache (weights,
+            allocator, libraries' workspaces).
         activation_bytes: peak of the largest step above what it started with.
         cuda_graph_bytes: peak of the largest captured decode batch (the graphs' pool), 0 when
             no graphs are captured.
-        kv_cache_bytes: what is left for the KV cache.
+        kv_cache_bytes: what is left for the KV cache: of the budget, and of the memory the
+            device still has free.
     """
 
     total_bytes: int
     budget_bytes: int
+    others_bytes: int
     used_bytes: int
     activation_bytes: int
     cuda_graph_bytes: int
@@ -92,8 +98,14 @@ def _peak_bytes(device: torch.device, run) -> int:
     return max(torch.cuda.max_memory_reserved(device) - reserved, torch.cuda.max_memory_allocated(device) - allocated)
 
 
+def device_used_bytes(device: torch.device) -> int:
+    """Bytes in use on ``device`` by every process (creates this process's CUDA context)."""
+    free, total = torch.cuda.mem_get_info(device)
+    return total - free
+
+
 def profile_memory(model: torch.nn.Module, config: EngineConfig, dtype: torch.dtype, device: torch.device,
-                   cuda_graph_batch_sizes: list[int]) -> MemoryProfile:
+                   cuda_graph_batch_sizes: list[int], others_bytes: int) -> MemoryProfile:
     """Measure the largest step's activation peak (and the decode graphs' pool) and size the
     KV cache from what is left of ``config.gpu_memory_utilization``; logs the split.
 
@@ -102,6 +114,9 @@ def profile_memory(model: torch.nn.Module, config: EngineConfig, dtype: torch.dt
         config: the engine's settings (block size, step limits, ``max_model_len``).
         dtype: of the KV cache.
         cuda_graph_batch_sizes: the ladder to be captured (empty: none).
+        others_bytes: :func:`device_used_bytes` when the engine started, before it loaded
+            anything (a process starting beside it meanwhile is counted as this engine's use,
+            which errs on the safe side).
 
     Returns:
         The profile; ``kv_cache_bytes`` may be <= 0 when nothing is left.
@@ -125,11 +140,12 @@ def profile_memory(model: torch.nn.Module, config: EngineConfig, dtype: torch.dt
     torch.cuda.empty_cache()
     free, total = torch.cuda.mem_get_info(device)
     budget = int(total * config.gpu_memory_utilization)
-    used = total - free
-    profile = MemoryProfile(total_bytes=total, budget_bytes=budget, used_bytes=used, activation_bytes=activation,
-                            cuda_graph_bytes=graph, kv_cache_bytes=budget - used - activation - graph)
+    used = max(0, total - free - others_bytes)
+    kv_cache_bytes = min(budget - used, free) - activation - graph
+    profile = MemoryProfile(total_bytes=total, budget_bytes=budget, others_bytes=others_bytes, used_bytes=used,
+                            activation_bytes=activation, cuda_graph_bytes=graph, kv_cache_bytes=kv_cache_bytes)
     gib = 2**30
-    logger.info("GPU memory: %.2f GiB budget = %.2f in use (weights, CUDA context, others) + %.2f activation "
-                "peak + %.2f CUDA graph pool + %.2f KV cache", budget / gib, used / gib, activation / gib,
-                graph / gib, profile.kv_cache_bytes / gib)
+    logger.info("GPU memory: %.2f GiB budget = %.2f in use (weights, workspaces) + %.2f activation peak + %.2f "
+                "CUDA graph pool + %.2f KV cache; %.2f GiB were in use by others at start", budget / gib,
+                used / gib, activation / gib, graph / gib, kv_cache_bytes / gib, others_bytes / gib)
     return profile
