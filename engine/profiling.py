@@ -98,6 +98,12 @@ def _peak_bytes(device: torch.device, run) -> int:
     return max(torch.cuda.max_memory_reserved(device) - reserved, torch.cuda.max_memory_allocated(device) - allocated)
 
 
+# Memory a CUDA process uses outside PyTorch's allocator beyond its context (cuBLAS workspaces,
+# Triton modules, NIXL registrations): the bound on this engine's use while another process on
+# the device grows at the same time.
+NON_TORCH_BYTES = 1 << 30
+
+
 def device_used_bytes(device: torch.device) -> int:
     """Bytes in use on ``device`` by every process (creates this process's CUDA context)."""
     free, total = torch.cuda.mem_get_info(device)
@@ -115,8 +121,7 @@ def profile_memory(model: torch.nn.Module, config: EngineConfig, dtype: torch.dt
         dtype: of the KV cache.
         cuda_graph_batch_sizes: the ladder to be captured (empty: none).
         others_bytes: :func:`device_used_bytes` when the engine started, before it loaded
-            anything (a process starting beside it meanwhile is counted as this engine's use,
-            which errs on the safe side).
+            anything.
 
     Returns:
         The profile; ``kv_cache_bytes`` may be <= 0 when nothing is left.
@@ -140,7 +145,11 @@ def profile_memory(model: torch.nn.Module, config: EngineConfig, dtype: torch.dt
     torch.cuda.empty_cache()
     free, total = torch.cuda.mem_get_info(device)
     budget = int(total * config.gpu_memory_utilization)
-    used = max(0, total - free - others_bytes)
+    # What the device gained since the engine started is this engine's use, unless a process
+    # beside it (a second worker on the GPU, starting at the same time) grew meanwhile: then
+    # what this process's allocator holds plus NON_TORCH_BYTES bounds it.
+    reserved = torch.cuda.memory_reserved(device)
+    used = max(0, min(total - free - others_bytes, reserved + NON_TORCH_BYTES))
     kv_cache_bytes = min(budget - used, free) - activation - graph
     profile = MemoryProfile(total_bytes=total, budget_bytes=budget, others_bytes=others_bytes, used_bytes=used,
                             activation_bytes=activation, cuda_graph_bytes=graph, kv_cache_bytes=kv_cache_bytes)
