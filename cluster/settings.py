@@ -107,6 +107,9 @@ class WorkerSettings(TandemSettings):
     max_num_batched_tokens: int = Field(2048, ge=1, description="tokens per engine step at most (prefill chunk size)")
     max_model_len: int | None = Field(None, ge=2, description="prompt + output tokens at most; unset: the model's")
     enable_prefix_caching: bool = Field(True, description="reuse cached KV blocks across requests")
+    enforce_eager: bool = Field(False, description="CUDA: capture no decode CUDA graphs (less start-up, slower decode)")
+    cuda_graph_batch_sizes: Annotated[list[int] | None, NoDecode] = Field(
+        None, description="CUDA: decode batch sizes captured as graphs; unset: 1, 2, 4, then every multiple of 8 up to max_num_seqs")
     device: str = Field("auto", description="auto (CUDA when available), cpu or cuda[:N]")
     dtype: typing.Literal["auto", *DTYPE_NAMES] = Field(
         "auto", description="model and KV cache dtype; auto: bfloat16 on CUDA, float32 on CPU")
@@ -119,6 +122,14 @@ class WorkerSettings(TandemSettings):
                             "have it)")
     kv_verify_checksums: bool = Field(False, description="debug: check a CRC-32 of every block moved by NIXL "
                                                          "(copies each block to the host on both sides)")
+
+    @field_validator("cuda_graph_batch_sizes", mode="before")
+    @classmethod
+    def _split_sizes(cls, value):
+        """``"1,2,4"`` (an environment variable or a flag) → ``[1, 2, 4]``."""
+        if isinstance(value, str):
+            return [part.strip() for part in value.split(",") if part.strip()]
+        return value
 
     @field_validator("block_size")
     @classmethod
@@ -134,7 +145,7 @@ class WorkerSettings(TandemSettings):
             num_blocks=self.num_blocks, kv_cache_memory_bytes=self.kv_cache_memory_bytes,
             gpu_memory_utilization=self.gpu_memory_utilization,
             enable_prefix_caching=self.enable_prefix_caching, dtype=self.dtype, device=self.device,
-            seed=self.seed,
+            seed=self.seed, enforce_eager=self.enforce_eager, cuda_graph_batch_sizes=self.cuda_graph_batch_sizes,
         )
 
     def resolved_worker_id(self, role: str) -> str:

@@ -77,8 +77,13 @@ def test_flags_win_over_the_environment_and_lists_split(monkeypatch):
     monkeypatch.setenv("TANDEM_STATIC_DECODE", "a:1, b:2")
     s = from_args(GatewaySettings, ["--redis-key-prefix", "staging"], "gateway", "")
     assert (s.listen, s.redis_key_prefix, s.static_decode) == ("0.0.0.0:6000", "staging", ["a:1", "b:2"])
-    w = from_args(WorkerSettings, ["--no-enable-prefix-caching", "--block-size", "32"], "worker", "")
-    assert (w.enable_prefix_caching, w.engine_config().block_size) == (False, 32)
+    monkeypatch.setenv("TANDEM_CUDA_GRAPH_BATCH_SIZES", "1, 2,4")
+    w = from_args(WorkerSettings, ["--no-enable-prefix-caching", "--block-size", "32", "--enforce-eager"], "worker", "")
+    config = w.engine_config()
+    assert (w.enable_prefix_caching, config.block_size, config.enforce_eager) == (False, 32, True)
+    assert config.cuda_graph_batch_sizes == [1, 2, 4]
+    w = from_args(WorkerSettings, ["--cuda-graph-batch-sizes", "8,16"], "worker", "")
+    assert w.engine_config().cuda_graph_batch_sizes == [8, 16]
 
 
 def test_healthcheck_fails_on_a_closed_port():
