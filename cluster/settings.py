@@ -111,8 +111,9 @@ class WorkerSettings(TandemSettings):
     dtype: typing.Literal["auto", *DTYPE_NAMES] = Field(
         "auto", description="model and KV cache dtype; auto: bfloat16 on CUDA, float32 on CPU")
     seed: int = Field(0, ge=0, description="seed of the engine's shared randomness")
-    lease_s: float = Field(30.0, gt=0, description="decode: seconds a reservation lives with no transfer stream "
-                                                   "open on it and no Decode claiming it")
+    lease_s: float = Field(30.0, gt=0, le=600, description="decode: seconds a reservation lives with no transfer "
+                                                           "stream open on it and no Decode claiming it (the "
+                                                           "worker's own: no caller chooses it)")
     kv_transport: typing.Literal["auto", "nixl", "grpc"] = Field(
         "auto", description="how KV blocks move between workers: nixl (GPU-direct / shared memory / RDMA; a "
                             "startup error without NIXL), grpc (bytes in the stream), auto (NIXL where both peers "

@@ -183,6 +183,24 @@ class LLMEngine:
         """
         check_prompt(prompt_token_ids, self.max_model_len, self.vocab_size)
 
+    def validate_params(self, params: SamplingParams) -> None:
+        """Refuse sampling parameters this engine cannot run, before the request joins a batch,
+        so that one request's parameters can never fail a step shared with others (reads only
+        settings, so any thread may call it).
+
+        Raises:
+            ValueError: naming the field: ``n`` above ``max_num_seqs`` (its samples could never
+                all run), ``logprobs`` above the vocabulary size, a stop token id outside the
+                vocabulary.
+        """
+        if params.n > self.config.max_num_seqs:
+            raise ValueError(f"n must be <= max_num_seqs={self.config.max_num_seqs}, got {params.n}")
+        if params.logprobs > self.vocab_size:
+            raise ValueError(f"logprobs must be <= vocab_size={self.vocab_size}, got {params.logprobs}")
+        bad = next((t for t in params.stop_token_ids if t >= self.vocab_size), None)
+        if bad is not None:
+            raise ValueError(f"stop_token_ids has {bad}, not below vocab_size={self.vocab_size}")
+
     def add_request(self, request_id: str, prompt: str | list[int], params: SamplingParams,
                     pin_prompt_blocks: bool = False, release_blocks: list[int] = ()) -> list[int]:
         """Queue a request. Nothing is allocated until the scheduler admits it.
@@ -217,6 +235,7 @@ class LLMEngine:
             raise ValueError(f"request_id {request_id!r} is already in use")
         token_ids = self.tokenize(prompt)
         self.validate_prompt(token_ids)
+        self.validate_params(params)
         arrival = next(self._arrivals)
         seqs = [Sequence(request_id, i, list(token_ids), len(token_ids), params, arrival) for i in range(params.n)]
         seqs[0].forks = seqs[1:]
