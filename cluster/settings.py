@@ -60,6 +60,7 @@ class TandemSettings(BaseSettings):
     registry_ttl_s: float = Field(3.0, gt=0, description="seconds a worker's Redis entries outlive its last heartbeat")
     metrics_port: int = Field(0, ge=0, le=65535, description="Prometheus /metrics port, on the listen host; 0: off")
     drain_timeout_s: float = Field(30.0, ge=0, description="on SIGTERM, seconds in-flight requests get before they are aborted")
+    reflection: bool = Field(False, description="serve gRPC reflection (lists the services; workers' are internal)")
     log_level: typing.Literal["DEBUG", "INFO", "WARNING", "ERROR"] = Field("INFO", description="log level")
     max_n: int = Field(RequestLimits.max_n, ge=1, description="largest sampling.n")
     max_logprobs: int = Field(RequestLimits.max_logprobs, ge=0, description="largest sampling.logprobs")

@@ -118,7 +118,8 @@ class WorkerServer:
             BindError: the listen address or the metrics port cannot be bound.
         """
         s = self.settings
-        self._scaffold = scaffold = ServerScaffold([self.servicer.service_name], GRPC_MESSAGE_OPTIONS)
+        self._scaffold = scaffold = ServerScaffold([self.servicer.service_name], GRPC_MESSAGE_OPTIONS,
+                                                  reflection=s.reflection)
         self.servicer.add_to_server(scaffold.server)
         self.port = scaffold.bind(s.listen, setting_name(WorkerSettings, "listen"))
         self.metrics.serve(s.listen_host, s.metrics_port, setting_name(WorkerSettings, "metrics_port"))

@@ -25,7 +25,8 @@ from cluster.metrics import WorkerMetrics
 from cluster.registry import Role
 from cluster.settings import WorkerSettings
 from cluster.translate import (
-    check_prompt_ids, finish_reason_to_proto, sampling_params_from_proto, token_logprobs, worker_config_to_proto,
+    check_prompt_ids, check_request_id, finish_reason_to_proto, sampling_params_from_proto, token_logprobs,
+    worker_config_to_proto,
 )
 from cluster.worker import Admission, kv_transport, published_config
 from engine.async_engine import AsyncEngine, EngineError
@@ -90,11 +91,10 @@ class DecodeServicer(worker_pb2_grpc.DecodeWorkerServicer):
     # ----------------------------------------------------------------- RPCs
     async def Admit(self, request: worker_pb2.AdmitRequest, context):  # noqa: N802
         request_id = request.request_id
-        request_id_var.set(request_id)
         try:
+            check_request_id(request_id)
+            request_id_var.set(request_id)
             self.admission.check()
-            if not request_id:
-                raise StatusError.invalid_argument("request_id", "must not be empty")
             prompt = list(request.prompt_token_ids)
             check_prompt_ids("prompt_token_ids", prompt, self.config.max_model_len, self.config.vocab_size)
             if request_id in self._decoding:
@@ -127,11 +127,11 @@ class DecodeServicer(worker_pb2_grpc.DecodeWorkerServicer):
 
     async def Decode(self, request: worker_pb2.DecodeRequest, context):  # noqa: N802
         request_id = request.request_id
-        request_id_var.set(request_id)
         start, status = time.perf_counter(), "OK"
         with self.admission.track():
             try:
                 prompt, params, first = self._validate(request)
+                request_id_var.set(request_id)
                 if request_id in self._decoding:
                     raise StatusError(grpc.StatusCode.ALREADY_EXISTS, f"request {request_id!r} is already decoding")
                 if request.local_prefill:
@@ -162,6 +162,10 @@ class DecodeServicer(worker_pb2_grpc.DecodeWorkerServicer):
                 self.metrics.e2e.labels("Decode").observe(time.perf_counter() - start)
 
     async def Abort(self, request: worker_pb2.AbortRequest, context):  # noqa: N802
+        try:
+            check_request_id(request.request_id)
+        except StatusError as exc:
+            await context.abort(exc.code, exc.message)
         request_id_var.set(request.request_id)
         reserved = self.table.release_request(request.request_id, f"aborted: {request.reason or 'no reason'}")
         running = await asyncio.wrap_future(self.engine.abort(request.request_id))
@@ -177,8 +181,7 @@ class DecodeServicer(worker_pb2_grpc.DecodeWorkerServicer):
 
     # ------------------------------------------------------------- helpers
     def _validate(self, request: worker_pb2.DecodeRequest) -> tuple[list[int], SamplingParams, list[int]]:
-        if not request.request_id:
-            raise StatusError.invalid_argument("request_id", "must not be empty")
+        check_request_id(request.request_id)
         if not request.reservation_id:
             raise StatusError.invalid_argument("reservation_id", "must not be empty")
         prompt = list(request.prompt_token_ids)

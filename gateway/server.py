@@ -27,7 +27,7 @@ from cluster.log import request_id_var
 from cluster.registry import ClusterNamespace, Role, WorkerConfig, WorkerRegistry, redis_client
 from cluster.server import Admission, ServerScaffold, serve_metrics
 from cluster.settings import RequestLimits, setting_name
-from cluster.translate import check_prompt_ids, sampling_params_from_proto
+from cluster.translate import REQUEST_ID_MAX_CHARS, check_prompt_ids, check_request_id, sampling_params_from_proto
 from engine.model_source import resolve_model
 from engine.tokenizer import Tokenizer
 from gateway import metrics
@@ -62,7 +62,10 @@ def load_served_model(settings: GatewaySettings) -> ServedModel:
         ValueError: the model cannot be found (naming ``model``).
     """
     source = resolve_model(settings.model or None)
-    return ServedModel(source.model_id, source.tokenizer())
+    tokenizer = source.tokenizer()
+    if tokenizer is not None:
+        tokenizer.split_special_tokens = settings.chat_split_special_tokens
+    return ServedModel(source.model_id, tokenizer)
 
 
 class GatewayServicer(gateway_pb2_grpc.GatewayServicer):
@@ -98,11 +101,12 @@ class GatewayServicer(gateway_pb2_grpc.GatewayServicer):
 
     async def Generate(self, request: gateway_pb2.GenerateRequest, context: grpc.aio.ServicerContext) -> None:  # noqa: N802
         request_id = request.request_id or f"req-{uuid.uuid4().hex[:12]}"
-        request_id_var.set(request_id)
         started = time.monotonic()
         status = grpc.StatusCode.OK
         metrics.IN_FLIGHT.inc()
         try:
+            check_request_id(request_id, REQUEST_ID_MAX_CHARS)  # before it is written in a log line
+            request_id_var.set(request_id)
             self.admission.check()
             with self.admission.track():
                 which, prompt = await self._tokenize(request)
@@ -190,7 +194,7 @@ class Gateway:
         # gRPC's own limit sits above max_request_bytes so that a request between the two gets
         # INVALID_ARGUMENT naming "request" (larger ones: RESOURCE_EXHAUSTED from gRPC itself).
         self._scaffold = ServerScaffold([SERVICE_NAME], [("grpc.max_receive_message_length",
-                                                          2 * s.max_request_bytes)])
+                                                          2 * s.max_request_bytes)], reflection=s.reflection)
         gateway_pb2_grpc.add_GatewayServicer_to_server(self.servicer, self._scaffold.server)
         self.port = self._scaffold.bind(s.listen, setting_name(GatewaySettings, "listen"))
         await self._scaffold.start()

@@ -16,6 +16,9 @@ class GatewaySettings(TandemSettings):
     listen: str = Field("127.0.0.1:50051", validation_alias=AliasChoices("TANDEM_GATEWAY_ADDR", "listen"),
                         description="host:port the public gRPC API binds to")
     metrics_port: int = Field(9400, ge=0, le=65535, description="Prometheus /metrics port, on the listen host; 0: off")
+    reflection: bool = Field(True, description="serve gRPC reflection of the public API (grpcurl describe)")
+    chat_split_special_tokens: bool = Field(True, description="chat message content is tokenized with special "
+                                                              "tokens as plain text (only the template makes them)")
     static_prefill: Addresses = Field(default_factory=list, description="prefill addresses host:port,... when there is no Redis")
     static_decode: Addresses = Field(default_factory=list, description="decode addresses host:port,... when there is no Redis")
     refresh_interval_s: float = Field(0.5, gt=0, description="seconds between reads of the workers and their load")

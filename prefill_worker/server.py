@@ -29,7 +29,8 @@ from cluster.metrics import WorkerMetrics
 from cluster.registry import Role
 from cluster.settings import WorkerSettings
 from cluster.translate import (
-    check_prompt_ids, finish_reason_to_proto, sampling_params_from_proto, token_logprobs, worker_config_to_proto,
+    check_prompt_ids, check_request_id, finish_reason_to_proto, sampling_params_from_proto, token_logprobs,
+    worker_config_to_proto,
 )
 from cluster.worker import Admission, kv_transport, published_config
 from engine.async_engine import AsyncEngine, EngineError
@@ -87,12 +88,12 @@ class PrefillServicer(worker_pb2_grpc.PrefillWorkerServicer):
     # ----------------------------------------------------------------- RPCs
     async def Prefill(self, request: worker_pb2.PrefillRequest, context: grpc.aio.ServicerContext):  # noqa: N802
         request_id = request.request_id
-        request_id_var.set(request_id)
         start, status = time.perf_counter(), "OK"
         try:
             self.admission.check()
             with self.admission.track():
                 prompt, params, destination = self._validate(request)
+                request_id_var.set(request_id)
                 if self.engine.stats().num_waiting >= self.max_waiting:
                     raise StatusError(grpc.StatusCode.RESOURCE_EXHAUSTED,
                                       f"prefill queue is full ({self.max_waiting} requests waiting)")
@@ -123,6 +124,10 @@ class PrefillServicer(worker_pb2_grpc.PrefillWorkerServicer):
             self.metrics.e2e.labels("Prefill").observe(time.perf_counter() - start)
 
     async def Abort(self, request: worker_pb2.AbortRequest, context):  # noqa: N802
+        try:
+            check_request_id(request.request_id)
+        except StatusError as exc:
+            await context.abort(exc.code, exc.message)
         request_id_var.set(request.request_id)
         task = self._tasks.get(request.request_id)
         known = await asyncio.wrap_future(self.engine.abort(request.request_id))
@@ -140,8 +145,7 @@ class PrefillServicer(worker_pb2_grpc.PrefillWorkerServicer):
 
     # ------------------------------------------------------------- helpers
     def _validate(self, request: worker_pb2.PrefillRequest) -> tuple[list[int], SamplingParams, KVDestination]:
-        if not request.request_id:
-            raise StatusError.invalid_argument("request_id", "must not be empty")
+        check_request_id(request.request_id)
         prompt = list(request.prompt_token_ids)
         check_prompt_ids("prompt_token_ids", prompt, self.config.max_model_len, self.config.vocab_size)
         params = sampling_params_from_proto(request.sampling, len(prompt), self.config, self.limits)

@@ -128,3 +128,36 @@ def test_lease_setting_is_bounded():
 
     with pytest.raises(ValidationError, match="lease_s"):
         WorkerSettings(lease_s=2**32 / 1000)
+
+
+@pytest.mark.parametrize("request_id", ["x" * (1 << 20), "a\nb 2026-11-23 INFO forged", ""])
+def test_request_id_is_capped_in_length_and_charset(engines, request_id):
+    async def main():
+        async with pair(engines) as p:
+            dest = worker_pb2.KVDestination(address=p.decode.address, reservation_id="r")
+            calls = [
+                lambda: p.decode.stub.Admit(worker_pb2.AdmitRequest(request_id=request_id, prompt_token_ids=[1, 2])),
+                lambda: p.decode.stub.Abort(worker_pb2.AbortRequest(request_id=request_id)),
+                lambda: p.decode.stub.Decode(worker_pb2.DecodeRequest(
+                    request_id=request_id, reservation_id="r", prompt_token_ids=[1, 2], local_prefill=True)),
+                lambda: p.prefill.stub.Prefill(worker_pb2.PrefillRequest(
+                    request_id=request_id, prompt_token_ids=[1, 2], destination=dest)),
+                lambda: p.prefill.stub.Abort(worker_pb2.AbortRequest(request_id=request_id)),
+            ]
+            for call in calls:
+                err = await refused(call)
+                assert err.code() == grpc.StatusCode.INVALID_ARGUMENT
+                assert err.details().startswith("request_id") and len(err.details()) < 200, err.details()[:300]
+
+    asyncio.run(main())
+
+
+def test_malformed_protobuf_on_a_worker_is_invalid_argument(engines):
+    async def main():
+        async with pair(engines) as p:
+            transfer = p.decode.channel.stream_unary("/tandem.v1.DecodeWorker/TransferKV",
+                                                     request_serializer=lambda b: b, response_deserializer=lambda b: b)
+            err = await refused(lambda: transfer(iter([b"\xff\xff\xff\xff"])))
+            assert err.code() == grpc.StatusCode.INVALID_ARGUMENT and "DecodeError" not in err.details()
+
+    asyncio.run(main())
