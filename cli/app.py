@@ -206,7 +206,8 @@ def _ask(addr: str, messages: list[dict[str, str]], max_tokens: int, temperature
         console.print(f"[bold]user:[/bold] {messages[-1]['content']}")
     console.print("[bold]assistant:[/bold] ", end="")
     try:
-        out = client.stream(addr, request, lambda text: console.print(text, end="", markup=False, highlight=False))
+        out = client.stream(addr, request, lambda text: console.print(text, end="", markup=False, highlight=False),
+                            api_key=os.environ.get("TANDEM_API_KEY", ""))
     except grpc.RpcError as exc:
         console.print()
         err_console.print(f"[red]{exc.code().name}[/red]: {exc.details()}")
@@ -222,6 +223,28 @@ def _ask(addr: str, messages: list[dict[str, str]], max_tokens: int, temperature
                           f"{usage.completion_tokens} generated[/dim]")
     messages.append({"role": "assistant", "content": out.text})
     return 0
+
+
+@app.command("apikey")
+def apikey_cmd(
+    tenant: str = typer.Argument(..., help="The tenant the key belongs to (letters, digits, . _ -)."),
+    max_streams: int = typer.Option(0, min=0, help="The tenant's concurrent calls at most (0: no limit)."),
+) -> None:
+    """Make a random API key: prints the key (give it to the client, as TANDEM_API_KEY) and, on
+    stderr, the line for the gateway's TANDEM_API_KEYS_FILE (its SHA-256, never the key)."""
+    import secrets
+
+    from gateway.auth import ApiKeys, hash_key
+
+    key = secrets.token_urlsafe(32)
+    entry = f"{hash_key(key)}:{tenant}" + (f":{max_streams}" if max_streams else "")
+    try:
+        ApiKeys.parse([entry], "tenant")
+    except ValueError as exc:
+        err_console.print(f"[red]{exc}[/red]")
+        raise typer.Exit(2) from None
+    print(key)
+    err_console.print(entry, markup=False, highlight=False)
 
 
 _GATEWAY_ADDR = typer.Option(os.environ.get("TANDEM_GATEWAY_ADDR", "127.0.0.1:50051"),

@@ -29,16 +29,23 @@ def chat_request(messages: list[dict[str, str]], params: gateway_pb2.SamplingPar
     return gateway_pb2.GenerateRequest(chat=chat, sampling=params)
 
 
+def auth_metadata(api_key: str) -> tuple[tuple[str, str], ...]:
+    """The call metadata that presents ``api_key`` to the gateway (none for an empty key)."""
+    return (("authorization", f"Bearer {api_key}"),) if api_key else ()
+
+
 def stream(address: str, request: gateway_pb2.GenerateRequest, on_text: Callable[[str], None],
-           timeout_s: float | None = None) -> Completion:
-    """Run one Generate call, calling ``on_text`` with each new piece of sample 0's text.
+           timeout_s: float | None = None, api_key: str = "") -> Completion:
+    """Run one Generate call, calling ``on_text`` with each new piece of sample 0's text;
+    ``api_key`` is sent as ``authorization: Bearer`` when set.
 
     Raises:
         grpc.RpcError: the call failed (its ``code()`` and ``details()`` say why).
     """
     out = Completion()
     with grpc.insecure_channel(address) as channel:
-        call = gateway_pb2_grpc.GatewayStub(channel).Generate(request, timeout=timeout_s)
+        call = gateway_pb2_grpc.GatewayStub(channel).Generate(request, timeout=timeout_s,
+                                                              metadata=auth_metadata(api_key))
         try:
             for message in call:
                 if message.index != 0:

@@ -22,6 +22,7 @@ REQUEST_ID_MAX_CHARS = 128
 # The gateway names a worker's request "{client's id}-{8 hex digits}" (one per attempt).
 WORKER_REQUEST_ID_MAX_CHARS = REQUEST_ID_MAX_CHARS + 16
 _REQUEST_ID = re.compile(r"[A-Za-z0-9._:-]+")
+CACHE_SALT_MAX_CHARS = 128
 
 _FINISH_REASONS = {None: gateway_pb2.FINISH_REASON_UNSPECIFIED, "stop": gateway_pb2.FINISH_REASON_STOP,
                    "length": gateway_pb2.FINISH_REASON_LENGTH, "abort": gateway_pb2.FINISH_REASON_ABORT}
@@ -41,6 +42,17 @@ def check_request_id(request_id: str, max_chars: int = WORKER_REQUEST_ID_MAX_CHA
         raise StatusError.invalid_argument("request_id", f"is {len(request_id)} characters, more than {max_chars}")
     if not _REQUEST_ID.fullmatch(request_id):
         raise StatusError.invalid_argument("request_id", "may contain only A-Z a-z 0-9 . _ : -")
+
+
+def check_cache_salt(cache_salt: str) -> None:
+    """Refuse a prefix-cache salt longer than :data:`CACHE_SALT_MAX_CHARS` characters.
+
+    Raises:
+        StatusError: ``INVALID_ARGUMENT`` naming ``cache_salt``.
+    """
+    if len(cache_salt) > CACHE_SALT_MAX_CHARS:
+        raise StatusError.invalid_argument("cache_salt", f"is {len(cache_salt)} characters, more than "
+                                                         f"{CACHE_SALT_MAX_CHARS}")
 
 
 def check_prompt_ids(field: str, prompt_token_ids: Sequence[int], max_model_len: int, vocab_size: int) -> None:

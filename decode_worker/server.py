@@ -25,11 +25,12 @@ from cluster.metrics import WorkerMetrics
 from cluster.registry import Role
 from cluster.settings import WorkerSettings
 from cluster.translate import (
-    check_prompt_ids, check_request_id, finish_reason_to_proto, sampling_params_from_proto, token_logprobs,
-    worker_config_to_proto,
+    check_cache_salt, check_prompt_ids, check_request_id, finish_reason_to_proto, sampling_params_from_proto,
+    token_logprobs, worker_config_to_proto,
 )
 from cluster.worker import Admission, kv_transport, published_config
 from engine.async_engine import AsyncEngine, EngineError
+from engine.block_hash import prompt_key
 from engine.block_pool import NoFreeBlocksError
 from engine.outputs import RequestOutput
 from engine.sampling_params import SamplingParams
@@ -97,14 +98,16 @@ class DecodeServicer(worker_pb2_grpc.DecodeWorkerServicer):
             self.admission.check()
             prompt = list(request.prompt_token_ids)
             check_prompt_ids("prompt_token_ids", prompt, self.config.max_model_len, self.config.vocab_size)
+            check_cache_salt(request.cache_salt)
             if request_id in self._decoding:
                 raise StatusError(grpc.StatusCode.ALREADY_EXISTS, f"request {request_id!r} is already decoding")
             try:
-                block_ids, num_cached = await self.engine.reserve_blocks(prompt)
+                block_ids, num_cached = await self.engine.reserve_blocks(prompt, request.cache_salt)
             except NoFreeBlocksError as exc:
                 raise StatusError(grpc.StatusCode.RESOURCE_EXHAUSTED, f"no room for the prompt's KV: {exc}") from None
             try:
-                reservation = self.table.reserve(request_id, block_ids, num_cached=num_cached)
+                reservation = self.table.reserve(request_id, block_ids, num_cached=num_cached,
+                                                 prompt_key=prompt_key(prompt, request.cache_salt))
             except StatusError:
                 self.engine.free_blocks(block_ids)
                 raise
@@ -134,13 +137,15 @@ class DecodeServicer(worker_pb2_grpc.DecodeWorkerServicer):
                 request_id_var.set(request_id)
                 if request_id in self._decoding:
                     raise StatusError(grpc.StatusCode.ALREADY_EXISTS, f"request {request_id!r} is already decoding")
+                salt, key = request.cache_salt, prompt_key(prompt, request.cache_salt)
                 if request.local_prefill:
-                    block_ids = self.table.take(request.reservation_id, request_id)  # now ours to free
-                    outputs = self.engine.generate(request_id, prompt, params, release_blocks=block_ids)
+                    block_ids = self.table.take(request.reservation_id, request_id, key)  # now ours to free
+                    outputs = self.engine.generate(request_id, prompt, params, release_blocks=block_ids,
+                                                   cache_salt=salt)
                     self.metrics.local_prefills.inc()
                 else:
-                    block_ids = self.table.claim(request.reservation_id, request_id)  # now ours to free
-                    outputs = self.engine.add_prefilled(request_id, prompt, first, params, block_ids)
+                    block_ids = self.table.claim(request.reservation_id, request_id, key)  # now ours to free
+                    outputs = self.engine.add_prefilled(request_id, prompt, first, params, block_ids, salt)
                 self._decoding.add(request_id)
                 try:
                     async for response in self._stream(outputs, params, len(first), start):
@@ -186,6 +191,7 @@ class DecodeServicer(worker_pb2_grpc.DecodeWorkerServicer):
             raise StatusError.invalid_argument("reservation_id", "must not be empty")
         prompt = list(request.prompt_token_ids)
         check_prompt_ids("prompt_token_ids", prompt, self.config.max_model_len, self.config.vocab_size)
+        check_cache_salt(request.cache_salt)
         params = sampling_params_from_proto(request.sampling, len(prompt), self.config, self.limits)
         first = list(request.first_token_ids)
         wanted = 0 if request.local_prefill else params.n

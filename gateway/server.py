@@ -31,6 +31,7 @@ from cluster.translate import REQUEST_ID_MAX_CHARS, check_prompt_ids, check_requ
 from engine.model_source import resolve_model
 from engine.tokenizer import Tokenizer
 from gateway import metrics
+from gateway.auth import AuthInterceptor, tenant_var
 from gateway.orchestrator import Orchestrator, WorkerClients
 from gateway.router import ClusterView
 from gateway.settings import GatewaySettings
@@ -115,10 +116,11 @@ class GatewayServicer(gateway_pb2_grpc.GatewayServicer):
                 params = sampling_params_from_proto(request.sampling, len(prompt), pool, self.limits)
                 if params.stop and self.model.tokenizer is None:
                     raise StatusError.invalid_argument("sampling.stop", "this model has no tokenizer to match text")
-                logger.info("generate: %d prompt tokens, n=%d, max_tokens=%d", len(prompt), params.n,
-                            params.max_tokens)
+                tenant = tenant_var.get()
+                logger.info("generate: %d prompt tokens, n=%d, max_tokens=%d, tenant %s", len(prompt), params.n,
+                            params.max_tokens, tenant.name if tenant else "-")
                 stream = self.orchestrator.generate(request_id, prompt, request.sampling, params, pool,
-                                                    context.time_remaining)
+                                                    context.time_remaining, cache_salt=tenant.name if tenant else "")
                 async with contextlib.aclosing(stream):
                     async for response in stream:
                         await context.write(response)
@@ -194,7 +196,8 @@ class Gateway:
         # gRPC's own limit sits above max_request_bytes so that a request between the two gets
         # INVALID_ARGUMENT naming "request" (larger ones: RESOURCE_EXHAUSTED from gRPC itself).
         self._scaffold = ServerScaffold([SERVICE_NAME], [("grpc.max_receive_message_length",
-                                                          2 * s.max_request_bytes)], reflection=s.reflection)
+                                                          2 * s.max_request_bytes)], reflection=s.reflection,
+                                        interceptors=self._auth())
         gateway_pb2_grpc.add_GatewayServicer_to_server(self.servicer, self._scaffold.server)
         self.port = self._scaffold.bind(s.listen, setting_name(GatewaySettings, "listen"))
         await self._scaffold.start()
@@ -203,6 +206,14 @@ class Gateway:
         logger.info("listening on %s:%d (model %s, %s)", s.listen_host, self.port, self.model.model_id,
                     f"redis {s.redis_url}" if s.redis_url else f"static workers {s.static_prefill}+{s.static_decode}")
         return self.port
+
+    def _auth(self) -> list[AuthInterceptor]:
+        keys = self.settings.load_api_keys()
+        if not keys:
+            logger.warning("no API keys configured: the gateway is open to every caller, as one tenant")
+            return []
+        logger.info("%d API keys: calls without one are UNAUTHENTICATED", len(keys))
+        return [AuthInterceptor(keys)]
 
     def _build_view(self) -> ClusterView:
         s = self.settings

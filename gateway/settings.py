@@ -8,6 +8,7 @@ from __future__ import annotations
 from pydantic import AliasChoices, Field, field_validator
 
 from cluster.settings import Addresses, TandemSettings, split_addresses
+from gateway.auth import ApiKeys
 
 
 class GatewaySettings(TandemSettings):
@@ -28,4 +29,24 @@ class GatewaySettings(TandemSettings):
                                "this many tokens are left after its prefix-cache hit (no prefill worker, no KV transfer)")
     max_request_bytes: int = Field(4 << 20, ge=1024, description="serialized request size at most (larger: INVALID_ARGUMENT)")
 
-    _split_addresses = field_validator("static_prefill", "static_decode", mode="before")(split_addresses)
+    api_keys: Addresses = Field(default_factory=list, description="API keys as SHA256HEX:TENANT[:MAX_STREAMS],... "
+                                                                  "(none here or in api_keys_file: the gateway is open)")
+    api_keys_file: str = Field("", description="file of API keys, one SHA256HEX:TENANT[:MAX_STREAMS] per line")
+
+    _split_addresses = field_validator("static_prefill", "static_decode", "api_keys", mode="before")(split_addresses)
+
+    @field_validator("api_keys")
+    @classmethod
+    def _check_api_keys(cls, value: list[str]) -> list[str]:
+        ApiKeys.parse(value, "api_keys")
+        return value
+
+    @field_validator("api_keys_file")
+    @classmethod
+    def _check_api_keys_file(cls, value: str) -> str:
+        ApiKeys.load([], value, "api_keys", "api_keys_file")
+        return value
+
+    def load_api_keys(self) -> ApiKeys:
+        """The configured API keys (``api_keys`` and ``api_keys_file``, read now)."""
+        return ApiKeys.load(self.api_keys, self.api_keys_file, "api_keys", "api_keys_file")

@@ -29,8 +29,8 @@ from cluster.metrics import WorkerMetrics
 from cluster.registry import Role
 from cluster.settings import WorkerSettings
 from cluster.translate import (
-    check_prompt_ids, check_request_id, finish_reason_to_proto, sampling_params_from_proto, token_logprobs,
-    worker_config_to_proto,
+    check_cache_salt, check_prompt_ids, check_request_id, finish_reason_to_proto, sampling_params_from_proto,
+    token_logprobs, worker_config_to_proto,
 )
 from cluster.worker import Admission, kv_transport, published_config
 from engine.async_engine import AsyncEngine, EngineError
@@ -99,7 +99,8 @@ class PrefillServicer(worker_pb2_grpc.PrefillWorkerServicer):
                                       f"prefill queue is full ({self.max_waiting} requests waiting)")
                 if request_id in self._tasks:
                     raise StatusError(grpc.StatusCode.ALREADY_EXISTS, f"request {request_id!r} is already prefilling")
-                task = asyncio.ensure_future(self._prefill(request_id, prompt, params, destination, start))
+                task = asyncio.ensure_future(self._prefill(request_id, prompt, params, destination, start,
+                                                           request.cache_salt))
                 self._tasks[request_id] = task
                 try:
                     return await task
@@ -148,6 +149,7 @@ class PrefillServicer(worker_pb2_grpc.PrefillWorkerServicer):
         check_request_id(request.request_id)
         prompt = list(request.prompt_token_ids)
         check_prompt_ids("prompt_token_ids", prompt, self.config.max_model_len, self.config.vocab_size)
+        check_cache_salt(request.cache_salt)
         params = sampling_params_from_proto(request.sampling, len(prompt), self.config, self.limits)
         dest = request.destination
         if not dest.address or not dest.reservation_id:
@@ -166,7 +168,7 @@ class PrefillServicer(worker_pb2_grpc.PrefillWorkerServicer):
                                              tuple(dest.kv_transports) or ("grpc",))
 
     async def _prefill(self, request_id: str, prompt: list[int], params: SamplingParams,
-                       destination: KVDestination, start: float) -> worker_pb2.PrefillResponse:
+                       destination: KVDestination, start: float, cache_salt: str) -> worker_pb2.PrefillResponse:
         # Stop strings are the gateway's business; the first token's draw does not depend on
         # them or on max_tokens.
         first_params = dataclasses.replace(params, max_tokens=1, stop=[])
@@ -175,7 +177,8 @@ class PrefillServicer(worker_pb2_grpc.PrefillWorkerServicer):
             async with self.sender.open(destination, request_id) as transfer:
                 transport, sent = transfer.transport, destination.num_cached_blocks
                 try:
-                    stream = self.engine.generate(request_id, prompt, first_params, pin_prompt_blocks=True)
+                    stream = self.engine.generate(request_id, prompt, first_params, pin_prompt_blocks=True,
+                                                  cache_salt=cache_salt)
                     async with contextlib.aclosing(stream) as outputs:
                         async for out in outputs:
                             final, ready = out, out.pinned_block_ids[sent:]

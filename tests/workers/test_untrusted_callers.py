@@ -161,3 +161,40 @@ def test_malformed_protobuf_on_a_worker_is_invalid_argument(engines):
             assert err.code() == grpc.StatusCode.INVALID_ARGUMENT and "DecodeError" not in err.details()
 
     asyncio.run(main())
+
+
+def test_a_reservation_is_claimed_only_for_the_prompt_and_salt_it_was_admitted_for(engines):
+    """KV pushed into a reservation enters the prefix cache under the admitted prompt's hashes:
+    a Decode naming another prompt or another tenant's salt cannot claim it."""
+    async def main():
+        async with pair(engines) as p:
+            prompt = prompt_ids(40, 3)
+            admit = await p.decode.stub.Admit(worker_pb2.AdmitRequest(
+                request_id="bind", prompt_token_ids=prompt, cache_salt="alice"))
+            for other_prompt, salt in ((prompt_ids(40, 4), "alice"), (prompt, "bob"), (prompt, "")):
+                err = await refused(lambda: p.decode.stub.Decode(worker_pb2.DecodeRequest(
+                    request_id="bind", reservation_id=admit.reservation_id, prompt_token_ids=other_prompt,
+                    cache_salt=salt, sampling=gateway_pb2.SamplingParams(max_tokens=2), local_prefill=True)))
+                assert err.code() == grpc.StatusCode.INVALID_ARGUMENT
+                assert err.details().startswith("prompt_token_ids"), err.details()
+            tokens = await asyncio.wait_for(_claim(p, admit, prompt, "alice"), 60)
+            assert len(tokens) == 2
+            salted = await p.decode.stub.Admit(worker_pb2.AdmitRequest(
+                request_id="bind2", prompt_token_ids=prompt, cache_salt="bob"))
+            assert salted.num_cached_blocks == 0  # alice's blocks are not bob's
+            same = await p.decode.stub.Admit(worker_pb2.AdmitRequest(
+                request_id="bind3", prompt_token_ids=prompt, cache_salt="alice"))
+            assert same.num_cached_blocks == 2
+            for rid in ("bind2", "bind3"):
+                await p.decode.stub.Abort(worker_pb2.AbortRequest(request_id=rid))
+
+    asyncio.run(main())
+
+
+async def _claim(p, admit, prompt, salt) -> list[int]:
+    tokens = []
+    async for msg in p.decode.stub.Decode(worker_pb2.DecodeRequest(
+            request_id="bind", reservation_id=admit.reservation_id, prompt_token_ids=prompt, cache_salt=salt,
+            sampling=gateway_pb2.SamplingParams(max_tokens=2, temperature=0, ignore_eos=True), local_prefill=True)):
+        tokens.extend(msg.token_ids)
+    return tokens
