@@ -102,15 +102,17 @@ class ServerScaffold:
         if reflection:
             add_reflection(self.server, [*services, HEALTH_SERVICE])
 
-    def bind(self, address: str, setting: str) -> int:
-        """Listen on ``address`` (``host:port``; port 0 picks a free one) and return the port.
+    def bind(self, address: str, setting: str, credentials: grpc.ServerCredentials | None = None) -> int:
+        """Listen on ``address`` (``host:port``; port 0 picks a free one) and return the port;
+        with ``credentials`` (``cluster.tls``) the port speaks TLS only.
 
         Raises:
             BindError: the address is taken or invalid; names ``address`` and ``setting``.
         """
         _check_free(address, setting)
         try:
-            port = self.server.add_insecure_port(address)
+            port = (self.server.add_insecure_port(address) if credentials is None
+                    else self.server.add_secure_port(address, credentials))
         except RuntimeError as exc:  # grpcio reports a failed bind this way
             raise BindError(f"cannot listen on {address} ({setting}): {exc}") from None
         if not port:

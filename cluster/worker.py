@@ -27,6 +27,7 @@ from cluster.prefix_index import PrefixIndex
 from cluster.registry import ClusterNamespace, Role, WorkerConfig, WorkerInfo, WorkerLoad, WorkerRegistry, redis_client
 from cluster.server import Admission, BindError, ServerScaffold
 from cluster.settings import WorkerSettings, advertised_address, setting_name
+from cluster.tls import TlsFiles
 from engine.async_engine import AsyncEngine
 from engine.llm_engine import LLMEngine
 from kvtransfer import GRPC_MESSAGE_OPTIONS
@@ -56,6 +57,20 @@ def kv_transport(settings: WorkerSettings, worker_id: str, llm: LLMEngine) -> tu
         logger.info("NIXL unavailable (%s): KV moves over the gRPC stream", exc)
         return ["grpc"], None
     return (["nixl"] if settings.kv_transport == "nixl" else ["nixl", "grpc"]), agent
+
+
+def worker_tls(settings: WorkerSettings, role: Role) -> TlsFiles | None:
+    """This worker's TLS material from ``tls_dir`` (``None``: plaintext).
+
+    Raises:
+        StartupError: a file is missing or unreadable (named, with the setting).
+    """
+    if not settings.tls_dir:
+        return None
+    try:
+        return TlsFiles.load(settings.tls_dir, str(role), setting_name(WorkerSettings, "tls_dir"))
+    except ValueError as exc:
+        raise StartupError(str(exc)) from None
 
 
 def published_config(llm: LLMEngine) -> WorkerConfig:
@@ -114,14 +129,23 @@ class WorkerServer:
     async def start(self) -> str:
         """Bind, start serving, register in Redis; returns the advertised address.
 
+        With ``tls_dir`` the port speaks TLS only and requires a client certificate of the
+        cluster CA; without it, plaintext (a warning: any caller that reaches the port is served).
+
         Raises:
             BindError: the listen address or the metrics port cannot be bound.
+            StartupError: the TLS files cannot be read.
         """
         s = self.settings
+        tls = worker_tls(s, self.role)
+        if tls is None:
+            logger.warning("no TLS (%s): the worker port is plaintext and serves any caller that reaches it",
+                           setting_name(WorkerSettings, "tls_dir"))
         self._scaffold = scaffold = ServerScaffold([self.servicer.service_name], GRPC_MESSAGE_OPTIONS,
                                                   reflection=s.reflection)
         self.servicer.add_to_server(scaffold.server)
-        self.port = scaffold.bind(s.listen, setting_name(WorkerSettings, "listen"))
+        self.port = scaffold.bind(s.listen, setting_name(WorkerSettings, "listen"),
+                                  tls.server_credentials(require_client_auth=True) if tls else None)
         self.metrics.serve(s.listen_host, s.metrics_port, setting_name(WorkerSettings, "metrics_port"))
         await scaffold.start()
         self.address = advertised_address(s.listen_host, self.port, s.advertise)
@@ -139,7 +163,7 @@ class WorkerServer:
 
     def _start_heartbeat(self) -> None:
         s = self.settings
-        self._redis = redis_client(s.redis_url)
+        self._redis = redis_client(s.redis_url, password=s.redis_password, tls_ca=s.redis_tls_ca)
         ns = ClusterNamespace(s.redis_key_prefix, s.registry_ttl_s)
 
         def load() -> WorkerLoad:

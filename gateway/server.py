@@ -27,6 +27,7 @@ from cluster.log import request_id_var
 from cluster.registry import ClusterNamespace, Role, WorkerConfig, WorkerRegistry, redis_client
 from cluster.server import Admission, ServerScaffold, serve_metrics
 from cluster.settings import RequestLimits, setting_name
+from cluster.tls import CLUSTER_NAME, TlsFiles
 from cluster.translate import REQUEST_ID_MAX_CHARS, check_prompt_ids, check_request_id, sampling_params_from_proto
 from engine.model_source import resolve_model
 from engine.tokenizer import Tokenizer
@@ -171,7 +172,10 @@ class Gateway:
         self.settings = settings
         self.model = model or load_served_model(settings)
         self.port: int | None = None
-        self._channels = ChannelCache(_WORKER_CHANNEL_OPTIONS)
+        self._tls = (TlsFiles.load(settings.tls_dir, "gateway", setting_name(GatewaySettings, "tls_dir"))
+                     if settings.tls_dir else None)
+        self._channels = ChannelCache(_WORKER_CHANNEL_OPTIONS, self._tls.channel_credentials() if self._tls else None,
+                                      peer_name=CLUSTER_NAME)
         self._redis = None
         self.view = self._build_view()
         self.orchestrator = Orchestrator(self.view, WorkerClients(self._channels), self.model.tokenizer,
@@ -199,7 +203,11 @@ class Gateway:
                                                           2 * s.max_request_bytes)], reflection=s.reflection,
                                         interceptors=self._auth())
         gateway_pb2_grpc.add_GatewayServicer_to_server(self.servicer, self._scaffold.server)
-        self.port = self._scaffold.bind(s.listen, setting_name(GatewaySettings, "listen"))
+        if self._tls is None:
+            logger.warning("no TLS (%s): the API and the worker channels are plaintext",
+                           setting_name(GatewaySettings, "tls_dir"))
+        self.port = self._scaffold.bind(s.listen, setting_name(GatewaySettings, "listen"),
+                                        self._tls.server_credentials(require_client_auth=False) if self._tls else None)
         await self._scaffold.start()
         await self._refresh()
         self._tasks.append(asyncio.get_running_loop().create_task(self._refresh_loop(), name="refresh"))
@@ -221,7 +229,7 @@ class Gateway:
         if s.redis_url:
             from cluster.prefix_index import PrefixIndex
 
-            self._redis = redis_client(s.redis_url)
+            self._redis = redis_client(s.redis_url, password=s.redis_password, tls_ca=s.redis_tls_ca)
             return ClusterView(WorkerRegistry(self._redis, ns), PrefixIndex(self._redis, ns), self.model.model_id)
         from gateway.static_cluster import RoutedPrefixIndex, StaticRegistry
 

@@ -22,17 +22,19 @@ import logging
 import time
 
 import grpc
+from redis.exceptions import RedisError
 
 from cluster.channels import ChannelCache
 from cluster.log import request_id_var
 from cluster.metrics import WorkerMetrics
-from cluster.registry import Role
+from cluster.registry import ClusterNamespace, Role, WorkerRegistry, redis_client
 from cluster.settings import WorkerSettings
 from cluster.translate import (
     check_cache_salt, check_prompt_ids, check_request_id, finish_reason_to_proto, sampling_params_from_proto,
     token_logprobs, worker_config_to_proto,
 )
-from cluster.worker import Admission, kv_transport, published_config
+from cluster.tls import role_name
+from cluster.worker import Admission, kv_transport, published_config, worker_tls
 from engine.async_engine import AsyncEngine, EngineError
 from engine.sampling_params import SamplingParams
 from kvtransfer import GRPC_MESSAGE_OPTIONS, BlockLayout, GrpcKVSender, KVDestination, KVSender
@@ -40,6 +42,8 @@ from protos.status import StatusError
 from protos.tandem.v1 import worker_pb2, worker_pb2_grpc
 
 logger = logging.getLogger(__name__)
+
+DESTINATION_REREAD_S = 0.2  # a KV destination missing from the last registry read waits this long for another
 
 
 class PrefillServicer(worker_pb2_grpc.PrefillWorkerServicer):
@@ -65,7 +69,17 @@ class PrefillServicer(worker_pb2_grpc.PrefillWorkerServicer):
         self.limits = settings.limits()
         self.max_waiting = settings.max_num_seqs  # queued requests at most (back-pressure)
         self.metrics = metrics
-        self.channels = ChannelCache(GRPC_MESSAGE_OPTIONS)
+        tls = worker_tls(settings, Role.PREFILL)
+        # KV goes only to a peer that proves it is a decode worker of this cluster (with TLS) and
+        # that is registered as one (with Redis).
+        self.channels = ChannelCache(GRPC_MESSAGE_OPTIONS, tls.channel_credentials() if tls else None,
+                                     peer_name=role_name("decode"))
+        self._registry = (WorkerRegistry(redis_client(settings.redis_url, password=settings.redis_password,
+                                                      tls_ca=settings.redis_tls_ca),
+                                         ClusterNamespace(settings.redis_key_prefix, settings.registry_ttl_s))
+                          if settings.redis_url else None)
+        self._decode_addresses: set[str] = set()
+        self._decode_read_at = -1.0
         transports, self.nixl = kv_transport(settings, settings.resolved_worker_id(str(Role.PREFILL)), engine.engine)
         self.sender = sender or GrpcKVSender(self.channels.get, transports=transports, nixl=self.nixl,
                                              verify_checksums=settings.kv_verify_checksums)
@@ -82,6 +96,8 @@ class PrefillServicer(worker_pb2_grpc.PrefillWorkerServicer):
 
     async def close(self) -> None:
         await self.channels.close()
+        if self._registry is not None:
+            await self._registry.client.aclose()
         if self.nixl is not None:
             self.nixl.close()
 
@@ -94,6 +110,7 @@ class PrefillServicer(worker_pb2_grpc.PrefillWorkerServicer):
             with self.admission.track():
                 prompt, params, destination = self._validate(request)
                 request_id_var.set(request_id)
+                await self._check_destination(destination.address)
                 if self.engine.stats().num_waiting >= self.max_waiting:
                     raise StatusError(grpc.StatusCode.RESOURCE_EXHAUSTED,
                                       f"prefill queue is full ({self.max_waiting} requests waiting)")
@@ -166,6 +183,28 @@ class PrefillServicer(worker_pb2_grpc.PrefillWorkerServicer):
                                   f"this worker's {self.layout.dtype_name} {list(self.layout.block_shape)}")
         return prompt, params, KVDestination(dest.address, dest.reservation_id, dest.num_cached_blocks,
                                              tuple(dest.kv_transports) or ("grpc",))
+
+    async def _check_destination(self, address: str) -> None:
+        """Refuse a KV destination that is not a live decode worker of the registry (re-read on
+        a miss, at most every ``DESTINATION_REREAD_S``). Without Redis there is no registry to
+        ask: the address is used as given (with TLS its certificate is still checked).
+
+        Raises:
+            StatusError: ``PERMISSION_DENIED`` naming ``destination.address``; ``UNAVAILABLE``
+                when Redis cannot be read.
+        """
+        if self._registry is None:
+            return
+        now = time.monotonic()
+        if address not in self._decode_addresses and now - self._decode_read_at >= DESTINATION_REREAD_S:
+            try:
+                workers = await self._registry.live_workers(Role.DECODE)
+            except (RedisError, OSError) as exc:
+                raise StatusError(grpc.StatusCode.UNAVAILABLE, f"cannot read the registry: {exc}") from None
+            self._decode_addresses, self._decode_read_at = {w.address for w in workers}, now
+        if address not in self._decode_addresses:
+            raise StatusError(grpc.StatusCode.PERMISSION_DENIED,
+                              "destination.address: is not a registered decode worker")
 
     async def _prefill(self, request_id: str, prompt: list[int], params: SamplingParams,
                        destination: KVDestination, start: float, cache_salt: str) -> worker_pb2.PrefillResponse:

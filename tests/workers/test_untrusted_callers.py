@@ -198,3 +198,48 @@ async def _claim(p, admit, prompt, salt) -> list[int]:
             sampling=gateway_pb2.SamplingParams(max_tokens=2, temperature=0, ignore_eos=True), local_prefill=True)):
         tokens.extend(msg.token_ids)
     return tokens
+
+
+def test_kv_goes_only_to_a_registered_decode_worker_over_mtls(engines, tmp_path, redis_url, key_prefix):
+    """Workers with a TLS directory: plaintext callers are refused, and a prefill worker sends KV
+    only to an address the registry lists as a live decode worker (the issue's SSRF)."""
+    from cluster.registry import ClusterNamespace, Role, WorkerRegistry, redis_client
+    from cluster.tls import CLUSTER_NAME, TlsFiles, init_certs
+    from protos.tandem.v1 import worker_pb2_grpc
+
+    init_certs(str(tmp_path))
+    gateway_cert = TlsFiles.load(str(tmp_path), "gateway", "tls_dir").channel_credentials()
+
+    async def main():
+        async with pair(engines, tls_dir=str(tmp_path), redis_url=redis_url, redis_key_prefix=key_prefix,
+                        heartbeat_interval_s=0.2) as p:
+            registry = WorkerRegistry(redis_client(redis_url), ClusterNamespace(key_prefix, 3.0))
+            while not await registry.live_workers(Role.DECODE):
+                await asyncio.sleep(0.05)
+            await registry.client.aclose()
+            err = await refused(lambda: p.decode.stub.GetStats(worker_pb2.GetStatsRequest(), timeout=3))
+            assert err.code() == grpc.StatusCode.UNAVAILABLE  # the fixture's plaintext channel
+            options = [("grpc.ssl_target_name_override", CLUSTER_NAME)]
+            async with grpc.aio.secure_channel(p.decode.address, gateway_cert, options=options) as dch, \
+                    grpc.aio.secure_channel(p.prefill.address, gateway_cert, options=options) as pch:
+                decode, prefill = worker_pb2_grpc.DecodeWorkerStub(dch), worker_pb2_grpc.PrefillWorkerStub(pch)
+                prompt = prompt_ids(40, 5)
+                sampling = gateway_pb2.SamplingParams(max_tokens=3, temperature=0, ignore_eos=True)
+                admit = await decode.Admit(worker_pb2.AdmitRequest(request_id="kv", prompt_token_ids=prompt))
+                for address in ("127.0.0.1:6379", "169.254.169.254:80"):
+                    err = await refused(lambda: prefill.Prefill(worker_pb2.PrefillRequest(
+                        request_id="kv", prompt_token_ids=prompt, sampling=sampling,
+                        destination=worker_pb2.KVDestination(address=address, reservation_id=admit.reservation_id))))
+                    assert err.code() == grpc.StatusCode.PERMISSION_DENIED
+                    assert err.details().startswith("destination.address")
+                pre = await prefill.Prefill(worker_pb2.PrefillRequest(
+                    request_id="kv", prompt_token_ids=prompt, sampling=sampling,
+                    destination=worker_pb2.KVDestination(
+                        address=p.decode.address, reservation_id=admit.reservation_id, layout=admit.layout,
+                        num_cached_blocks=admit.num_cached_blocks, kv_transports=admit.kv_transports)))
+                tokens = [m.token_ids async for m in decode.Decode(worker_pb2.DecodeRequest(
+                    request_id="kv", reservation_id=admit.reservation_id, prompt_token_ids=prompt,
+                    first_token_ids=[t.token_id for t in pre.first_tokens], sampling=sampling))]
+                assert sum(len(t) for t in tokens) == 2  # the first token came from the prefill worker
+
+    asyncio.run(main())

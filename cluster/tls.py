@@ -1,0 +1,146 @@
+"""TLS for the gateway and mutual TLS among the gateway and the workers, from one private CA.
+
+A TLS directory (``tandem certs init DIR``, :func:`init_certs`) holds ``ca.pem`` (the cluster's
+CA certificate), ``ca-key.pem`` (kept by whoever issues certificates; no server reads it) and,
+per role (``gateway``, ``prefill``, ``decode``), ``{role}.pem`` and ``{role}-key.pem``. Every
+certificate carries the DNS names ``tandem-cluster`` and ``tandem-{role}``; the gateway's also
+``localhost``, ``127.0.0.1`` and any extra public names.
+
+Identity is the certificate, not the address: internal channels verify the peer's certificate
+against ``ca.pem`` under a fixed name (``grpc.ssl_target_name_override``): ``tandem-decode``
+where only a decode worker will do (a prefill worker sending KV), ``tandem-cluster`` for any
+member. Workers require a client certificate from the same CA; the gateway's public port asks
+for none (API keys authenticate clients).
+"""
+
+from __future__ import annotations
+
+import datetime
+import ipaddress
+import os
+from collections.abc import Sequence
+from dataclasses import dataclass
+from pathlib import Path
+
+import grpc
+
+ROLES = ("gateway", "prefill", "decode")
+CLUSTER_NAME = "tandem-cluster"
+
+
+def role_name(role: str) -> str:
+    """The DNS name every certificate of ``role`` carries, e.g. ``tandem-decode``."""
+    return f"tandem-{role}"
+
+
+@dataclass(frozen=True)
+class TlsFiles:
+    """One process's TLS material, read from a TLS directory.
+
+    Attributes:
+        ca: the cluster CA certificate (PEM bytes).
+        cert: this process's certificate chain (PEM bytes).
+        key: its private key (PEM bytes).
+    """
+
+    ca: bytes
+    cert: bytes
+    key: bytes
+
+    @classmethod
+    def load(cls, directory: str, role: str, setting: str) -> TlsFiles:
+        """Read ``ca.pem``, ``{role}.pem`` and ``{role}-key.pem`` from ``directory``.
+
+        Raises:
+            ValueError: a file is missing or unreadable; names it and ``setting``.
+        """
+        base = Path(directory)
+        try:
+            return cls((base / "ca.pem").read_bytes(), (base / f"{role}.pem").read_bytes(),
+                       (base / f"{role}-key.pem").read_bytes())
+        except OSError as exc:
+            raise ValueError(f"{setting}: cannot read {exc.filename}: {exc.strerror}") from None
+
+    def server_credentials(self, require_client_auth: bool) -> grpc.ServerCredentials:
+        """Credentials of a server port; with ``require_client_auth`` a client must present a
+        certificate signed by the CA (else the handshake fails)."""
+        return grpc.ssl_server_credentials([(self.key, self.cert)], root_certificates=self.ca,
+                                           require_client_auth=require_client_auth)
+
+    def channel_credentials(self) -> grpc.ChannelCredentials:
+        """Credentials of a channel to a cluster member: the peer verified against the CA, this
+        process's certificate presented."""
+        return grpc.ssl_channel_credentials(root_certificates=self.ca, private_key=self.key,
+                                            certificate_chain=self.cert)
+
+
+def init_certs(directory: str, extra_names: Sequence[str] = (), days: int = 825) -> list[Path]:
+    """Make a development CA and one certificate per role in ``directory`` (created; existing
+    files are overwritten). Keys are ECDSA P-256, written with mode 0600.
+
+    Args:
+        directory: where to write.
+        extra_names: more DNS names or IP addresses for the gateway's certificate (its public
+            name).
+        days: validity of every certificate, days.
+
+    Returns:
+        The written files.
+    """
+    from cryptography import x509
+    from cryptography.hazmat.primitives import hashes, serialization
+    from cryptography.hazmat.primitives.asymmetric import ec
+    from cryptography.x509.oid import ExtendedKeyUsageOID, NameOID
+
+    out = Path(directory)
+    out.mkdir(parents=True, exist_ok=True)
+    now = datetime.datetime.now(datetime.timezone.utc)
+    written: list[Path] = []
+
+    def write(name: str, data: bytes, private: bool = False) -> None:
+        path = out / name
+        fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600 if private else 0o644)
+        with os.fdopen(fd, "wb") as f:
+            f.write(data)
+        written.append(path)
+
+    def key_pem(key) -> bytes:
+        return key.private_bytes(serialization.Encoding.PEM, serialization.PrivateFormat.PKCS8,
+                                 serialization.NoEncryption())
+
+    def san(name: str) -> x509.GeneralName:
+        try:
+            return x509.IPAddress(ipaddress.ip_address(name))
+        except ValueError:
+            return x509.DNSName(name)
+
+    ca_key = ec.generate_private_key(ec.SECP256R1())
+    ca_name = x509.Name([x509.NameAttribute(NameOID.COMMON_NAME, "Tandem cluster CA")])
+    ca_cert = (x509.CertificateBuilder().subject_name(ca_name).issuer_name(ca_name)
+               .public_key(ca_key.public_key()).serial_number(x509.random_serial_number())
+               .not_valid_before(now - datetime.timedelta(minutes=5)).not_valid_after(now + datetime.timedelta(days=days))
+               .add_extension(x509.BasicConstraints(ca=True, path_length=0), critical=True)
+               .add_extension(x509.KeyUsage(digital_signature=False, content_commitment=False, key_encipherment=False,
+                                            data_encipherment=False, key_agreement=False, key_cert_sign=True,
+                                            crl_sign=True, encipher_only=False, decipher_only=False), critical=True)
+               .sign(ca_key, hashes.SHA256()))
+    write("ca.pem", ca_cert.public_bytes(serialization.Encoding.PEM))
+    write("ca-key.pem", key_pem(ca_key), private=True)
+    for role in ROLES:
+        key = ec.generate_private_key(ec.SECP256R1())
+        names = [CLUSTER_NAME, role_name(role), role]
+        if role == "gateway":
+            names += ["localhost", "127.0.0.1", "::1", *extra_names]
+        cert = (x509.CertificateBuilder()
+                .subject_name(x509.Name([x509.NameAttribute(NameOID.COMMON_NAME, role_name(role))]))
+                .issuer_name(ca_name).public_key(key.public_key()).serial_number(x509.random_serial_number())
+                .not_valid_before(now - datetime.timedelta(minutes=5))
+                .not_valid_after(now + datetime.timedelta(days=days))
+                .add_extension(x509.SubjectAlternativeName([san(n) for n in dict.fromkeys(names)]), critical=False)
+                .add_extension(x509.BasicConstraints(ca=False, path_length=None), critical=True)
+                .add_extension(x509.ExtendedKeyUsage([ExtendedKeyUsageOID.SERVER_AUTH,
+                                                      ExtendedKeyUsageOID.CLIENT_AUTH]), critical=False)
+                .sign(ca_key, hashes.SHA256()))
+        write(f"{role}.pem", cert.public_bytes(serialization.Encoding.PEM))
+        write(f"{role}-key.pem", key_pem(key), private=True)
+    return written
