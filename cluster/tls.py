@@ -9,20 +9,26 @@ certificate carries the DNS names ``tandem-cluster`` and ``tandem-{role}``; the 
 Identity is the certificate, not the address: internal channels verify the peer's certificate
 against ``ca.pem`` under a fixed name (``grpc.ssl_target_name_override``): ``tandem-decode``
 where only a decode worker will do (a prefill worker sending KV), ``tandem-cluster`` for any
-member. Workers require a client certificate from the same CA; the gateway's public port asks
-for none (API keys authenticate clients).
+member. Workers require a client certificate from the same CA, and each of their methods takes
+calls only from the roles that make them (:class:`PeerRoleInterceptor`: ``TransferKV`` from a
+prefill worker, ``Admit``/``Prefill``/``Decode``/``Abort`` from the gateway); the gateway's public
+port asks for none (API keys authenticate clients).
 """
 
 from __future__ import annotations
 
+import contextlib
 import datetime
+import functools
 import ipaddress
 import os
-from collections.abc import Sequence
+from collections.abc import Collection, Mapping, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 
 import grpc
+
+from cluster.interceptors import wrap_handler
 
 ROLES = ("gateway", "prefill", "decode")
 CLUSTER_NAME = "tandem-cluster"
@@ -72,6 +78,43 @@ class TlsFiles:
         process's certificate presented."""
         return grpc.ssl_channel_credentials(root_certificates=self.ca, private_key=self.key,
                                             certificate_chain=self.cert)
+
+
+def peer_roles(context: grpc.aio.ServicerContext) -> set[str]:
+    """The roles the caller's verified certificate names (``tandem-{role}`` DNS names); empty
+    without TLS or without a client certificate."""
+    names = context.auth_context().get("x509_subject_alternative_name", [])
+    return {role for role in ROLES if role_name(role).encode() in names}
+
+
+class PeerRoleInterceptor(grpc.aio.ServerInterceptor):
+    """Under mTLS, each method of ``service`` only for the roles that call it: the caller's
+    certificate must name one of ``allowed[method]`` (else ``PERMISSION_DENIED``); a method
+    missing from ``allowed`` is for no one. Other services (health, reflection) are left to
+    the certificate check of the port.
+
+    Args:
+        service: full service name, e.g. ``tandem.v1.DecodeWorker``.
+        allowed: method name (``"TransferKV"``) → roles (``("prefill",)``).
+    """
+
+    def __init__(self, service: str, allowed: Mapping[str, Collection[str]]) -> None:
+        self.service = service
+        self.allowed = {method: tuple(roles) for method, roles in allowed.items()}
+
+    async def intercept_service(self, continuation, handler_call_details):
+        handler = await continuation(handler_call_details)
+        service, _, method = handler_call_details.method.lstrip("/").partition("/")
+        if handler is None or service != self.service:
+            return handler
+        return wrap_handler(handler, scope=functools.partial(self._check, method, self.allowed.get(method, ())))
+
+    @contextlib.asynccontextmanager
+    async def _check(self, method: str, roles: tuple[str, ...], context: grpc.aio.ServicerContext):
+        if not peer_roles(context) & set(roles):
+            await context.abort(grpc.StatusCode.PERMISSION_DENIED,
+                                f"{method} takes calls from {' or '.join(roles) or 'no'} certificates only")
+        yield
 
 
 def init_certs(directory: str, extra_names: Sequence[str] = (), days: int = 825) -> list[Path]:

@@ -27,7 +27,7 @@ from cluster.prefix_index import PrefixIndex
 from cluster.registry import ClusterNamespace, Role, WorkerConfig, WorkerInfo, WorkerLoad, WorkerRegistry, redis_client
 from cluster.server import Admission, BindError, ServerScaffold
 from cluster.settings import WorkerSettings, advertised_address, setting_name
-from cluster.tls import TlsFiles
+from cluster.tls import PeerRoleInterceptor, TlsFiles
 from engine.async_engine import AsyncEngine
 from engine.llm_engine import LLMEngine
 from kvtransfer import GRPC_MESSAGE_OPTIONS
@@ -83,6 +83,8 @@ class WorkerServicer(Protocol):
     """What :class:`WorkerServer` needs from a worker's servicer."""
 
     service_name: str  # full gRPC service name, e.g. "tandem.v1.DecodeWorker"
+    # Under mTLS, method name -> the roles whose certificates may call it (cluster.tls).
+    peer_roles: dict[str, tuple[str, ...]]
     admission: Admission
 
     def add_to_server(self, server: grpc.aio.Server) -> None: ...
@@ -138,16 +140,17 @@ class WorkerServer:
         """
         s = self.settings
         tls = worker_tls(s, self.role)
-        if tls is None:
-            logger.warning("no TLS (%s): the worker port is plaintext and serves any caller that reaches it",
-                           setting_name(WorkerSettings, "tls_dir"))
+        roles = [PeerRoleInterceptor(self.servicer.service_name, self.servicer.peer_roles)] if tls else []
         self._scaffold = scaffold = ServerScaffold([self.servicer.service_name], GRPC_MESSAGE_OPTIONS,
-                                                  reflection=s.reflection)
+                                                  reflection=s.reflection, interceptors=roles)
         self.servicer.add_to_server(scaffold.server)
         self.port = scaffold.bind(s.listen, setting_name(WorkerSettings, "listen"),
                                   tls.server_credentials(require_client_auth=True) if tls else None)
         self.metrics.serve(s.listen_host, s.metrics_port, setting_name(WorkerSettings, "metrics_port"))
         await scaffold.start()
+        if tls is None:
+            logger.warning("no TLS (%s): the worker port is plaintext and serves any caller that reaches it",
+                           setting_name(WorkerSettings, "tls_dir"))
         self.address = advertised_address(s.listen_host, self.port, s.advertise)
         await scaffold.health.set_all(SERVING)
         if s.redis_url:

@@ -57,6 +57,9 @@ class DecodeServicer(worker_pb2_grpc.DecodeWorkerServicer):
     """
 
     service_name = "tandem.v1.DecodeWorker"
+    # KV comes from prefill workers only, so only their blocks can enter the prefix cache.
+    peer_roles = {"Admit": ("gateway",), "TransferKV": ("prefill",), "Decode": ("gateway",),
+                  "Abort": ("gateway",), "GetStats": ("gateway", "prefill", "decode")}
 
     def __init__(self, engine: AsyncEngine, settings: WorkerSettings, metrics: WorkerMetrics) -> None:
         self.engine = engine

@@ -55,16 +55,24 @@ _ABORT_TIMEOUT_S = 2.0
 
 
 class WorkerClients:
-    """Stubs of the workers' services over one cache of channels."""
+    """Stubs of the workers' services over caches of channels: one for decode workers and one
+    for prefill workers (with TLS each checks that the peer's certificate is of that role).
 
-    def __init__(self, channels: ChannelCache) -> None:
+    Args:
+        channels: channels to decode workers (and to prefill workers when ``prefill_channels``
+            is ``None``).
+        prefill_channels: channels to prefill workers.
+    """
+
+    def __init__(self, channels: ChannelCache, prefill_channels: ChannelCache | None = None) -> None:
         self.channels = channels
+        self.prefill_channels = prefill_channels or channels
 
     def decode(self, address: str) -> worker_pb2_grpc.DecodeWorkerStub:
         return worker_pb2_grpc.DecodeWorkerStub(self.channels.get(address))
 
     def prefill(self, address: str) -> worker_pb2_grpc.PrefillWorkerStub:
-        return worker_pb2_grpc.PrefillWorkerStub(self.channels.get(address))
+        return worker_pb2_grpc.PrefillWorkerStub(self.prefill_channels.get(address))
 
 
 @dataclass

@@ -27,7 +27,7 @@ from cluster.log import request_id_var
 from cluster.registry import ClusterNamespace, Role, WorkerConfig, WorkerRegistry, redis_client
 from cluster.server import Admission, ServerScaffold, serve_metrics
 from cluster.settings import RequestLimits, setting_name
-from cluster.tls import CLUSTER_NAME, TlsFiles
+from cluster.tls import TlsFiles, role_name
 from cluster.translate import REQUEST_ID_MAX_CHARS, check_prompt_ids, check_request_id, sampling_params_from_proto
 from engine.model_source import resolve_model
 from engine.tokenizer import Tokenizer
@@ -174,11 +174,14 @@ class Gateway:
         self.port: int | None = None
         self._tls = (TlsFiles.load(settings.tls_dir, "gateway", setting_name(GatewaySettings, "tls_dir"))
                      if settings.tls_dir else None)
-        self._channels = ChannelCache(_WORKER_CHANNEL_OPTIONS, self._tls.channel_credentials() if self._tls else None,
-                                      peer_name=CLUSTER_NAME)
+        # With TLS a worker must show a certificate of the role its registry entry claims.
+        credentials = self._tls.channel_credentials() if self._tls else None
+        self._channels = ChannelCache(_WORKER_CHANNEL_OPTIONS, credentials, peer_name=role_name("decode"))
+        self._prefill_channels = ChannelCache(_WORKER_CHANNEL_OPTIONS, credentials, peer_name=role_name("prefill"))
         self._redis = None
         self.view = self._build_view()
-        self.orchestrator = Orchestrator(self.view, WorkerClients(self._channels), self.model.tokenizer,
+        self.orchestrator = Orchestrator(self.view, WorkerClients(self._channels, self._prefill_channels),
+                                         self.model.tokenizer,
                                          settings.admit_wait_s, settings.local_prefill_max_tokens)
         self.servicer = GatewayServicer(self.model, self.view, self.orchestrator, settings.limits(),
                                         settings.max_request_bytes)
@@ -203,11 +206,11 @@ class Gateway:
                                                           2 * s.max_request_bytes)], reflection=s.reflection,
                                         interceptors=self._auth())
         gateway_pb2_grpc.add_GatewayServicer_to_server(self.servicer, self._scaffold.server)
+        self.port = self._scaffold.bind(s.listen, setting_name(GatewaySettings, "listen"),
+                                        self._tls.server_credentials(require_client_auth=False) if self._tls else None)
         if self._tls is None:
             logger.warning("no TLS (%s): the API and the worker channels are plaintext",
                            setting_name(GatewaySettings, "tls_dir"))
-        self.port = self._scaffold.bind(s.listen, setting_name(GatewaySettings, "listen"),
-                                        self._tls.server_credentials(require_client_auth=False) if self._tls else None)
         await self._scaffold.start()
         await self._refresh()
         self._tasks.append(asyncio.get_running_loop().create_task(self._refresh_loop(), name="refresh"))
@@ -235,7 +238,7 @@ class Gateway:
 
         logger.warning("no Redis configured: static workers prefill=%s decode=%s, in-process prefix index "
                        "built from this gateway's own routing", s.static_prefill, s.static_decode)
-        registry = StaticRegistry(WorkerClients(self._channels),
+        registry = StaticRegistry(WorkerClients(self._channels, self._prefill_channels),
                                   {Role.PREFILL: s.static_prefill, Role.DECODE: s.static_decode}, ns)
         return ClusterView(registry, RoutedPrefixIndex(), self.model.model_id)
 
@@ -264,6 +267,7 @@ class Gateway:
         await self._scaffold.stop(0.5)
         await self.orchestrator.drain_aborts()
         await self._channels.close()
+        await self._prefill_channels.close()
         if self._redis is not None:
             await self._redis.aclose()
 

@@ -62,6 +62,7 @@ class PrefillServicer(worker_pb2_grpc.PrefillWorkerServicer):
     """
 
     service_name = "tandem.v1.PrefillWorker"
+    peer_roles = {"Prefill": ("gateway",), "Abort": ("gateway",), "GetStats": ("gateway", "prefill", "decode")}
 
     def __init__(self, engine: AsyncEngine, settings: WorkerSettings, metrics: WorkerMetrics,
                  sender: KVSender | None = None) -> None:

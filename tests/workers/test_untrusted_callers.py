@@ -241,5 +241,16 @@ def test_kv_goes_only_to_a_registered_decode_worker_over_mtls(engines, tmp_path,
                     request_id="kv", reservation_id=admit.reservation_id, prompt_token_ids=prompt,
                     first_token_ids=[t.token_id for t in pre.first_tokens], sampling=sampling))]
                 assert sum(len(t) for t in tokens) == 2  # the first token came from the prefill worker
+                # a cluster certificate of the wrong role: KV only from prefill workers, Prefill
+                # only from the gateway
+                stream = decode.TransferKV()
+                await stream.done_writing()
+                err = await refused(lambda: stream)
+                assert err.code() == grpc.StatusCode.PERMISSION_DENIED and "prefill" in err.details()
+            prefill_cert = TlsFiles.load(str(tmp_path), "prefill", "tls_dir").channel_credentials()
+            async with grpc.aio.secure_channel(p.prefill.address, prefill_cert, options=options) as pch:
+                err = await refused(lambda: worker_pb2_grpc.PrefillWorkerStub(pch).Prefill(
+                    worker_pb2.PrefillRequest(request_id="kv2", prompt_token_ids=prompt)))
+                assert err.code() == grpc.StatusCode.PERMISSION_DENIED and "gateway" in err.details()
 
     asyncio.run(main())
