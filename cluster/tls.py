@@ -67,17 +67,70 @@ class TlsFiles:
         except OSError as exc:
             raise ValueError(f"{setting}: cannot read {exc.filename}: {exc.strerror}") from None
 
-    def server_credentials(self, require_client_auth: bool) -> grpc.ServerCredentials:
-        """Credentials of a server port; with ``require_client_auth`` a client must present a
-        certificate signed by the CA (else the handshake fails)."""
-        return grpc.ssl_server_credentials([(self.key, self.cert)], root_certificates=self.ca,
-                                           require_client_auth=require_client_auth)
+    def matches(self) -> bool:
+        """Whether the key belongs to the certificate (a half-replaced pair does not)."""
+        from cryptography import x509
+        from cryptography.hazmat.primitives import serialization
+
+        try:
+            cert_key = x509.load_pem_x509_certificate(self.cert).public_key()
+            key = serialization.load_pem_private_key(self.key, password=None)
+        except ValueError:
+            return False
+        raw = (serialization.Encoding.DER, serialization.PublicFormat.SubjectPublicKeyInfo)
+        return cert_key.public_bytes(*raw) == key.public_key().public_bytes(*raw)
 
     def channel_credentials(self) -> grpc.ChannelCredentials:
         """Credentials of a channel to a cluster member: the peer verified against the CA, this
         process's certificate presented."""
         return grpc.ssl_channel_credentials(root_certificates=self.ca, private_key=self.key,
                                             certificate_chain=self.cert)
+
+
+def server_credentials(directory: str, role: str, require_client_auth: bool, setting: str) -> grpc.ServerCredentials:
+    """Credentials of a server port from a TLS directory, re-read when its files change: at each
+    new handshake the files' modification times are compared, and a changed set that is
+    complete and consistent (the key matches the certificate) replaces the old one (rotation
+    without a restart; connections already open keep theirs).
+
+    Args:
+        directory: the TLS directory.
+        role: whose certificate to serve (``gateway``, ``prefill``, ``decode``).
+        require_client_auth: a client must present a certificate signed by the CA (else the
+            handshake fails).
+        setting: the setting that named ``directory``, for errors.
+
+    Raises:
+        ValueError: the files cannot be read now, or the key does not match the certificate.
+    """
+    paths = [Path(directory) / name for name in ("ca.pem", f"{role}.pem", f"{role}-key.pem")]
+
+    def stamp() -> tuple[int, ...]:
+        return tuple(p.stat().st_mtime_ns if p.exists() else -1 for p in paths)
+
+    def configuration(files: TlsFiles) -> grpc.ServerCertificateConfiguration:
+        return grpc.ssl_server_certificate_configuration([(files.key, files.cert)], root_certificates=files.ca)
+
+    files = TlsFiles.load(directory, role, setting)
+    if not files.matches():
+        raise ValueError(f"{setting}: {role}-key.pem does not belong to {role}.pem")
+    loaded = [stamp()]
+
+    def fetch() -> grpc.ServerCertificateConfiguration | None:  # gRPC calls it at each new handshake
+        now = stamp()
+        if now == loaded[0]:
+            return None
+        try:
+            fresh = TlsFiles.load(directory, role, setting)
+        except ValueError:
+            return None  # mid-rotation: keep serving the old files
+        if not fresh.matches():
+            return None
+        loaded[0] = now
+        return configuration(fresh)
+
+    return grpc.dynamic_ssl_server_credentials(configuration(files), fetch,
+                                               require_client_authentication=require_client_auth)
 
 
 def peer_roles(context: grpc.aio.ServicerContext) -> set[str]:

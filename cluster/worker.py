@@ -27,7 +27,7 @@ from cluster.prefix_index import PrefixIndex
 from cluster.registry import ClusterNamespace, Role, WorkerConfig, WorkerInfo, WorkerLoad, WorkerRegistry, redis_client
 from cluster.server import Admission, BindError, ServerScaffold
 from cluster.settings import WorkerSettings, advertised_address, setting_name
-from cluster.tls import PeerRoleInterceptor, TlsFiles
+from cluster.tls import PeerRoleInterceptor, TlsFiles, server_credentials
 from engine.async_engine import AsyncEngine
 from engine.llm_engine import LLMEngine
 from kvtransfer import GRPC_MESSAGE_OPTIONS
@@ -144,8 +144,13 @@ class WorkerServer:
         self._scaffold = scaffold = ServerScaffold([self.servicer.service_name], GRPC_MESSAGE_OPTIONS,
                                                   reflection=s.reflection, interceptors=roles)
         self.servicer.add_to_server(scaffold.server)
-        self.port = scaffold.bind(s.listen, setting_name(WorkerSettings, "listen"),
-                                  tls.server_credentials(require_client_auth=True) if tls else None)
+        credentials = None
+        if tls is not None:
+            try:
+                credentials = server_credentials(s.tls_dir, str(self.role), True, setting_name(WorkerSettings, "tls_dir"))
+            except ValueError as exc:
+                raise StartupError(str(exc)) from None
+        self.port = scaffold.bind(s.listen, setting_name(WorkerSettings, "listen"), credentials)
         self.metrics.serve(s.listen_host, s.metrics_port, setting_name(WorkerSettings, "metrics_port"))
         await scaffold.start()
         if tls is None:

@@ -66,7 +66,7 @@ class WorkerClients:
 
     def __init__(self, channels: ChannelCache, prefill_channels: ChannelCache | None = None) -> None:
         self.channels = channels
-        self.prefill_channels = prefill_channels or channels
+        self.prefill_channels = channels if prefill_channels is None else prefill_channels
 
     def decode(self, address: str) -> worker_pb2_grpc.DecodeWorkerStub:
         return worker_pb2_grpc.DecodeWorkerStub(self.channels.get(address))

@@ -27,7 +27,7 @@ from cluster.log import request_id_var
 from cluster.registry import ClusterNamespace, Role, WorkerConfig, WorkerRegistry, redis_client
 from cluster.server import Admission, ServerScaffold, serve_metrics
 from cluster.settings import RequestLimits, setting_name
-from cluster.tls import TlsFiles, role_name
+from cluster.tls import TlsFiles, role_name, server_credentials
 from cluster.translate import REQUEST_ID_MAX_CHARS, check_prompt_ids, check_request_id, sampling_params_from_proto
 from engine.model_source import resolve_model
 from engine.tokenizer import Tokenizer
@@ -206,8 +206,9 @@ class Gateway:
                                                           2 * s.max_request_bytes)], reflection=s.reflection,
                                         interceptors=self._auth())
         gateway_pb2_grpc.add_GatewayServicer_to_server(self.servicer, self._scaffold.server)
-        self.port = self._scaffold.bind(s.listen, setting_name(GatewaySettings, "listen"),
-                                        self._tls.server_credentials(require_client_auth=False) if self._tls else None)
+        credentials = (server_credentials(s.tls_dir, "gateway", False, setting_name(GatewaySettings, "tls_dir"))
+                       if self._tls else None)
+        self.port = self._scaffold.bind(s.listen, setting_name(GatewaySettings, "listen"), credentials)
         if self._tls is None:
             logger.warning("no TLS (%s): the API and the worker channels are plaintext",
                            setting_name(GatewaySettings, "tls_dir"))

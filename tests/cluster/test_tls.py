@@ -13,7 +13,7 @@ import pytest
 from cluster.channels import ChannelCache
 from cluster.health import SERVING
 from cluster.server import ServerScaffold
-from cluster.tls import CLUSTER_NAME, TlsFiles, init_certs, role_name
+from cluster.tls import CLUSTER_NAME, TlsFiles, init_certs, role_name, server_credentials
 from protos.grpc.health.v1 import health_pb2, health_pb2_grpc
 
 
@@ -40,7 +40,7 @@ def test_certs_init_writes_a_ca_and_a_certificate_per_role_with_private_keys(cer
 
 async def _server(tls_dir: str, role: str) -> tuple[ServerScaffold, str]:
     scaffold = ServerScaffold(["tandem.v1.Test"])
-    port = scaffold.bind("127.0.0.1:0", "listen", TlsFiles.load(tls_dir, role, "tls_dir").server_credentials(True))
+    port = scaffold.bind("127.0.0.1:0", "listen", server_credentials(tls_dir, role, True, "tls_dir"))
     await scaffold.start()
     await scaffold.health.set_all(SERVING)
     return scaffold, f"127.0.0.1:{port}"
@@ -115,3 +115,36 @@ def test_the_channel_cache_is_bounded():
         await cache.close()
 
     asyncio.run(main())
+
+
+def test_a_server_picks_up_rotated_certificates_without_a_restart(tmp_path):
+    """The CA and the certificates are replaced on disk: new handshakes use the new ones
+    (clients of the new CA get in, clients of the old one no longer do)."""
+    directory = str(tmp_path / "certs")
+    init_certs(directory)
+    old = TlsFiles.load(directory, "gateway", "tls_dir")
+    name = [("grpc.ssl_target_name_override", CLUSTER_NAME)]
+
+    async def main():
+        scaffold, address = await _server(directory, "decode")
+        try:
+            async with grpc.aio.secure_channel(address, old.channel_credentials(), options=name) as channel:
+                assert await _check(channel) == grpc.StatusCode.OK
+            await asyncio.sleep(0.01)  # a distinct modification time
+            init_certs(directory)  # rotation: a new CA and new certificates
+            new = TlsFiles.load(directory, "gateway", "tls_dir")
+            async with grpc.aio.secure_channel(address, new.channel_credentials(), options=name) as channel:
+                assert await _check(channel) == grpc.StatusCode.OK
+            async with grpc.aio.secure_channel(address, old.channel_credentials(), options=name) as channel:
+                assert await _check(channel) == grpc.StatusCode.UNAVAILABLE
+        finally:
+            await scaffold.stop(0)
+
+    asyncio.run(main())
+
+
+def test_a_key_that_does_not_match_its_certificate_is_refused_at_start(tmp_path):
+    init_certs(str(tmp_path))
+    (tmp_path / "decode-key.pem").write_bytes((tmp_path / "prefill-key.pem").read_bytes())
+    with pytest.raises(ValueError, match="decode-key.pem does not belong"):
+        server_credentials(str(tmp_path), "decode", True, "tls_dir")

@@ -43,8 +43,12 @@ def test_gateway_serves_over_tls_through_mtls_workers(engines, tmp_path):
                     stub = gateway_pb2_grpc.GatewayStub(channel)
                     while not gateway.view.routable:
                         await asyncio.sleep(0.05)
+                    prefilled = engines[0].kv_manager.prefix_queries
                     tokens = [t async for m in stub.Generate(request) for t in m.token_ids]
                     assert len(tokens) == 4
+                    # the prompt went through the prefill worker (a refused prefill worker would
+                    # leave the decode worker to prefill it itself)
+                    assert engines[0].kv_manager.prefix_queries > prefilled
             finally:
                 await gateway.stop(grace_s=1)
 
