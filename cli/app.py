@@ -94,11 +94,28 @@ def decode_cmd(ctx: typer.Context) -> None:
 
 
 def _run_local(model: str | None, listen: str, prefill: int, decode: int, once: str | None, max_tokens: int,
-               temperature: float, timeout_s: float, quiet: bool, quiet_after_ready: bool = False) -> int:
-    """Start a LocalCluster, then answer ``once`` or serve until a signal; stop it. Returns an exit code."""
+               temperature: float, timeout_s: float, quiet: bool, quiet_after_ready: bool = False,
+               insecure: bool = False) -> int:
+    """Start a LocalCluster, then answer ``once`` or serve until a signal; stop it. Returns an exit code.
+
+    Unless ``insecure``, a fresh CA and certificates are made in a temporary directory (removed
+    on exit): the gateway serves TLS and its clients trust that directory's ``ca.pem``.
+    """
+    import shutil
+    import tempfile
+
     from rich.markup import escape
 
     from cli.launcher import ClusterError, LocalCluster
+    from cluster.tls import init_certs
+
+    tls_dir = None
+    if insecure:
+        err_console.print("[yellow]--insecure: the gateway and the workers speak plaintext[/yellow]")
+    else:
+        tls_dir = tempfile.mkdtemp(prefix="tandem-certs-")
+        init_certs(tls_dir)
+    ca_file = os.path.join(tls_dir, "ca.pem") if tls_dir else ""
 
     _setup_logging(False)
     styles = ["cyan", "magenta", "green", "yellow", "blue"]
@@ -116,7 +133,8 @@ def _run_local(model: str | None, listen: str, prefill: int, decode: int, once: 
 
     stop = threading.Event()
     previous = {sig: signal.signal(sig, lambda *_: stop.set()) for sig in (signal.SIGTERM, signal.SIGINT)}
-    cluster = LocalCluster(model=model, gateway_addr=listen, num_prefill=prefill, num_decode=decode, sink=sink)
+    cluster = LocalCluster(model=model, gateway_addr=listen, num_prefill=prefill, num_decode=decode, sink=sink,
+                           tls_dir=tls_dir)
     try:
         with err_console.status("starting the local cluster (loading the model)...") as status:
             cluster.start(timeout_s=timeout_s, on_wait=lambda text: status.update(text))
@@ -125,8 +143,11 @@ def _run_local(model: str | None, listen: str, prefill: int, decode: int, once: 
         err_console.print(f"[bold green]cluster ready[/bold green]: gateway at {cluster.gateway_addr} "
                           f"({prefill} prefill + {decode} decode, redis {cluster.redis_url or 'none'}; "
                           f"metrics {ports})")
+        if ca_file:
+            err_console.print(f"TLS: clients trust {ca_file} (export TANDEM_TLS_CA={ca_file})", highlight=False)
         if once is not None:
-            return _ask(cluster.gateway_addr, [{"role": "user", "content": once}], max_tokens, temperature, echo=True)
+            return _ask(cluster.gateway_addr, [{"role": "user", "content": once}], max_tokens, temperature, echo=True,
+                        ca_file=ca_file)
         err_console.print("serving; Ctrl-C stops everything")
         while not stop.wait(0.5):
             if dead := cluster.dead():
@@ -141,6 +162,8 @@ def _run_local(model: str | None, listen: str, prefill: int, decode: int, once: 
         cluster.stop()
         for sig, handler in previous.items():
             signal.signal(sig, handler)
+        if tls_dir:
+            shutil.rmtree(tls_dir, ignore_errors=True)
         err_console.print("stopped")
 
 
@@ -156,13 +179,15 @@ def serve_cmd(
     temperature: float = typer.Option(0.0, min=0.0, help="With --once: 0 = greedy."),
     timeout: float = typer.Option(600, help="Seconds to wait for every process to be SERVING."),
     quiet: bool = typer.Option(False, "--quiet", "-q", help="Show only warnings and errors of the processes."),
+    insecure: bool = typer.Option(False, "--insecure", help="Plaintext instead of TLS/mTLS with a fresh local CA."),
 ) -> None:
     """Run a whole cluster locally (Redis, 1 prefill, 1 decode, gateway) until Ctrl-C / SIGTERM."""
     if not local:
         err_console.print("only --local is implemented; for a multi-host deployment run `tandem gateway`, "
                           "`tandem prefill` and `tandem decode` (see docs/deployment.md)")
         raise typer.Exit(2)
-    raise typer.Exit(_run_local(model, listen, prefill, decode, once, max_tokens, temperature, timeout, quiet))
+    raise typer.Exit(_run_local(model, listen, prefill, decode, once, max_tokens, temperature, timeout, quiet,
+                                insecure=insecure))
 
 
 @app.command("demo")
@@ -174,6 +199,7 @@ def demo_cmd(
     temperature: float = typer.Option(0.0, min=0.0, help="0 = greedy."),
     quiet: bool = typer.Option(False, "--quiet", "-q", help="Show only warnings and errors of the processes."),
     verbose: bool = typer.Option(False, "--verbose", "-v", help="Keep showing the processes' logs after startup."),
+    insecure: bool = typer.Option(False, "--insecure", help="Plaintext instead of TLS/mTLS with a fresh local CA."),
 ) -> None:
     """Start the local cluster, stream the answer to one chat prompt through the gateway, shut down.
 
@@ -184,16 +210,17 @@ def demo_cmd(
 
     listen = listen or f"127.0.0.1:{free_port()}"
     raise typer.Exit(_run_local(model, listen, 1, 1, prompt, max_tokens, temperature, 600, quiet,
-                                quiet_after_ready=not verbose))
+                                quiet_after_ready=not verbose, insecure=insecure))
 
 
 # ----------------------------------------------------------------------------- clients
 
 
 def _ask(addr: str, messages: list[dict[str, str]], max_tokens: int, temperature: float,
-         prompt: str | None = None, echo: bool = False) -> int:
+         prompt: str | None = None, echo: bool = False, ca_file: str = "") -> int:
     """Stream one answer to the terminal; returns an exit code (0, 1 on a failed call, 130 when
-    interrupted). Appends the answer to ``messages``. ``echo`` prints the user's message first."""
+    interrupted). Appends the answer to ``messages``. ``echo`` prints the user's message first;
+    ``ca_file``: the CA that verifies the gateway's TLS certificate (default ``TANDEM_TLS_CA``)."""
     import grpc
 
     from cli import client
@@ -206,7 +233,8 @@ def _ask(addr: str, messages: list[dict[str, str]], max_tokens: int, temperature
         console.print(f"[bold]user:[/bold] {messages[-1]['content']}")
     console.print("[bold]assistant:[/bold] ", end="")
     try:
-        out = client.stream(addr, request, lambda text: console.print(text, end="", markup=False, highlight=False))
+        out = client.stream(addr, request, lambda text: console.print(text, end="", markup=False, highlight=False),
+                            api_key=os.environ.get("TANDEM_API_KEY", ""), ca_file=ca_file)
     except grpc.RpcError as exc:
         console.print()
         err_console.print(f"[red]{exc.code().name}[/red]: {exc.details()}")
@@ -222,6 +250,46 @@ def _ask(addr: str, messages: list[dict[str, str]], max_tokens: int, temperature
                           f"{usage.completion_tokens} generated[/dim]")
     messages.append({"role": "assistant", "content": out.text})
     return 0
+
+
+@app.command("certs")
+def certs_cmd(
+    action: str = typer.Argument(..., help="init"),
+    directory: str = typer.Argument(..., help="Where to write the CA and the certificates."),
+    name: list[str] = typer.Option([], "--name", help="Another DNS name or IP of the gateway (repeatable)."),
+    days: int = typer.Option(825, min=1, help="Validity, days."),
+) -> None:
+    """`tandem certs init DIR`: a development CA and a certificate per role (gateway, prefill,
+    decode) for TANDEM_TLS_DIR; clients of the gateway trust DIR/ca.pem (TANDEM_TLS_CA)."""
+    if action != "init":
+        err_console.print(f"[red]unknown action {action!r}[/red] (init)")
+        raise typer.Exit(2)
+    from cluster.tls import init_certs
+
+    for path in init_certs(directory, name, days):
+        console.print(str(path), markup=False, highlight=False)
+
+
+@app.command("apikey")
+def apikey_cmd(
+    tenant: str = typer.Argument(..., help="The tenant the key belongs to (letters, digits, . _ -)."),
+    max_streams: int = typer.Option(0, min=0, help="The tenant's concurrent calls at most (0: no limit)."),
+) -> None:
+    """Make a random API key: prints the key (give it to the client, as TANDEM_API_KEY) and, on
+    stderr, the line for the gateway's TANDEM_API_KEYS_FILE (its SHA-256, never the key)."""
+    import secrets
+
+    from gateway.auth import ApiKeys, hash_key
+
+    key = secrets.token_urlsafe(32)
+    entry = f"{hash_key(key)}:{tenant}" + (f":{max_streams}" if max_streams else "")
+    try:
+        ApiKeys.parse([entry], "tenant")
+    except ValueError as exc:
+        err_console.print(f"[red]{exc}[/red]")
+        raise typer.Exit(2) from None
+    print(key)
+    err_console.print(entry, markup=False, highlight=False)
 
 
 _GATEWAY_ADDR = typer.Option(os.environ.get("TANDEM_GATEWAY_ADDR", "127.0.0.1:50051"),

@@ -5,6 +5,8 @@ from __future__ import annotations
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
 
+import os
+
 import grpc
 
 from protos.tandem.v1 import gateway_pb2, gateway_pb2_grpc
@@ -29,16 +31,33 @@ def chat_request(messages: list[dict[str, str]], params: gateway_pb2.SamplingPar
     return gateway_pb2.GenerateRequest(chat=chat, sampling=params)
 
 
+def auth_metadata(api_key: str) -> tuple[tuple[str, str], ...]:
+    """The call metadata that presents ``api_key`` to the gateway (none for an empty key)."""
+    return (("authorization", f"Bearer {api_key}"),) if api_key else ()
+
+
+def channel(address: str, ca_file: str = "") -> grpc.Channel:
+    """A channel to the gateway: TLS verified against the CA file ``ca_file`` (default
+    ``TANDEM_TLS_CA``) when there is one, else plaintext."""
+    ca_file = ca_file or os.environ.get("TANDEM_TLS_CA", "")
+    if not ca_file:
+        return grpc.insecure_channel(address)
+    with open(ca_file, "rb") as f:
+        return grpc.secure_channel(address, grpc.ssl_channel_credentials(root_certificates=f.read()))
+
+
 def stream(address: str, request: gateway_pb2.GenerateRequest, on_text: Callable[[str], None],
-           timeout_s: float | None = None) -> Completion:
-    """Run one Generate call, calling ``on_text`` with each new piece of sample 0's text.
+           timeout_s: float | None = None, api_key: str = "", ca_file: str = "") -> Completion:
+    """Run one Generate call, calling ``on_text`` with each new piece of sample 0's text;
+    ``api_key`` is sent as ``authorization: Bearer`` when set; ``ca_file``: see :func:`channel`.
 
     Raises:
         grpc.RpcError: the call failed (its ``code()`` and ``details()`` say why).
     """
     out = Completion()
-    with grpc.insecure_channel(address) as channel:
-        call = gateway_pb2_grpc.GatewayStub(channel).Generate(request, timeout=timeout_s)
+    with channel(address, ca_file) as ch:
+        call = gateway_pb2_grpc.GatewayStub(ch).Generate(request, timeout=timeout_s,
+                                                              metadata=auth_metadata(api_key))
         try:
             for message in call:
                 if message.index != 0:
@@ -60,5 +79,5 @@ def stream(address: str, request: gateway_pb2.GenerateRequest, on_text: Callable
 def responses(address: str, request: gateway_pb2.GenerateRequest,
               timeout_s: float | None = None) -> Iterator[gateway_pb2.GenerateResponse]:
     """All messages of one Generate call."""
-    with grpc.insecure_channel(address) as channel:
-        yield from gateway_pb2_grpc.GatewayStub(channel).Generate(request, timeout=timeout_s)
+    with channel(address) as ch:
+        yield from gateway_pb2_grpc.GatewayStub(ch).Generate(request, timeout=timeout_s)

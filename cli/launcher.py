@@ -123,14 +123,17 @@ class LocalCluster:
         log_dir: also write each process' output to ``log_dir/<name>.log``.
         metrics: serve every process's Prometheus metrics, each on a free port of its own
             (``metrics_ports`` says which).
+        tls_dir: a TLS directory (``cluster.tls``) every process uses: the gateway serves TLS,
+            gateway and workers authenticate each other with mTLS; ``None``: plaintext.
     """
 
     def __init__(self, model: str | None = None, gateway_addr: str | None = None, num_prefill: int = 1,
                  num_decode: int = 1, env: dict[str, str] | None = None,
                  worker_env: dict[str, dict[str, str]] | None = None, redis: str | None = "auto",
                  sink: Callable[[str, str], None] | None = None, log_dir: Path | None = None,
-                 metrics: bool = True) -> None:
+                 metrics: bool = True, tls_dir: str | None = None) -> None:
         self.model = model
+        self.tls_dir = tls_dir
         self.gateway_addr = gateway_addr or f"127.0.0.1:{free_port()}"
         self.num_prefill, self.num_decode = num_prefill, num_decode
         self.env = dict(env or {})
@@ -159,6 +162,7 @@ class LocalCluster:
             if self.model:
                 base["TANDEM_MODEL"] = self.model
             base["TANDEM_REDIS_URL"] = self.redis_url or ""
+            base["TANDEM_TLS_DIR"] = self.tls_dir or ""
             for role, count in (("prefill", self.num_prefill), ("decode", self.num_decode)):
                 for i in range(count):
                     name, address = f"{role}-{i}", f"127.0.0.1:{free_port()}"
@@ -214,7 +218,7 @@ class LocalCluster:
                 if not child.alive:
                     raise ClusterError(f"{name} exited with {child.proc.returncode}; last lines:\n"
                                        + "\n".join(list(child.tail)[-15:]))
-                if check(child.address, timeout_s=1.0):
+                if check(child.address, timeout_s=1.0, tls_dir=self.tls_dir or ""):
                     del pending[name]
             if on_wait is not None:
                 on_wait(f"waiting for {', '.join(pending) or 'nothing'} to report SERVING")

@@ -180,7 +180,8 @@ class WorkerInfo:
         return cls(f["worker_id"], Role(f["role"]), f["address"], config, load)
 
 
-def redis_client(url: str, timeout_s: float = 0.5, retries: int = 1) -> redis.Redis:
+def redis_client(url: str, timeout_s: float = 0.5, retries: int = 1, password: str = "",
+                 tls_ca: str = "") -> redis.Redis:
     """Return a ``redis.asyncio`` client suited to routing: bytes replies, short timeouts.
 
     redis-py's defaults (5 s timeouts, 10 retries) would stall every heartbeat and refresh for
@@ -191,9 +192,15 @@ def redis_client(url: str, timeout_s: float = 0.5, retries: int = 1) -> redis.Re
         url: e.g. ``redis://127.0.0.1:6379/0``.
         timeout_s: connect and socket timeout in seconds.
         retries: extra attempts on connection errors.
+        password: Redis AUTH password (empty: the URL's, if any).
+        tls_ca: CA file that verifies the server's certificate (a ``rediss://`` URL).
     """
+    extra = {"password": password} if password else {}
+    if tls_ca:
+        extra["ssl_ca_certs"] = tls_ca
     return redis.Redis.from_url(
         url,
+        **extra,
         decode_responses=False,
         socket_timeout=timeout_s,
         socket_connect_timeout=timeout_s,

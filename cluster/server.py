@@ -1,8 +1,9 @@
 """What every Tandem server serves besides its own API, and how it binds.
 
 :class:`ServerScaffold` builds the ``grpc.aio`` server with health checking (``Check``, ``List``
-and a ``Watch`` that ends on shutdown, :mod:`cluster.health`) and reflection v1/v1alpha of the
-services it lists (:mod:`cluster.reflection`). A listen address or metrics port that cannot be
+and a ``Watch`` that ends on shutdown, :mod:`cluster.health`), reflection v1/v1alpha of the
+services it lists where enabled (:mod:`cluster.reflection`), and ``INVALID_ARGUMENT`` for a
+request that does not parse (:mod:`cluster.interceptors`). A listen address or metrics port that cannot be
 bound raises :class:`BindError`, one line naming the address and the setting; the entry points
 print it and exit 1. This module loads no torch: the gateway process uses it too.
 """
@@ -19,6 +20,7 @@ import grpc
 from prometheus_client import CollectorRegistry, start_http_server
 
 from cluster.health import HealthServicer
+from cluster.interceptors import MalformedRequestInterceptor
 from cluster.reflection import add_reflection
 from protos.grpc.health.v1 import health_pb2, health_pb2_grpc
 from protos.status import StatusError
@@ -81,28 +83,36 @@ class ServerScaffold:
         services: full names of the server's own services (health reports each; reflection
             lists them).
         options: ``grpc.aio.server`` channel options (message size limits, ...).
+        reflection: serve gRPC reflection (off: a caller cannot list the services).
+        interceptors: run after :class:`~cluster.interceptors.MalformedRequestInterceptor`
+            (which every server has), in order.
 
     Attributes:
         server: add the servicers to it, then :meth:`bind` and :meth:`start`.
         health: NOT_SERVING for everything until the owner says otherwise.
     """
 
-    def __init__(self, services: Sequence[str], options: Sequence[tuple[str, int]] = ()) -> None:
+    def __init__(self, services: Sequence[str], options: Sequence[tuple[str, int]] = (), *, reflection: bool = True,
+                 interceptors: Sequence[grpc.aio.ServerInterceptor] = ()) -> None:
         # No SO_REUSEPORT: a second server on a taken port must fail, not share it silently.
-        self.server = grpc.aio.server(options=[("grpc.so_reuseport", 0), *options])
+        self.server = grpc.aio.server(options=[("grpc.so_reuseport", 0), *options],
+                                      interceptors=[MalformedRequestInterceptor(), *interceptors])
         self.health = HealthServicer(list(services))
         health_pb2_grpc.add_HealthServicer_to_server(self.health, self.server)
-        add_reflection(self.server, [*services, HEALTH_SERVICE])
+        if reflection:
+            add_reflection(self.server, [*services, HEALTH_SERVICE])
 
-    def bind(self, address: str, setting: str) -> int:
-        """Listen on ``address`` (``host:port``; port 0 picks a free one) and return the port.
+    def bind(self, address: str, setting: str, credentials: grpc.ServerCredentials | None = None) -> int:
+        """Listen on ``address`` (``host:port``; port 0 picks a free one) and return the port;
+        with ``credentials`` (``cluster.tls``) the port speaks TLS only.
 
         Raises:
             BindError: the address is taken or invalid; names ``address`` and ``setting``.
         """
         _check_free(address, setting)
         try:
-            port = self.server.add_insecure_port(address)
+            port = (self.server.add_insecure_port(address) if credentials is None
+                    else self.server.add_secure_port(address, credentials))
         except RuntimeError as exc:  # grpcio reports a failed bind this way
             raise BindError(f"cannot listen on {address} ({setting}): {exc}") from None
         if not port:

@@ -60,6 +60,12 @@ class TandemSettings(BaseSettings):
     registry_ttl_s: float = Field(3.0, gt=0, description="seconds a worker's Redis entries outlive its last heartbeat")
     metrics_port: int = Field(0, ge=0, le=65535, description="Prometheus /metrics port, on the listen host; 0: off")
     drain_timeout_s: float = Field(30.0, ge=0, description="on SIGTERM, seconds in-flight requests get before they are aborted")
+    tls_dir: str = Field("", description="TLS directory of `tandem certs init` (ca.pem, {role}.pem, {role}-key.pem): "
+                                         "the gateway serves TLS, workers require a cluster client certificate; "
+                                         "empty: plaintext, with a warning")
+    redis_password: str = Field("", repr=False, description="Redis password (AUTH); empty: none")
+    redis_tls_ca: str = Field("", description="CA file that verifies Redis's certificate (with a rediss:// URL)")
+    reflection: bool = Field(False, description="serve gRPC reflection (lists the services; workers' are internal)")
     log_level: typing.Literal["DEBUG", "INFO", "WARNING", "ERROR"] = Field("INFO", description="log level")
     max_n: int = Field(RequestLimits.max_n, ge=1, description="largest sampling.n")
     max_logprobs: int = Field(RequestLimits.max_logprobs, ge=0, description="largest sampling.logprobs")
@@ -73,6 +79,13 @@ class TandemSettings(BaseSettings):
         host, sep, port = value.rpartition(":")
         if not sep or not host or not port.isdigit():
             raise ValueError(f"must be host:port, got {value!r}")
+        return value
+
+    @field_validator("tls_dir")
+    @classmethod
+    def _check_tls_dir(cls, value: str) -> str:
+        if value and not os.path.isfile(os.path.join(value, "ca.pem")):
+            raise ValueError(f"{value} has no ca.pem (make one with `tandem certs init {value}`)")
         return value
 
     @field_validator("log_level", mode="before")
@@ -114,8 +127,9 @@ class WorkerSettings(TandemSettings):
     dtype: typing.Literal["auto", *DTYPE_NAMES] = Field(
         "auto", description="model and KV cache dtype; auto: bfloat16 on CUDA, float32 on CPU")
     seed: int = Field(0, ge=0, description="seed of the engine's shared randomness")
-    lease_s: float = Field(30.0, gt=0, description="decode: seconds a reservation lives with no transfer stream "
-                                                   "open on it and no Decode claiming it")
+    lease_s: float = Field(30.0, gt=0, le=600, description="decode: seconds a reservation lives with no transfer "
+                                                           "stream open on it and no Decode claiming it (the "
+                                                           "worker's own: no caller chooses it)")
     kv_transport: typing.Literal["auto", "nixl", "grpc"] = Field(
         "auto", description="how KV blocks move between workers: nixl (GPU-direct / shared memory / RDMA; a "
                             "startup error without NIXL), grpc (bytes in the stream), auto (NIXL where both peers "

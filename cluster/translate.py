@@ -8,6 +8,7 @@ starts with the offending field's name.
 from __future__ import annotations
 
 import math
+import re
 from collections.abc import Sequence
 
 from cluster.registry import Role, WorkerConfig
@@ -17,8 +18,41 @@ from engine.validation import check_prompt
 from protos.status import StatusError
 from protos.tandem.v1 import gateway_pb2, worker_pb2
 
+REQUEST_ID_MAX_CHARS = 128
+# The gateway names a worker's request "{client's id}-{8 hex digits}" (one per attempt).
+WORKER_REQUEST_ID_MAX_CHARS = REQUEST_ID_MAX_CHARS + 16
+_REQUEST_ID = re.compile(r"[A-Za-z0-9._:-]+")
+CACHE_SALT_MAX_CHARS = 128
+
 _FINISH_REASONS = {None: gateway_pb2.FINISH_REASON_UNSPECIFIED, "stop": gateway_pb2.FINISH_REASON_STOP,
                    "length": gateway_pb2.FINISH_REASON_LENGTH, "abort": gateway_pb2.FINISH_REASON_ABORT}
+
+
+def check_request_id(request_id: str, max_chars: int = WORKER_REQUEST_ID_MAX_CHARS) -> None:
+    """Refuse a request id that is empty, longer than ``max_chars`` characters, or has a
+    character outside ``A-Z a-z 0-9 . _ : -`` (it is echoed in responses and written in every
+    log line of its request, so it can neither be huge nor forge a line).
+
+    Raises:
+        StatusError: ``INVALID_ARGUMENT`` naming ``request_id`` (the id itself is not repeated).
+    """
+    if not request_id:
+        raise StatusError.invalid_argument("request_id", "must not be empty")
+    if len(request_id) > max_chars:
+        raise StatusError.invalid_argument("request_id", f"is {len(request_id)} characters, more than {max_chars}")
+    if not _REQUEST_ID.fullmatch(request_id):
+        raise StatusError.invalid_argument("request_id", "may contain only A-Z a-z 0-9 . _ : -")
+
+
+def check_cache_salt(cache_salt: str) -> None:
+    """Refuse a prefix-cache salt longer than :data:`CACHE_SALT_MAX_CHARS` characters.
+
+    Raises:
+        StatusError: ``INVALID_ARGUMENT`` naming ``cache_salt``.
+    """
+    if len(cache_salt) > CACHE_SALT_MAX_CHARS:
+        raise StatusError.invalid_argument("cache_salt", f"is {len(cache_salt)} characters, more than "
+                                                         f"{CACHE_SALT_MAX_CHARS}")
 
 
 def check_prompt_ids(field: str, prompt_token_ids: Sequence[int], max_model_len: int, vocab_size: int) -> None:

@@ -27,6 +27,7 @@ from cluster.prefix_index import PrefixIndex
 from cluster.registry import ClusterNamespace, Role, WorkerConfig, WorkerInfo, WorkerLoad, WorkerRegistry, redis_client
 from cluster.server import Admission, BindError, ServerScaffold
 from cluster.settings import WorkerSettings, advertised_address, setting_name
+from cluster.tls import PeerRoleInterceptor, TlsFiles, server_credentials
 from engine.async_engine import AsyncEngine
 from engine.llm_engine import LLMEngine
 from kvtransfer import GRPC_MESSAGE_OPTIONS
@@ -58,6 +59,20 @@ def kv_transport(settings: WorkerSettings, worker_id: str, llm: LLMEngine) -> tu
     return (["nixl"] if settings.kv_transport == "nixl" else ["nixl", "grpc"]), agent
 
 
+def worker_tls(settings: WorkerSettings, role: Role) -> TlsFiles | None:
+    """This worker's TLS material from ``tls_dir`` (``None``: plaintext).
+
+    Raises:
+        StartupError: a file is missing or unreadable (named, with the setting).
+    """
+    if not settings.tls_dir:
+        return None
+    try:
+        return TlsFiles.load(settings.tls_dir, str(role), setting_name(WorkerSettings, "tls_dir"))
+    except ValueError as exc:
+        raise StartupError(str(exc)) from None
+
+
 def published_config(llm: LLMEngine) -> WorkerConfig:
     """The cache settings a worker owns, as it publishes them (registry entry, ``GetStats``)."""
     return WorkerConfig(llm.model_id, llm.config.block_size, llm.max_model_len, llm.kv_cache_dtype,
@@ -68,6 +83,8 @@ class WorkerServicer(Protocol):
     """What :class:`WorkerServer` needs from a worker's servicer."""
 
     service_name: str  # full gRPC service name, e.g. "tandem.v1.DecodeWorker"
+    # Under mTLS, method name -> the roles whose certificates may call it (cluster.tls).
+    peer_roles: dict[str, tuple[str, ...]]
     admission: Admission
 
     def add_to_server(self, server: grpc.aio.Server) -> None: ...
@@ -114,15 +131,31 @@ class WorkerServer:
     async def start(self) -> str:
         """Bind, start serving, register in Redis; returns the advertised address.
 
+        With ``tls_dir`` the port speaks TLS only and requires a client certificate of the
+        cluster CA; without it, plaintext (a warning: any caller that reaches the port is served).
+
         Raises:
             BindError: the listen address or the metrics port cannot be bound.
+            StartupError: the TLS files cannot be read.
         """
         s = self.settings
-        self._scaffold = scaffold = ServerScaffold([self.servicer.service_name], GRPC_MESSAGE_OPTIONS)
+        tls = worker_tls(s, self.role)
+        roles = [PeerRoleInterceptor(self.servicer.service_name, self.servicer.peer_roles)] if tls else []
+        self._scaffold = scaffold = ServerScaffold([self.servicer.service_name], GRPC_MESSAGE_OPTIONS,
+                                                  reflection=s.reflection, interceptors=roles)
         self.servicer.add_to_server(scaffold.server)
-        self.port = scaffold.bind(s.listen, setting_name(WorkerSettings, "listen"))
+        credentials = None
+        if tls is not None:
+            try:
+                credentials = server_credentials(s.tls_dir, str(self.role), True, setting_name(WorkerSettings, "tls_dir"))
+            except ValueError as exc:
+                raise StartupError(str(exc)) from None
+        self.port = scaffold.bind(s.listen, setting_name(WorkerSettings, "listen"), credentials)
         self.metrics.serve(s.listen_host, s.metrics_port, setting_name(WorkerSettings, "metrics_port"))
         await scaffold.start()
+        if tls is None:
+            logger.warning("no TLS (%s): the worker port is plaintext and serves any caller that reaches it",
+                           setting_name(WorkerSettings, "tls_dir"))
         self.address = advertised_address(s.listen_host, self.port, s.advertise)
         await scaffold.health.set_all(SERVING)
         if s.redis_url:
@@ -138,7 +171,7 @@ class WorkerServer:
 
     def _start_heartbeat(self) -> None:
         s = self.settings
-        self._redis = redis_client(s.redis_url)
+        self._redis = redis_client(s.redis_url, password=s.redis_password, tls_ca=s.redis_tls_ca)
         ns = ClusterNamespace(s.redis_key_prefix, s.registry_ttl_s)
 
         def load() -> WorkerLoad:

@@ -25,10 +25,12 @@ from cluster.metrics import WorkerMetrics
 from cluster.registry import Role
 from cluster.settings import WorkerSettings
 from cluster.translate import (
-    check_prompt_ids, finish_reason_to_proto, sampling_params_from_proto, token_logprobs, worker_config_to_proto,
+    check_cache_salt, check_prompt_ids, check_request_id, finish_reason_to_proto, sampling_params_from_proto,
+    token_logprobs, worker_config_to_proto,
 )
 from cluster.worker import Admission, kv_transport, published_config
 from engine.async_engine import AsyncEngine, EngineError
+from engine.block_hash import prompt_key
 from engine.block_pool import NoFreeBlocksError
 from engine.outputs import RequestOutput
 from engine.sampling_params import SamplingParams
@@ -55,6 +57,9 @@ class DecodeServicer(worker_pb2_grpc.DecodeWorkerServicer):
     """
 
     service_name = "tandem.v1.DecodeWorker"
+    # KV comes from prefill workers only, so only their blocks can enter the prefix cache.
+    peer_roles = {"Admit": ("gateway",), "TransferKV": ("prefill",), "Decode": ("gateway",),
+                  "Abort": ("gateway",), "GetStats": ("gateway", "prefill", "decode")}
 
     def __init__(self, engine: AsyncEngine, settings: WorkerSettings, metrics: WorkerMetrics) -> None:
         self.engine = engine
@@ -90,21 +95,22 @@ class DecodeServicer(worker_pb2_grpc.DecodeWorkerServicer):
     # ----------------------------------------------------------------- RPCs
     async def Admit(self, request: worker_pb2.AdmitRequest, context):  # noqa: N802
         request_id = request.request_id
-        request_id_var.set(request_id)
         try:
+            check_request_id(request_id)
+            request_id_var.set(request_id)
             self.admission.check()
-            if not request_id:
-                raise StatusError.invalid_argument("request_id", "must not be empty")
             prompt = list(request.prompt_token_ids)
             check_prompt_ids("prompt_token_ids", prompt, self.config.max_model_len, self.config.vocab_size)
+            check_cache_salt(request.cache_salt)
             if request_id in self._decoding:
                 raise StatusError(grpc.StatusCode.ALREADY_EXISTS, f"request {request_id!r} is already decoding")
             try:
-                block_ids, num_cached = await self.engine.reserve_blocks(prompt)
+                block_ids, num_cached = await self.engine.reserve_blocks(prompt, request.cache_salt)
             except NoFreeBlocksError as exc:
                 raise StatusError(grpc.StatusCode.RESOURCE_EXHAUSTED, f"no room for the prompt's KV: {exc}") from None
             try:
-                reservation = self.table.reserve(request_id, block_ids, num_cached=num_cached)
+                reservation = self.table.reserve(request_id, block_ids, num_cached=num_cached,
+                                                 prompt_key=prompt_key(prompt, request.cache_salt))
             except StatusError:
                 self.engine.free_blocks(block_ids)
                 raise
@@ -127,20 +133,22 @@ class DecodeServicer(worker_pb2_grpc.DecodeWorkerServicer):
 
     async def Decode(self, request: worker_pb2.DecodeRequest, context):  # noqa: N802
         request_id = request.request_id
-        request_id_var.set(request_id)
         start, status = time.perf_counter(), "OK"
         with self.admission.track():
             try:
                 prompt, params, first = self._validate(request)
+                request_id_var.set(request_id)
                 if request_id in self._decoding:
                     raise StatusError(grpc.StatusCode.ALREADY_EXISTS, f"request {request_id!r} is already decoding")
+                salt, key = request.cache_salt, prompt_key(prompt, request.cache_salt)
                 if request.local_prefill:
-                    block_ids = self.table.take(request.reservation_id, request_id)  # now ours to free
-                    outputs = self.engine.generate(request_id, prompt, params, release_blocks=block_ids)
+                    block_ids = self.table.take(request.reservation_id, request_id, key)  # now ours to free
+                    outputs = self.engine.generate(request_id, prompt, params, release_blocks=block_ids,
+                                                   cache_salt=salt)
                     self.metrics.local_prefills.inc()
                 else:
-                    block_ids = self.table.claim(request.reservation_id, request_id)  # now ours to free
-                    outputs = self.engine.add_prefilled(request_id, prompt, first, params, block_ids)
+                    block_ids = self.table.claim(request.reservation_id, request_id, key)  # now ours to free
+                    outputs = self.engine.add_prefilled(request_id, prompt, first, params, block_ids, salt)
                 self._decoding.add(request_id)
                 try:
                     async for response in self._stream(outputs, params, len(first), start):
@@ -162,6 +170,10 @@ class DecodeServicer(worker_pb2_grpc.DecodeWorkerServicer):
                 self.metrics.e2e.labels("Decode").observe(time.perf_counter() - start)
 
     async def Abort(self, request: worker_pb2.AbortRequest, context):  # noqa: N802
+        try:
+            check_request_id(request.request_id)
+        except StatusError as exc:
+            await context.abort(exc.code, exc.message)
         request_id_var.set(request.request_id)
         reserved = self.table.release_request(request.request_id, f"aborted: {request.reason or 'no reason'}")
         running = await asyncio.wrap_future(self.engine.abort(request.request_id))
@@ -177,12 +189,12 @@ class DecodeServicer(worker_pb2_grpc.DecodeWorkerServicer):
 
     # ------------------------------------------------------------- helpers
     def _validate(self, request: worker_pb2.DecodeRequest) -> tuple[list[int], SamplingParams, list[int]]:
-        if not request.request_id:
-            raise StatusError.invalid_argument("request_id", "must not be empty")
+        check_request_id(request.request_id)
         if not request.reservation_id:
             raise StatusError.invalid_argument("reservation_id", "must not be empty")
         prompt = list(request.prompt_token_ids)
         check_prompt_ids("prompt_token_ids", prompt, self.config.max_model_len, self.config.vocab_size)
+        check_cache_salt(request.cache_salt)
         params = sampling_params_from_proto(request.sampling, len(prompt), self.config, self.limits)
         first = list(request.first_token_ids)
         wanted = 0 if request.local_prefill else params.n

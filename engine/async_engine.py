@@ -154,13 +154,15 @@ class AsyncEngine:
 
     # ------------------------------------------------------------- requests
     async def generate(self, request_id: str, prompt_ids: list[int], params: SamplingParams,
-                       pin_prompt_blocks: bool = False, release_blocks: list[int] = ()) -> AsyncIterator[RequestOutput]:
+                       pin_prompt_blocks: bool = False, release_blocks: list[int] = (),
+                       cache_salt: str = "") -> AsyncIterator[RequestOutput]:
         """Run a request; yields its cumulative output each time it gains tokens (or, with
         ``pin_prompt_blocks``, pins more prompt blocks), the last one finished. Closing or
         cancelling the iterator early aborts the request (blocks freed at the engine's next
         iteration), pinned blocks included; after a normal finish, pinned blocks stay until
         :meth:`release`. ``release_blocks`` (a reservation the request replaces) are freed as
-        the request is queued, whatever happens (see ``LLMEngine.add_request``).
+        the request is queued, whatever happens (see ``LLMEngine.add_request``, also for
+        ``cache_salt``).
 
         Raises:
             ValueError: bad prompt or duplicate ``request_id`` (nothing was queued).
@@ -170,7 +172,7 @@ class AsyncEngine:
 
         def add() -> None:
             self.engine.add_request(request_id, prompt_ids, params, pin_prompt_blocks=pin_prompt_blocks,
-                                    release_blocks=release_blocks)
+                                    release_blocks=release_blocks, cache_salt=cache_salt)
             self._streams[request_id] = stream
 
         await self._call_owned(request_id, add)
@@ -178,7 +180,8 @@ class AsyncEngine:
             yield out
 
     async def add_prefilled(self, request_id: str, prompt_ids: list[int], first_token_ids: list[int],
-                            params: SamplingParams, block_ids: list[int]) -> AsyncIterator[RequestOutput]:
+                            params: SamplingParams, block_ids: list[int],
+                            cache_salt: str = "") -> AsyncIterator[RequestOutput]:
         """Join a request whose prompt KV fills ``block_ids`` to the running batch (see
         ``LLMEngine.add_prefilled_request``); yields its output so far first, then as for
         :meth:`generate`.
@@ -194,7 +197,7 @@ class AsyncEngine:
         def add() -> RequestOutput:
             try:
                 out = self.engine.add_prefilled_request(request_id, prompt_ids, first_token_ids,
-                                                        params, block_ids)
+                                                        params, block_ids, cache_salt)
             except BaseException:
                 self.engine.free_blocks(block_ids)
                 raise
@@ -266,14 +269,14 @@ class AsyncEngine:
         """Unpin a request's pinned prompt blocks (returns at once, like :meth:`abort`)."""
         return self._submit(lambda: self.engine.release(request_id))
 
-    async def reserve_blocks(self, prompt_ids: list[int]) -> tuple[list[int], int]:
+    async def reserve_blocks(self, prompt_ids: list[int], cache_salt: str = "") -> tuple[list[int], int]:
         """Reserve a prompt's blocks for incoming KV (``LLMEngine.reserve_blocks``: cached leading
         blocks reused, headroom for the running batch kept free); ``(block_ids, num_cached)``.
 
         Raises:
             NoFreeBlocksError: the pool cannot hold them now.
         """
-        future = self._submit(lambda: self.engine.reserve_blocks(prompt_ids))
+        future = self._submit(lambda: self.engine.reserve_blocks(prompt_ids, cache_salt))
         try:
             return await asyncio.wrap_future(future)
         except asyncio.CancelledError:

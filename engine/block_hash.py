@@ -1,7 +1,8 @@
 """Chained block hashes: the key of a full KV block in every prefix cache and in the Redis index.
 
 ``h_i = BLAKE2b-128(h_{i-1} || le_uint32(token_ids of block i))`` with ``h_{-1}`` a seed derived
-from the model id, the block size and the KV cache dtype (docs/architecture.md, "Block hash").
+from the model id, the block size and the KV cache dtype, salted per tenant where the request
+has a cache salt (:func:`salted_seed`; docs/architecture.md, "Block hash").
 A block's hash therefore names the whole prefix up to and including that block, so two
 requests share a cached block only if they share every token before it. BLAKE2b with a 128-bit
 digest keeps crafted collisions out of reach (a 64-bit non-cryptographic hash does not: vLLM
@@ -33,6 +34,32 @@ def hash_seed(model_id: str, block_size: int, kv_cache_dtype: str) -> bytes:
     """
     text = f"tandem-v1|{model_id}|{block_size}|{kv_cache_dtype}".encode()
     return hashlib.blake2b(text, digest_size=HASH_BYTES).digest()
+
+
+def salted_seed(seed: bytes, cache_salt: str) -> bytes:
+    """Return the chain's start for one tenant: ``seed`` itself without a salt, else
+    ``BLAKE2b-128(seed || "salt" || cache_salt)`` (vLLM's ``cache_salt``: the salt enters the first
+    block's hash, so every block of the chain differs between tenants and no prefix is shared).
+
+    Args:
+        seed: ``hash_seed(...)`` of the model (16 bytes).
+        cache_salt: the tenant's salt; ``""``: none (one shared prefix cache).
+
+    Returns:
+        16 bytes.
+    """
+    if not cache_salt:
+        return seed
+    return hashlib.blake2b(seed + b"|salt|" + cache_salt.encode(), digest_size=HASH_BYTES).digest()
+
+
+def prompt_key(token_ids: Sequence[int], cache_salt: str = "") -> bytes:
+    """Return a 16-byte digest naming a whole prompt under one salt (a decode worker binds a
+    reservation to the prompt it was admitted for, so its blocks are cached under that prompt's
+    hashes only)."""
+    h = hashlib.blake2b(cache_salt.encode() + b"\0", digest_size=HASH_BYTES)
+    h.update(np.asarray(token_ids, dtype="<u4").tobytes())
+    return h.digest()
 
 
 def hash_block(parent: bytes, token_ids: Sequence[int]) -> bytes:

@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from engine.block_hash import hash_block, hash_blocks
+from engine.block_hash import hash_block, hash_blocks, salted_seed
 from engine.block_pool import BlockPool, NoFreeBlocksError, cdiv
 from engine.sequence import Sequence
 
@@ -43,7 +43,7 @@ class KVCacheManager:
         hashes = seq.block_hashes
         while len(hashes) < num_full_blocks:
             start = len(hashes) * self.block_size
-            parent = hashes[-1] if hashes else self.hash_seed
+            parent = hashes[-1] if hashes else salted_seed(self.hash_seed, seq.cache_salt)
             hashes.append(hash_block(parent, seq.token_ids[start : start + self.block_size]))
 
     def find_cached_blocks(self, seq: Sequence) -> list[int]:
@@ -114,10 +114,11 @@ class KVCacheManager:
             self.pool.cache(seq.block_table[i], seq.block_hashes[i])
         self._num_registered[seq.key] = num_full
 
-    def reserve(self, prompt_token_ids: list[int], headroom_blocks: int = 0) -> tuple[list[int], int]:
+    def reserve(self, prompt_token_ids: list[int], headroom_blocks: int = 0,
+                cache_salt: str = "") -> tuple[list[int], int]:
         """Reserve the blocks of a prompt whose KV another worker will send: the leading full
-        blocks the prefix cache holds are reused (referenced, nothing to send), the rest are
-        allocated, while ``headroom_blocks`` stay free.
+        blocks the prefix cache holds under ``cache_salt`` are reused (referenced, nothing to
+        send), the rest are allocated, while ``headroom_blocks`` stay free.
 
         Returns:
             ``(block_ids, num_cached)``: one block per position of the prompt, the first
@@ -130,7 +131,7 @@ class KVCacheManager:
         needed = cdiv(len(prompt_token_ids), bs)
         cached = []
         if self.enable_prefix_caching:
-            hashes = hash_blocks(prompt_token_ids, bs, self.hash_seed)
+            hashes = hash_blocks(prompt_token_ids, bs, salted_seed(self.hash_seed, cache_salt))
             for block_hash in hashes:
                 block = self.pool.lookup(block_hash)
                 if block is None:

@@ -185,8 +185,26 @@ class LLMEngine:
         """
         check_prompt(prompt_token_ids, self.max_model_len, self.vocab_size)
 
+    def validate_params(self, params: SamplingParams) -> None:
+        """Refuse sampling parameters this engine cannot run, before the request joins a batch,
+        so that one request's parameters can never fail a step shared with others (reads only
+        settings, so any thread may call it).
+
+        Raises:
+            ValueError: naming the field: ``n`` above ``max_num_seqs`` (its samples could never
+                all run), ``logprobs`` above the vocabulary size, a stop token id outside the
+                vocabulary.
+        """
+        if params.n > self.config.max_num_seqs:
+            raise ValueError(f"n must be <= max_num_seqs={self.config.max_num_seqs}, got {params.n}")
+        if params.logprobs > self.vocab_size:
+            raise ValueError(f"logprobs must be <= vocab_size={self.vocab_size}, got {params.logprobs}")
+        bad = next((t for t in params.stop_token_ids if t >= self.vocab_size), None)
+        if bad is not None:
+            raise ValueError(f"stop_token_ids has {bad}, not below vocab_size={self.vocab_size}")
+
     def add_request(self, request_id: str, prompt: str | list[int], params: SamplingParams,
-                    pin_prompt_blocks: bool = False, release_blocks: list[int] = ()) -> list[int]:
+                    pin_prompt_blocks: bool = False, release_blocks: list[int] = (), cache_salt: str = "") -> list[int]:
         """Queue a request. Nothing is allocated until the scheduler admits it.
 
         Args:
@@ -200,6 +218,7 @@ class LLMEngine:
             release_blocks: a reservation (``reserve_blocks``) the request replaces: freed as
                 it is queued, in the same step, so the scheduler finds its cached blocks again and
                 its free ones are the request's to take (a decode worker prefilling locally).
+            cache_salt: the tenant's salt of the prefix cache's block hashes (``""``: none).
 
         Returns:
             The prompt's token ids.
@@ -209,18 +228,21 @@ class LLMEngine:
                 are freed all the same.
         """
         self.free_blocks(list(release_blocks))
-        req = self._new_request(request_id, prompt, params)
+        req = self._new_request(request_id, prompt, params, cache_salt)
         req.pin_prompt_blocks = pin_prompt_blocks
         self.scheduler.add(req.seqs[0])
         return req.prompt_token_ids
 
-    def _new_request(self, request_id: str, prompt: str | list[int], params: SamplingParams) -> _Request:
+    def _new_request(self, request_id: str, prompt: str | list[int], params: SamplingParams,
+                     cache_salt: str = "") -> _Request:
         if request_id in self.requests or request_id in self.pinned:
             raise ValueError(f"request_id {request_id!r} is already in use")
         token_ids = self.tokenize(prompt)
         self.validate_prompt(token_ids)
+        self.validate_params(params)
         arrival = next(self._arrivals)
-        seqs = [Sequence(request_id, i, list(token_ids), len(token_ids), params, arrival) for i in range(params.n)]
+        seqs = [Sequence(request_id, i, list(token_ids), len(token_ids), params, arrival, cache_salt=cache_salt)
+                for i in range(params.n)]
         seqs[0].forks = seqs[1:]
         req = _Request(request_id, prompt if isinstance(prompt, str) else None, token_ids, params,
                        seqs, [CompletionOutput(i) for i in range(params.n)])
@@ -293,10 +315,10 @@ class LLMEngine:
         self.kv_manager.release_blocks(pinned)
         return bool(pinned)
 
-    def reserve_blocks(self, prompt_token_ids: list[int]) -> tuple[list[int], int]:
+    def reserve_blocks(self, prompt_token_ids: list[int], cache_salt: str = "") -> tuple[list[int], int]:
         """Reserve the blocks of a prompt whose KV another worker will send (or this one will
         compute, see ``add_request(release_blocks=...)``), reusing the leading full blocks the
-        prefix cache holds (``KVCacheManager.reserve``).
+        prefix cache holds under ``cache_salt`` (``KVCacheManager.reserve``).
 
         Admission control: one free block per running or waiting sequence stays free as
         headroom, so a new reservation never forces the running batch into preemption at its
@@ -310,7 +332,7 @@ class LLMEngine:
             engine.block_pool.NoFreeBlocksError: the pool cannot hold them now.
         """
         headroom = len(self.scheduler.running) + len(self.scheduler.waiting)
-        return self.kv_manager.reserve(prompt_token_ids, headroom)
+        return self.kv_manager.reserve(prompt_token_ids, headroom, cache_salt)
 
     def free_blocks(self, block_ids: list[int]) -> None:
         """Return reserved blocks that never became a request (an expired lease, an abort)."""
@@ -318,7 +340,7 @@ class LLMEngine:
 
     def add_prefilled_request(
         self, request_id: str, prompt_token_ids: list[int], first_token_ids: list[int],
-        params: SamplingParams, block_ids: list[int],
+        params: SamplingParams, block_ids: list[int], cache_salt: str = "",
     ) -> RequestOutput:
         """Join a request whose prompt KV already fills ``block_ids`` (from :meth:`reserve_blocks`)
         to the running batch, with the first token of each of its ``n`` samples sampled by the
@@ -326,6 +348,9 @@ class LLMEngine:
 
         A seeded sample's noise is a function of its seed, index and position
         (:mod:`engine.sampler`), so its tokens equal those of the same request run on one engine.
+
+        ``cache_salt`` must be the one the blocks were reserved under (their full blocks join the
+        prefix cache under it).
 
         Returns:
             The request's output so far (finished if a first token already ended it).
@@ -340,7 +365,7 @@ class LLMEngine:
             raise ValueError(f"first_token_ids must be in [0, {self.vocab_size})")
         if len(block_ids) != cdiv(len(prompt_token_ids), self.config.block_size):
             raise ValueError(f"block_ids has {len(block_ids)} blocks for {len(prompt_token_ids)} tokens")
-        req = self._new_request(request_id, prompt_token_ids, params)
+        req = self._new_request(request_id, prompt_token_ids, params, cache_salt)
         self.kv_manager.adopt(req.seqs, block_ids, len(prompt_token_ids))
         for seq, token_id in zip(req.seqs, first_token_ids):
             seq.forks = []

@@ -35,6 +35,8 @@ class Sequence:
         forks: the request's other samples (n > 1), forked from this one once its prompt is
             computed; they share its blocks from then on.
         arrival: admission order, used for FCFS and to pick the newest for preemption.
+        cache_salt: the tenant's salt of the chained block hashes (``engine.block_hash.salted_seed``;
+            ``""``: none): sequences of different salts never share a cached block.
     """
 
     request_id: str
@@ -49,6 +51,7 @@ class Sequence:
     block_hashes: list[bytes] = field(default_factory=list)
     num_cached_tokens: int = -1
     forks: list["Sequence"] = field(default_factory=list)
+    cache_salt: str = ""
 
     @property
     def num_tokens(self) -> int:

@@ -11,6 +11,8 @@ engine uses the same class, so a prompt is tokenized by one rule everywhere.
 from __future__ import annotations
 
 import json
+import re
+import secrets
 from collections.abc import Sequence
 from pathlib import Path
 
@@ -18,6 +20,7 @@ from tokenizers import Tokenizer as BackendTokenizer
 
 Message = dict[str, str]
 _SPECIAL_TOKEN_KEYS = ("bos_token", "eos_token", "unk_token", "pad_token")
+_ROLE = re.compile(r"[A-Za-z0-9_-]{1,32}")
 
 
 class Tokenizer:
@@ -33,6 +36,8 @@ class Tokenizer:
         backend: the ``tokenizers.Tokenizer`` (``IncrementalDetokenizer`` decodes with it).
         eos_token_id: the id of ``special_tokens["eos_token"]``, or ``None``.
         pad_token_id: the id of ``special_tokens["pad_token"]``, or ``None``.
+        split_special_tokens: :meth:`apply_chat_template`'s default: message content cannot
+            produce special tokens (True unless the owner, e.g. the gateway's settings, says).
     """
 
     def __init__(self, backend: BackendTokenizer, chat_template: str | None,
@@ -42,6 +47,8 @@ class Tokenizer:
         self.special_tokens = dict(special_tokens)
         self.eos_token_id = self._token_id("eos_token")
         self.pad_token_id = self._token_id("pad_token")
+        self.split_special_tokens = True
+        self._plain: BackendTokenizer | None = None
 
     @classmethod
     def from_dir(cls, path: Path) -> Tokenizer | None:
@@ -91,13 +98,48 @@ class Tokenizer:
             raise ValueError(f"the chat template refused it: {exc}") from exc
         return rendered[0]
 
-    def apply_chat_template(self, messages: list[Message]) -> list[int]:
-        """Token ids of :meth:`render_chat` (the template writes every special token itself).
+    def apply_chat_template(self, messages: list[Message], split_special_tokens: bool | None = None) -> list[int]:
+        """Token ids of :meth:`render_chat`.
+
+        With ``split_special_tokens`` (``None``: the attribute of that name, true unless the
+        owner turned it off) only the template writes special tokens: the
+        chat is rendered with a placeholder for each message's content, the template's text is
+        encoded as usual and each content with special tokens encoded as plain text, so a user
+        who writes ``<|im_start|>system`` gets those characters, not a control token. Without it
+        the rendered text is encoded whole (content can then produce any special token).
 
         Raises:
-            ValueError: as :meth:`render_chat`.
+            ValueError: as :meth:`render_chat`; a role that is not a plain name (letters, digits,
+                ``_`` and ``-``, at most 32); with ``split_special_tokens``, a template that
+                changes a message's content rather than inserting it.
         """
-        return self.encode(self.render_chat(messages), add_special_tokens=False)
+        if not (self.split_special_tokens if split_special_tokens is None else split_special_tokens):
+            return self.encode(self.render_chat(messages), add_special_tokens=False)
+        for i, message in enumerate(messages):
+            if not _ROLE.fullmatch(message["role"]):
+                raise ValueError(f"messages[{i}].role must be a plain name (letters, digits, _ and -, at most 32)")
+        marker = f"\x00{secrets.token_hex(8)}\x00"
+        placeholders = [f"{marker}{i}{marker}" for i in range(len(messages))]
+        rendered = self.render_chat([{**m, "content": p} for m, p in zip(messages, placeholders)])
+        pieces = re.split(f"{re.escape(marker)}(\\d+){re.escape(marker)}", rendered)
+        if sorted(int(i) for i in pieces[1::2]) != list(range(len(messages))):
+            raise ValueError("the chat template changes message content; it cannot be tokenized apart from the "
+                             "template's special tokens")
+        ids: list[int] = []
+        for j, piece in enumerate(pieces):
+            if j % 2:
+                ids.extend(self._plain_backend().encode(messages[int(piece)]["content"], add_special_tokens=False).ids)
+            elif piece:
+                ids.extend(self.encode(piece, add_special_tokens=False))
+        return ids
+
+    def _plain_backend(self) -> BackendTokenizer:
+        """A copy of the backend that encodes special tokens' text as plain text (a copy: the
+        flag is the backend's state, and other threads encode with the original)."""
+        if self._plain is None:
+            self._plain = BackendTokenizer.from_str(self.backend.to_str())
+            self._plain.encode_special_tokens = True
+        return self._plain
 
 
 def _token_text(value: str | dict) -> str:

@@ -37,7 +37,7 @@ import grpc
 
 from cluster.channels import ChannelCache
 from cluster.registry import WorkerConfig
-from engine.block_hash import hash_blocks
+from engine.block_hash import hash_blocks, salted_seed
 from engine.detokenizer import IncrementalDetokenizer
 from engine.sampling_params import SamplingParams
 from engine.tokenizer import Tokenizer
@@ -55,16 +55,24 @@ _ABORT_TIMEOUT_S = 2.0
 
 
 class WorkerClients:
-    """Stubs of the workers' services over one cache of channels."""
+    """Stubs of the workers' services over caches of channels: one for decode workers and one
+    for prefill workers (with TLS each checks that the peer's certificate is of that role).
 
-    def __init__(self, channels: ChannelCache) -> None:
+    Args:
+        channels: channels to decode workers (and to prefill workers when ``prefill_channels``
+            is ``None``).
+        prefill_channels: channels to prefill workers.
+    """
+
+    def __init__(self, channels: ChannelCache, prefill_channels: ChannelCache | None = None) -> None:
         self.channels = channels
+        self.prefill_channels = channels if prefill_channels is None else prefill_channels
 
     def decode(self, address: str) -> worker_pb2_grpc.DecodeWorkerStub:
         return worker_pb2_grpc.DecodeWorkerStub(self.channels.get(address))
 
     def prefill(self, address: str) -> worker_pb2_grpc.PrefillWorkerStub:
-        return worker_pb2_grpc.PrefillWorkerStub(self.channels.get(address))
+        return worker_pb2_grpc.PrefillWorkerStub(self.prefill_channels.get(address))
 
 
 @dataclass
@@ -92,6 +100,7 @@ class _Attempt:
 
     route: Route
     worker_request_id: str
+    cache_salt: str = ""
     reservation_id: str = ""
     prefill_counted: bool = True
     decode_counted: bool = True
@@ -135,7 +144,7 @@ class Orchestrator:
 
     async def generate(
         self, request_id: str, prompt: list[int], sampling: gateway_pb2.SamplingParams, params: SamplingParams,
-        pool: WorkerConfig, time_left: Callable[[], float | None],
+        pool: WorkerConfig, time_left: Callable[[], float | None], cache_salt: str = "",
     ) -> AsyncIterator[gateway_pb2.GenerateResponse]:
         """Stream the request's ``GenerateResponse`` messages; the last one carries ``usage``.
 
@@ -148,13 +157,16 @@ class Orchestrator:
             pool: the settings of the pool that serves the request (block size, hash seed).
             time_left: seconds until the client's deadline (``None``: none); every worker call
                 gets it as its timeout.
+            cache_salt: the tenant's prefix-cache salt (``""``: none): routing and every
+                worker's prefix cache see the prompt's blocks under it only.
 
         Raises:
             StatusError: the status the client gets.
         """
         started = time.monotonic()
-        hashes = hash_blocks(prompt, pool.block_size, pool.hash_seed)
-        attempt, first = await self._prefill_with_retry(request_id, prompt, hashes, sampling, pool, time_left)
+        hashes = hash_blocks(prompt, pool.block_size, salted_seed(pool.hash_seed, cache_salt))
+        attempt, first = await self._prefill_with_retry(request_id, prompt, hashes, sampling, pool, time_left,
+                                                        cache_salt)
         try:
             async for response in self._stream(request_id, attempt, prompt, sampling, params, first, time_left,
                                                started):
@@ -164,13 +176,14 @@ class Orchestrator:
 
     # -- admission and prefill -------------------------------------------------------------
 
-    async def _prefill_with_retry(self, request_id, prompt, hashes, sampling, pool: WorkerConfig, time_left):
+    async def _prefill_with_retry(self, request_id, prompt, hashes, sampling, pool: WorkerConfig, time_left,
+                                  cache_salt: str):
         avoid: frozenset[str] = frozenset()
         retried = False
         capacity = _Backoff(self.admit_wait_s)
         while True:
             route = await self._choose(hashes, len(prompt), avoid, capacity, time_left)
-            attempt = _Attempt(route, f"{request_id}-{uuid.uuid4().hex[:8]}")
+            attempt = _Attempt(route, f"{request_id}-{uuid.uuid4().hex[:8]}", cache_salt)
             try:
                 first = await self._admit_and_prefill(attempt, prompt, sampling, pool, time_left)
                 return attempt, first
@@ -212,7 +225,8 @@ class Orchestrator:
         prefills locally and read its first message (``None``: the first tokens come with it)."""
         route, rid = attempt.route, attempt.worker_request_id
         decode = self.clients.decode(route.decode.address)
-        admit = decode.Admit(worker_pb2.AdmitRequest(request_id=rid, prompt_token_ids=prompt),
+        admit = decode.Admit(worker_pb2.AdmitRequest(request_id=rid, prompt_token_ids=prompt,
+                                                     cache_salt=attempt.cache_salt),
                              timeout=_timeout(time_left))
         attempt.calls.append(admit)
         admitted = await _staged(admit, "Admit")
@@ -233,7 +247,7 @@ class Orchestrator:
                                                kv_transports=admitted.kv_transports)
         prefill = self.clients.prefill(route.prefill.address).Prefill(
             worker_pb2.PrefillRequest(request_id=rid, prompt_token_ids=prompt, sampling=sampling,
-                                      destination=destination),
+                                      destination=destination, cache_salt=attempt.cache_salt),
             timeout=_timeout(time_left))
         attempt.calls.append(prefill)
         response = await _staged(prefill, "Prefill")
@@ -247,7 +261,7 @@ class Orchestrator:
         call = self.clients.decode(attempt.route.decode.address).Decode(
             worker_pb2.DecodeRequest(request_id=attempt.worker_request_id, reservation_id=attempt.reservation_id,
                                      prompt_token_ids=prompt, first_token_ids=first_ids, sampling=sampling,
-                                     local_prefill=local_prefill),
+                                     local_prefill=local_prefill, cache_salt=attempt.cache_salt),
             timeout=_timeout(time_left))
         attempt.calls.append(call)
         attempt.decode_call = call

@@ -27,10 +27,12 @@ from cluster.log import request_id_var
 from cluster.registry import ClusterNamespace, Role, WorkerConfig, WorkerRegistry, redis_client
 from cluster.server import Admission, ServerScaffold, serve_metrics
 from cluster.settings import RequestLimits, setting_name
-from cluster.translate import check_prompt_ids, sampling_params_from_proto
+from cluster.tls import TlsFiles, role_name, server_credentials
+from cluster.translate import REQUEST_ID_MAX_CHARS, check_prompt_ids, check_request_id, sampling_params_from_proto
 from engine.model_source import resolve_model
 from engine.tokenizer import Tokenizer
 from gateway import metrics
+from gateway.auth import AuthInterceptor, tenant_var
 from gateway.orchestrator import Orchestrator, WorkerClients
 from gateway.router import ClusterView
 from gateway.settings import GatewaySettings
@@ -62,7 +64,10 @@ def load_served_model(settings: GatewaySettings) -> ServedModel:
         ValueError: the model cannot be found (naming ``model``).
     """
     source = resolve_model(settings.model or None)
-    return ServedModel(source.model_id, source.tokenizer())
+    tokenizer = source.tokenizer()
+    if tokenizer is not None:
+        tokenizer.split_special_tokens = settings.chat_split_special_tokens
+    return ServedModel(source.model_id, tokenizer)
 
 
 class GatewayServicer(gateway_pb2_grpc.GatewayServicer):
@@ -98,11 +103,12 @@ class GatewayServicer(gateway_pb2_grpc.GatewayServicer):
 
     async def Generate(self, request: gateway_pb2.GenerateRequest, context: grpc.aio.ServicerContext) -> None:  # noqa: N802
         request_id = request.request_id or f"req-{uuid.uuid4().hex[:12]}"
-        request_id_var.set(request_id)
         started = time.monotonic()
         status = grpc.StatusCode.OK
         metrics.IN_FLIGHT.inc()
         try:
+            check_request_id(request_id, REQUEST_ID_MAX_CHARS)  # before it is written in a log line
+            request_id_var.set(request_id)
             self.admission.check()
             with self.admission.track():
                 which, prompt = await self._tokenize(request)
@@ -111,10 +117,11 @@ class GatewayServicer(gateway_pb2_grpc.GatewayServicer):
                 params = sampling_params_from_proto(request.sampling, len(prompt), pool, self.limits)
                 if params.stop and self.model.tokenizer is None:
                     raise StatusError.invalid_argument("sampling.stop", "this model has no tokenizer to match text")
-                logger.info("generate: %d prompt tokens, n=%d, max_tokens=%d", len(prompt), params.n,
-                            params.max_tokens)
+                tenant = tenant_var.get()
+                logger.info("generate: %d prompt tokens, n=%d, max_tokens=%d, tenant %s", len(prompt), params.n,
+                            params.max_tokens, tenant.name if tenant else "-")
                 stream = self.orchestrator.generate(request_id, prompt, request.sampling, params, pool,
-                                                    context.time_remaining)
+                                                    context.time_remaining, cache_salt=tenant.name if tenant else "")
                 async with contextlib.aclosing(stream):
                     async for response in stream:
                         await context.write(response)
@@ -165,10 +172,16 @@ class Gateway:
         self.settings = settings
         self.model = model or load_served_model(settings)
         self.port: int | None = None
-        self._channels = ChannelCache(_WORKER_CHANNEL_OPTIONS)
+        self._tls = (TlsFiles.load(settings.tls_dir, "gateway", setting_name(GatewaySettings, "tls_dir"))
+                     if settings.tls_dir else None)
+        # With TLS a worker must show a certificate of the role its registry entry claims.
+        credentials = self._tls.channel_credentials() if self._tls else None
+        self._channels = ChannelCache(_WORKER_CHANNEL_OPTIONS, credentials, peer_name=role_name("decode"))
+        self._prefill_channels = ChannelCache(_WORKER_CHANNEL_OPTIONS, credentials, peer_name=role_name("prefill"))
         self._redis = None
         self.view = self._build_view()
-        self.orchestrator = Orchestrator(self.view, WorkerClients(self._channels), self.model.tokenizer,
+        self.orchestrator = Orchestrator(self.view, WorkerClients(self._channels, self._prefill_channels),
+                                         self.model.tokenizer,
                                          settings.admit_wait_s, settings.local_prefill_max_tokens)
         self.servicer = GatewayServicer(self.model, self.view, self.orchestrator, settings.limits(),
                                         settings.max_request_bytes)
@@ -190,9 +203,15 @@ class Gateway:
         # gRPC's own limit sits above max_request_bytes so that a request between the two gets
         # INVALID_ARGUMENT naming "request" (larger ones: RESOURCE_EXHAUSTED from gRPC itself).
         self._scaffold = ServerScaffold([SERVICE_NAME], [("grpc.max_receive_message_length",
-                                                          2 * s.max_request_bytes)])
+                                                          2 * s.max_request_bytes)], reflection=s.reflection,
+                                        interceptors=self._auth())
         gateway_pb2_grpc.add_GatewayServicer_to_server(self.servicer, self._scaffold.server)
-        self.port = self._scaffold.bind(s.listen, setting_name(GatewaySettings, "listen"))
+        credentials = (server_credentials(s.tls_dir, "gateway", False, setting_name(GatewaySettings, "tls_dir"))
+                       if self._tls else None)
+        self.port = self._scaffold.bind(s.listen, setting_name(GatewaySettings, "listen"), credentials)
+        if self._tls is None:
+            logger.warning("no TLS (%s): the API and the worker channels are plaintext",
+                           setting_name(GatewaySettings, "tls_dir"))
         await self._scaffold.start()
         await self._refresh()
         self._tasks.append(asyncio.get_running_loop().create_task(self._refresh_loop(), name="refresh"))
@@ -200,19 +219,27 @@ class Gateway:
                     f"redis {s.redis_url}" if s.redis_url else f"static workers {s.static_prefill}+{s.static_decode}")
         return self.port
 
+    def _auth(self) -> list[AuthInterceptor]:
+        keys = self.settings.load_api_keys()
+        if not keys:
+            logger.warning("no API keys configured: the gateway is open to every caller, as one tenant")
+            return []
+        logger.info("%d API keys: calls without one are UNAUTHENTICATED", len(keys))
+        return [AuthInterceptor(keys)]
+
     def _build_view(self) -> ClusterView:
         s = self.settings
         ns = ClusterNamespace(s.redis_key_prefix, s.registry_ttl_s)
         if s.redis_url:
             from cluster.prefix_index import PrefixIndex
 
-            self._redis = redis_client(s.redis_url)
+            self._redis = redis_client(s.redis_url, password=s.redis_password, tls_ca=s.redis_tls_ca)
             return ClusterView(WorkerRegistry(self._redis, ns), PrefixIndex(self._redis, ns), self.model.model_id)
         from gateway.static_cluster import RoutedPrefixIndex, StaticRegistry
 
         logger.warning("no Redis configured: static workers prefill=%s decode=%s, in-process prefix index "
                        "built from this gateway's own routing", s.static_prefill, s.static_decode)
-        registry = StaticRegistry(WorkerClients(self._channels),
+        registry = StaticRegistry(WorkerClients(self._channels, self._prefill_channels),
                                   {Role.PREFILL: s.static_prefill, Role.DECODE: s.static_decode}, ns)
         return ClusterView(registry, RoutedPrefixIndex(), self.model.model_id)
 
@@ -241,6 +268,7 @@ class Gateway:
         await self._scaffold.stop(0.5)
         await self.orchestrator.drain_aborts()
         await self._channels.close()
+        await self._prefill_channels.close()
         if self._redis is not None:
             await self._redis.aclose()
 

@@ -8,6 +8,7 @@ from __future__ import annotations
 from pydantic import AliasChoices, Field, field_validator
 
 from cluster.settings import Addresses, TandemSettings, split_addresses
+from gateway.auth import ApiKeys
 
 
 class GatewaySettings(TandemSettings):
@@ -16,6 +17,9 @@ class GatewaySettings(TandemSettings):
     listen: str = Field("127.0.0.1:50051", validation_alias=AliasChoices("TANDEM_GATEWAY_ADDR", "listen"),
                         description="host:port the public gRPC API binds to")
     metrics_port: int = Field(9400, ge=0, le=65535, description="Prometheus /metrics port, on the listen host; 0: off")
+    reflection: bool = Field(True, description="serve gRPC reflection of the public API (grpcurl describe)")
+    chat_split_special_tokens: bool = Field(True, description="chat message content is tokenized with special "
+                                                              "tokens as plain text (only the template makes them)")
     static_prefill: Addresses = Field(default_factory=list, description="prefill addresses host:port,... when there is no Redis")
     static_decode: Addresses = Field(default_factory=list, description="decode addresses host:port,... when there is no Redis")
     refresh_interval_s: float = Field(0.5, gt=0, description="seconds between reads of the workers and their load")
@@ -25,4 +29,24 @@ class GatewaySettings(TandemSettings):
                                "this many tokens are left after its prefix-cache hit (no prefill worker, no KV transfer)")
     max_request_bytes: int = Field(4 << 20, ge=1024, description="serialized request size at most (larger: INVALID_ARGUMENT)")
 
-    _split_addresses = field_validator("static_prefill", "static_decode", mode="before")(split_addresses)
+    api_keys: Addresses = Field(default_factory=list, description="API keys as SHA256HEX:TENANT[:MAX_STREAMS],... "
+                                                                  "(none here or in api_keys_file: the gateway is open)")
+    api_keys_file: str = Field("", description="file of API keys, one SHA256HEX:TENANT[:MAX_STREAMS] per line")
+
+    _split_addresses = field_validator("static_prefill", "static_decode", "api_keys", mode="before")(split_addresses)
+
+    @field_validator("api_keys")
+    @classmethod
+    def _check_api_keys(cls, value: list[str]) -> list[str]:
+        ApiKeys.parse(value, "api_keys")
+        return value
+
+    @field_validator("api_keys_file")
+    @classmethod
+    def _check_api_keys_file(cls, value: str) -> str:
+        ApiKeys.load([], value, "api_keys", "api_keys_file")
+        return value
+
+    def load_api_keys(self) -> ApiKeys:
+        """The configured API keys (``api_keys`` and ``api_keys_file``, read now)."""
+        return ApiKeys.load(self.api_keys, self.api_keys_file, "api_keys", "api_keys_file")

@@ -55,6 +55,10 @@ class Reservation:
         arrived: per position, whether that block has been written (or is being written).
         writes: writes in flight (``begin_write`` without its ``end_write``).
         released: the reservation has left the table; its blocks are freed once ``writes`` is 0.
+        prompt_key: names the prompt (and cache salt) the blocks were reserved for
+            (``engine.block_hash.prompt_key``; empty: unbound); ``claim`` and ``take`` hand the
+            blocks only to a caller naming the same one, so the KV received for a prompt enters
+            the prefix cache under that prompt's hashes and no other.
     """
 
     reservation_id: str
@@ -67,6 +71,7 @@ class Reservation:
     arrived: list[bool] = field(init=False)
     writes: int = 0
     released: bool = False
+    prompt_key: bytes = b""
 
     def __post_init__(self) -> None:
         self.arrived = [i < self.num_cached for i in range(len(self.block_ids))]
@@ -122,6 +127,7 @@ class ReservationTable:
 
     def reserve(
         self, request_id: str, block_ids: Sequence[int], lease_s: float | None = None, num_cached: int = 0,
+        prompt_key: bytes = b"",
     ) -> Reservation:
         """Record ``block_ids`` (already allocated by the caller) as reserved for ``request_id``.
 
@@ -132,6 +138,7 @@ class ReservationTable:
             block_ids: physical blocks, one per position of the request's blocks (>= 1, distinct).
             lease_s: lease in seconds; ``None``: the table's default.
             num_cached: leading positions already holding their KV (the receiver's prefix cache).
+            prompt_key: binds the reservation to one prompt (see :class:`Reservation`).
 
         Raises:
             StatusError: ``ALREADY_EXISTS`` if ``request_id`` holds a reservation,
@@ -148,7 +155,7 @@ class ReservationTable:
         if lease <= 0:
             raise StatusError(grpc.StatusCode.INVALID_ARGUMENT, f"lease_s must be > 0, got {lease}")
         reservation = Reservation(secrets.token_hex(16), request_id, list(block_ids), self._clock() + lease,
-                                  lease_s=lease, num_cached=num_cached)
+                                  lease_s=lease, num_cached=num_cached, prompt_key=prompt_key)
         self._by_id[reservation.reservation_id] = reservation
         self._by_request[request_id] = reservation.reservation_id
         return reservation
@@ -228,7 +235,7 @@ class ReservationTable:
             reservation.attached = False
             reservation.deadline = self._clock() + reservation.lease_s
 
-    def claim(self, reservation_id: str, request_id: str) -> list[int]:
+    def claim(self, reservation_id: str, request_id: str, prompt_key: bytes = b"") -> list[int]:
         """Hand a complete reservation's blocks to the caller (the request's sequence) and forget it.
 
         Returns:
@@ -236,10 +243,11 @@ class ReservationTable:
 
         Raises:
             StatusError: ``NOT_FOUND`` (see ``get``), ``INVALID_ARGUMENT`` for another
-                request's reservation, ``FAILED_PRECONDITION`` if blocks are missing (the
-                reservation stays, under its lease).
+                request's reservation or another prompt than it was reserved for,
+                ``FAILED_PRECONDITION`` if blocks are missing (the reservation stays, under its
+                lease).
         """
-        reservation = self._get_owned(reservation_id, request_id)
+        reservation = self._get_owned(reservation_id, request_id, prompt_key)
         if not reservation.complete or reservation.writes:
             raise StatusError(
                 grpc.StatusCode.FAILED_PRECONDITION,
@@ -248,7 +256,7 @@ class ReservationTable:
         self._forget(reservation)
         return reservation.block_ids
 
-    def take(self, reservation_id: str, request_id: str) -> list[int]:
+    def take(self, reservation_id: str, request_id: str, prompt_key: bytes = b"") -> list[int]:
         """Hand a reservation's blocks to the caller whatever arrived (a decode worker that
         prefills the request itself) and forget it.
 
@@ -257,10 +265,11 @@ class ReservationTable:
 
         Raises:
             StatusError: ``NOT_FOUND`` (see ``get``), ``INVALID_ARGUMENT`` for another
-                request's reservation, ``FAILED_PRECONDITION`` while a transfer stream is open on
-                it or a write is in flight.
+                request's reservation or another prompt than it was reserved for,
+                ``FAILED_PRECONDITION`` while a transfer stream is open on it or a write is in
+                flight.
         """
-        reservation = self._get_owned(reservation_id, request_id)
+        reservation = self._get_owned(reservation_id, request_id, prompt_key)
         if reservation.attached or reservation.writes:
             raise StatusError(grpc.StatusCode.FAILED_PRECONDITION,
                               f"reservation {reservation_id!r} is being transferred into")
@@ -315,13 +324,17 @@ class ReservationTable:
     def _expired(reservation: Reservation, now: float) -> bool:
         return not reservation.attached and now >= reservation.deadline
 
-    def _get_owned(self, reservation_id: str, request_id: str) -> Reservation:
+    def _get_owned(self, reservation_id: str, request_id: str, prompt_key: bytes | None = None) -> Reservation:
         reservation = self.get(reservation_id)
         if request_id != reservation.request_id:
             raise StatusError(
                 grpc.StatusCode.INVALID_ARGUMENT,
                 f"reservation {reservation_id!r} belongs to request {reservation.request_id!r}, "
                 f"not {request_id!r}")
+        if prompt_key is not None and prompt_key != reservation.prompt_key:
+            raise StatusError.invalid_argument(
+                "prompt_token_ids", f"with cache_salt, differ from the prompt reservation {reservation_id!r} "
+                                    "was admitted for")
         return reservation
 
     def _forget(self, reservation: Reservation) -> None:

@@ -22,16 +22,19 @@ import logging
 import time
 
 import grpc
+from redis.exceptions import RedisError
 
 from cluster.channels import ChannelCache
 from cluster.log import request_id_var
 from cluster.metrics import WorkerMetrics
-from cluster.registry import Role
+from cluster.registry import ClusterNamespace, Role, WorkerRegistry, redis_client
 from cluster.settings import WorkerSettings
 from cluster.translate import (
-    check_prompt_ids, finish_reason_to_proto, sampling_params_from_proto, token_logprobs, worker_config_to_proto,
+    check_cache_salt, check_prompt_ids, check_request_id, finish_reason_to_proto, sampling_params_from_proto,
+    token_logprobs, worker_config_to_proto,
 )
-from cluster.worker import Admission, kv_transport, published_config
+from cluster.tls import role_name
+from cluster.worker import Admission, kv_transport, published_config, worker_tls
 from engine.async_engine import AsyncEngine, EngineError
 from engine.sampling_params import SamplingParams
 from kvtransfer import GRPC_MESSAGE_OPTIONS, BlockLayout, GrpcKVSender, KVDestination, KVSender
@@ -39,6 +42,8 @@ from protos.status import StatusError
 from protos.tandem.v1 import worker_pb2, worker_pb2_grpc
 
 logger = logging.getLogger(__name__)
+
+DESTINATION_REREAD_S = 0.2  # a KV destination missing from the last registry read waits this long for another
 
 
 class PrefillServicer(worker_pb2_grpc.PrefillWorkerServicer):
@@ -57,6 +62,7 @@ class PrefillServicer(worker_pb2_grpc.PrefillWorkerServicer):
     """
 
     service_name = "tandem.v1.PrefillWorker"
+    peer_roles = {"Prefill": ("gateway",), "Abort": ("gateway",), "GetStats": ("gateway", "prefill", "decode")}
 
     def __init__(self, engine: AsyncEngine, settings: WorkerSettings, metrics: WorkerMetrics,
                  sender: KVSender | None = None) -> None:
@@ -64,7 +70,17 @@ class PrefillServicer(worker_pb2_grpc.PrefillWorkerServicer):
         self.limits = settings.limits()
         self.max_waiting = settings.max_num_seqs  # queued requests at most (back-pressure)
         self.metrics = metrics
-        self.channels = ChannelCache(GRPC_MESSAGE_OPTIONS)
+        tls = worker_tls(settings, Role.PREFILL)
+        # KV goes only to a peer that proves it is a decode worker of this cluster (with TLS) and
+        # that is registered as one (with Redis).
+        self.channels = ChannelCache(GRPC_MESSAGE_OPTIONS, tls.channel_credentials() if tls else None,
+                                     peer_name=role_name("decode"))
+        self._registry = (WorkerRegistry(redis_client(settings.redis_url, password=settings.redis_password,
+                                                      tls_ca=settings.redis_tls_ca),
+                                         ClusterNamespace(settings.redis_key_prefix, settings.registry_ttl_s))
+                          if settings.redis_url else None)
+        self._decode_addresses: set[str] = set()
+        self._decode_read_at = -1.0
         transports, self.nixl = kv_transport(settings, settings.resolved_worker_id(str(Role.PREFILL)), engine.engine)
         self.sender = sender or GrpcKVSender(self.channels.get, transports=transports, nixl=self.nixl,
                                              verify_checksums=settings.kv_verify_checksums)
@@ -81,24 +97,28 @@ class PrefillServicer(worker_pb2_grpc.PrefillWorkerServicer):
 
     async def close(self) -> None:
         await self.channels.close()
+        if self._registry is not None:
+            await self._registry.client.aclose()
         if self.nixl is not None:
             self.nixl.close()
 
     # ----------------------------------------------------------------- RPCs
     async def Prefill(self, request: worker_pb2.PrefillRequest, context: grpc.aio.ServicerContext):  # noqa: N802
         request_id = request.request_id
-        request_id_var.set(request_id)
         start, status = time.perf_counter(), "OK"
         try:
             self.admission.check()
             with self.admission.track():
                 prompt, params, destination = self._validate(request)
+                request_id_var.set(request_id)
+                await self._check_destination(destination.address)
                 if self.engine.stats().num_waiting >= self.max_waiting:
                     raise StatusError(grpc.StatusCode.RESOURCE_EXHAUSTED,
                                       f"prefill queue is full ({self.max_waiting} requests waiting)")
                 if request_id in self._tasks:
                     raise StatusError(grpc.StatusCode.ALREADY_EXISTS, f"request {request_id!r} is already prefilling")
-                task = asyncio.ensure_future(self._prefill(request_id, prompt, params, destination, start))
+                task = asyncio.ensure_future(self._prefill(request_id, prompt, params, destination, start,
+                                                           request.cache_salt))
                 self._tasks[request_id] = task
                 try:
                     return await task
@@ -123,6 +143,10 @@ class PrefillServicer(worker_pb2_grpc.PrefillWorkerServicer):
             self.metrics.e2e.labels("Prefill").observe(time.perf_counter() - start)
 
     async def Abort(self, request: worker_pb2.AbortRequest, context):  # noqa: N802
+        try:
+            check_request_id(request.request_id)
+        except StatusError as exc:
+            await context.abort(exc.code, exc.message)
         request_id_var.set(request.request_id)
         task = self._tasks.get(request.request_id)
         known = await asyncio.wrap_future(self.engine.abort(request.request_id))
@@ -140,10 +164,10 @@ class PrefillServicer(worker_pb2_grpc.PrefillWorkerServicer):
 
     # ------------------------------------------------------------- helpers
     def _validate(self, request: worker_pb2.PrefillRequest) -> tuple[list[int], SamplingParams, KVDestination]:
-        if not request.request_id:
-            raise StatusError.invalid_argument("request_id", "must not be empty")
+        check_request_id(request.request_id)
         prompt = list(request.prompt_token_ids)
         check_prompt_ids("prompt_token_ids", prompt, self.config.max_model_len, self.config.vocab_size)
+        check_cache_salt(request.cache_salt)
         params = sampling_params_from_proto(request.sampling, len(prompt), self.config, self.limits)
         dest = request.destination
         if not dest.address or not dest.reservation_id:
@@ -161,8 +185,30 @@ class PrefillServicer(worker_pb2_grpc.PrefillWorkerServicer):
         return prompt, params, KVDestination(dest.address, dest.reservation_id, dest.num_cached_blocks,
                                              tuple(dest.kv_transports) or ("grpc",))
 
+    async def _check_destination(self, address: str) -> None:
+        """Refuse a KV destination that is not a live decode worker of the registry (re-read on
+        a miss, at most every ``DESTINATION_REREAD_S``). Without Redis there is no registry to
+        ask: the address is used as given (with TLS its certificate is still checked).
+
+        Raises:
+            StatusError: ``PERMISSION_DENIED`` naming ``destination.address``; ``UNAVAILABLE``
+                when Redis cannot be read.
+        """
+        if self._registry is None:
+            return
+        now = time.monotonic()
+        if address not in self._decode_addresses and now - self._decode_read_at >= DESTINATION_REREAD_S:
+            try:
+                workers = await self._registry.live_workers(Role.DECODE)
+            except (RedisError, OSError) as exc:
+                raise StatusError(grpc.StatusCode.UNAVAILABLE, f"cannot read the registry: {exc}") from None
+            self._decode_addresses, self._decode_read_at = {w.address for w in workers}, now
+        if address not in self._decode_addresses:
+            raise StatusError(grpc.StatusCode.PERMISSION_DENIED,
+                              "destination.address: is not a registered decode worker")
+
     async def _prefill(self, request_id: str, prompt: list[int], params: SamplingParams,
-                       destination: KVDestination, start: float) -> worker_pb2.PrefillResponse:
+                       destination: KVDestination, start: float, cache_salt: str) -> worker_pb2.PrefillResponse:
         # Stop strings are the gateway's business; the first token's draw does not depend on
         # them or on max_tokens.
         first_params = dataclasses.replace(params, max_tokens=1, stop=[])
@@ -171,7 +217,8 @@ class PrefillServicer(worker_pb2_grpc.PrefillWorkerServicer):
             async with self.sender.open(destination, request_id) as transfer:
                 transport, sent = transfer.transport, destination.num_cached_blocks
                 try:
-                    stream = self.engine.generate(request_id, prompt, first_params, pin_prompt_blocks=True)
+                    stream = self.engine.generate(request_id, prompt, first_params, pin_prompt_blocks=True,
+                                                  cache_salt=cache_salt)
                     async with contextlib.aclosing(stream) as outputs:
                         async for out in outputs:
                             final, ready = out, out.pinned_block_ids[sent:]

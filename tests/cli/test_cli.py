@@ -3,6 +3,7 @@ without a cluster: every error is one line and a non-zero exit."""
 
 from __future__ import annotations
 
+import os
 import shutil
 import subprocess
 import sys
@@ -94,13 +95,31 @@ def test_healthcheck_fails_on_a_closed_port():
 
 @pytest.mark.skipif(shutil.which("docker-compose") is None, reason="docker-compose not installed")
 def test_compose_file_is_valid_and_workers_have_no_host_ports():
-    out = subprocess.run(["docker-compose", "-f", str(ROOT / "docker-compose.yml"), "config"],
-                         capture_output=True, text=True, timeout=60)
+    compose = ["docker-compose", "-f", str(ROOT / "docker-compose.yml"), "config"]
+    env = {k: v for k, v in os.environ.items() if k != "TANDEM_REDIS_PASSWORD"}
+    refused = subprocess.run(compose, capture_output=True, text=True, timeout=60, env=env)
+    assert refused.returncode != 0 and "TANDEM_REDIS_PASSWORD" in refused.stderr  # no Redis without one
+    out = subprocess.run(compose, capture_output=True, text=True, timeout=60,
+                         env={**env, "TANDEM_REDIS_PASSWORD": "s3cret"})
     assert out.returncode == 0, out.stderr
     import yaml
 
     services = yaml.safe_load(out.stdout)["services"]
-    assert set(services) == {"redis", "gateway", "prefill", "decode"}
+    assert set(services) == {"redis", "certs", "gateway", "prefill", "decode"}
     for worker in ("prefill", "decode"):
         assert "ports" not in services[worker] and "container_name" not in services[worker]
         assert services[worker]["deploy"]["resources"]["reservations"]["devices"][0]["driver"] == "nvidia"
+    def host_and_target(port) -> tuple[str, int]:  # a long-syntax dict or "[host:]published:target[/tcp]"
+        if isinstance(port, dict):
+            return port.get("host_ip", ""), int(port["target"])
+        parts = port.split("/")[0].split(":")
+        return (parts[0] if len(parts) == 3 else ""), int(parts[-1])
+
+    published = dict(host_and_target(p)[::-1] for p in services["gateway"]["ports"])
+    assert published == {50051: "", 9400: "127.0.0.1"}  # gRPC on every interface, metrics on loopback
+    for name in ("gateway", "prefill", "decode"):
+        env_of = services[name]["environment"]
+        assert env_of["TANDEM_REDIS_PASSWORD"] == "s3cret" and env_of["TANDEM_TLS_DIR"] == "/certs"
+        assert any(str(v).startswith("certs:/certs") or (isinstance(v, dict) and v.get("source") == "certs")
+                   for v in services[name]["volumes"])
+    assert services["redis"]["environment"]["REDISCLI_AUTH"] == "s3cret"

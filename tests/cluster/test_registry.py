@@ -195,3 +195,22 @@ def test_invalid_configuration_is_rejected(key_prefix):
         Heartbeat(registry, _worker("p0"), WorkerLoad, interval_s=1.0)
     with pytest.raises(ValueError, match="together"):
         Heartbeat(registry, _worker("p0"), WorkerLoad, blocks=BlockPool(1), interval_s=0.5)
+
+
+def test_a_password_protected_redis_is_used_with_the_password_only(private_redis):
+    import redis as redis_sync
+
+    redis_sync.Redis.from_url(private_redis.url).config_set("requirepass", "s3cret")
+
+    async def main():
+        anonymous = redis_client(private_redis.url)
+        with pytest.raises(redis_sync.exceptions.AuthenticationError):
+            await WorkerRegistry(anonymous, _ns("pw")).heartbeat(_worker("p0"))
+        await anonymous.aclose()
+        client = redis_client(private_redis.url, password="s3cret")
+        registry = WorkerRegistry(client, _ns("pw"))
+        assert await registry.heartbeat(_worker("p0"))
+        assert [w.worker_id for w in await registry.live_workers(Role.PREFILL)] == ["p0"]
+        await client.aclose()
+
+    asyncio.run(main())

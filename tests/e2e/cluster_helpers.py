@@ -1,5 +1,6 @@
-"""Helpers of the end-to-end tests: a real LocalCluster (worker + gateway processes on loopback)
-and small gRPC utilities (worker stats, streaming calls)."""
+"""Helpers of the end-to-end tests: a real LocalCluster (worker + gateway processes on loopback,
+with TLS and mTLS from a CA made for the test) and small gRPC utilities (worker stats, streaming
+calls)."""
 
 from __future__ import annotations
 
@@ -9,6 +10,7 @@ from pathlib import Path
 import grpc
 
 from cli.launcher import LocalCluster
+from cluster.tls import TlsFiles, init_certs, role_name
 from protos.tandem.v1 import gateway_pb2, gateway_pb2_grpc, worker_pb2, worker_pb2_grpc
 
 SP = gateway_pb2.SamplingParams
@@ -25,26 +27,31 @@ def start_cluster(tmp: Path, key_prefix: str, redis_url: str, num_prefill: int, 
             "TANDEM_KV_CACHE_MEMORY_BYTES": str(64 << 20), "TANDEM_DRAIN_TIMEOUT_S": "5",
             "TANDEM_MAX_MODEL_LEN": "2048", "TANDEM_LOCAL_PREFILL_MAX_TOKENS": "0",
             "TANDEM_KV_TRANSPORT": kv_transport, "TANDEM_KV_VERIFY_CHECKSUMS": "true", **(env or {})}
+    init_certs(str(tmp / "certs"))
     cluster = LocalCluster(num_prefill=num_prefill, num_decode=num_decode, env=base, worker_env=worker_env,
-                           redis=redis_url, sink=lambda name, line: None, log_dir=tmp)
+                           redis=redis_url, sink=lambda name, line: None, log_dir=tmp, tls_dir=str(tmp / "certs"))
     cluster.start(timeout_s=300)
     return cluster
 
 
 def gateway_stub(cluster: LocalCluster) -> tuple[grpc.Channel, gateway_pb2_grpc.GatewayStub]:
-    channel = grpc.insecure_channel(cluster.gateway_addr)
+    ca = (Path(cluster.tls_dir) / "ca.pem").read_bytes()
+    channel = grpc.secure_channel(cluster.gateway_addr, grpc.ssl_channel_credentials(root_certificates=ca))
     return channel, gateway_pb2_grpc.GatewayStub(channel)
 
 
-def stats(address: str, role: str) -> worker_pb2.WorkerStats:
-    with grpc.insecure_channel(address) as channel:
+def stats(cluster: LocalCluster, address: str, role: str) -> worker_pb2.WorkerStats:
+    """A worker's ``GetStats``, called with the gateway's certificate."""
+    credentials = TlsFiles.load(cluster.tls_dir, "gateway", "tls_dir").channel_credentials()
+    with grpc.secure_channel(address, credentials, options=[("grpc.ssl_target_name_override", role_name(role))]) \
+            as channel:
         stub = (worker_pb2_grpc.PrefillWorkerStub if role == "prefill" else worker_pb2_grpc.DecodeWorkerStub)(channel)
         return stub.GetStats(worker_pb2.GetStatsRequest(), timeout=5)
 
 
 def free_blocks(cluster: LocalCluster) -> dict[str, int]:
     """Free KV blocks of every live worker, by name."""
-    return {name: stats(w.address, name.split("-")[0]).num_free_blocks
+    return {name: stats(cluster, w.address, name.split("-")[0]).num_free_blocks
             for name, w in cluster.workers.items() if w.alive}
 
 

@@ -90,7 +90,7 @@ def test_32_concurrent_streams_correct_spread_and_no_leak(cluster, stub, offline
         while not done.is_set():
             for name, w in cluster.workers.items():
                 if name.startswith("decode"):
-                    s = stats(w.address, "decode")
+                    s = stats(cluster, w.address, "decode")
                     busy[name] = max(busy.get(name, 0), s.num_running + s.num_waiting)
             time.sleep(0.02)
 

@@ -113,7 +113,7 @@ def test_killed_decode_worker_fails_its_stream_others_keep_flowing(env):
     assert got_tokens.wait(60)
     time.sleep(0.3)
     holder = next(name for name, w in cluster.workers.items()
-                  if name.startswith("decode") and stats(w.address, "decode").num_running > 0)
+                  if name.startswith("decode") and stats(cluster, w.address, "decode").num_running > 0)
     worker = cluster.workers[holder]
     worker.proc.send_signal(signal.SIGKILL)
     thread.join(30)

@@ -88,3 +88,21 @@ def test_reflection_lists_services_and_describes_fields_with_their_comments(gate
     comments = " ".join(loc.leading_comments for loc in gateway_file.source_code_info.location)
     assert "Makes the samples reproducible" in comments and "max_stop_token_ids" in comments
     assert missing.error_response.error_code == grpc.StatusCode.NOT_FOUND.value[0]
+
+
+@pytest.mark.parametrize("request_id", ["x" * 129, "a\nb INFO forged line"])
+def test_request_id_is_capped_in_length_and_charset(gateway, request_id):
+    with pytest.raises(grpc.RpcError) as info:
+        list(gateway_pb2_grpc.GatewayStub(gateway.channel).Generate(
+            gateway_pb2.GenerateRequest(request_id=request_id, prompt="hi"), timeout=5))
+    assert info.value.code() == grpc.StatusCode.INVALID_ARGUMENT
+    assert info.value.details().startswith("request_id") and request_id not in info.value.details()
+
+
+def test_malformed_request_is_invalid_argument_with_a_generic_message(gateway):
+    generate = gateway.channel.unary_stream("/tandem.v1.Gateway/Generate", request_serializer=lambda b: b,
+                                            response_deserializer=lambda b: b)
+    with pytest.raises(grpc.RpcError) as info:
+        list(generate(b"\xff\xff\xff\xff", timeout=5))
+    assert info.value.code() == grpc.StatusCode.INVALID_ARGUMENT
+    assert "Error" not in info.value.details() and "class" not in info.value.details()

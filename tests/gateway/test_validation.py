@@ -124,3 +124,22 @@ def test_model_info(stub):
     info = stub[0].GetModelInfo(gateway_pb2.GetModelInfoRequest(), timeout=5)
     assert (info.model_id, info.max_model_len, info.block_size, info.vocab_size) == \
         (stub[1].model_id, MAX_MODEL_LEN, 16, 49152)
+
+
+def test_api_keys_are_parsed_by_hash_and_refused_naming_the_setting(tmp_path):
+    from gateway.auth import ApiKeys, Tenant, hash_key
+    from gateway.settings import GatewaySettings
+    from pydantic import ValidationError
+
+    keys_file = tmp_path / "keys"
+    keys_file.write_text(f"# tenants\n{hash_key('k1')}:alice:3\n\n{hash_key('k2').upper()}:bob  # no limit\n")
+    keys = GatewaySettings(api_keys_file=str(keys_file), api_keys=[f"{hash_key('k3')}:carol"]).load_api_keys()
+    assert (len(keys), keys.tenant("k1"), keys.tenant("k2"), keys.tenant("k3")) == \
+        (3, Tenant("alice", 3), Tenant("bob", 0), Tenant("carol", 0))
+    assert keys.tenant(hash_key("k1")) is None  # the hash itself is not a key
+    for bad in ("k1:alice", f"{hash_key('k1')}:al ice", f"{hash_key('k1')}:alice:many"):
+        with pytest.raises(ValidationError, match="api_keys: entry 1"):
+            GatewaySettings(api_keys=[bad])
+    with pytest.raises(ValidationError, match="api_keys_file"):
+        GatewaySettings(api_keys_file=str(tmp_path / "missing"))
+    assert len(ApiKeys.parse([], "api_keys")) == 0

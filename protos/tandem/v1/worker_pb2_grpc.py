@@ -325,6 +325,7 @@ class PrefillWorkerServicer:
     def Prefill(self, request, context):
         """Runs prefill for a prompt, pushes its KV blocks into the given decode reservation and
         returns the first token(s). Errors: INVALID_ARGUMENT, RESOURCE_EXHAUSTED (queue full),
+        PERMISSION_DENIED (destination.address is not a live decode worker of the registry),
         FAILED_PRECONDITION (the destination's KVBlockLayout differs from this worker's), and the
         decode worker's TransferKV error codes (UNAVAILABLE, NOT_FOUND, DATA_LOSS, ...) passed on.
         """

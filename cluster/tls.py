@@ -1,0 +1,242 @@
+"""TLS for the gateway and mutual TLS among the gateway and the workers, from one private CA.
+
+A TLS directory (``tandem certs init DIR``, :func:`init_certs`) holds ``ca.pem`` (the cluster's
+CA certificate), ``ca-key.pem`` (kept by whoever issues certificates; no server reads it) and,
+per role (``gateway``, ``prefill``, ``decode``), ``{role}.pem`` and ``{role}-key.pem``. Every
+certificate carries the DNS names ``tandem-cluster`` and ``tandem-{role}``; the gateway's also
+``localhost``, ``127.0.0.1`` and any extra public names.
+
+Identity is the certificate, not the address: internal channels verify the peer's certificate
+against ``ca.pem`` under a fixed name (``grpc.ssl_target_name_override``): ``tandem-decode``
+where only a decode worker will do (a prefill worker sending KV), ``tandem-cluster`` for any
+member. Workers require a client certificate from the same CA, and each of their methods takes
+calls only from the roles that make them (:class:`PeerRoleInterceptor`: ``TransferKV`` from a
+prefill worker, ``Admit``/``Prefill``/``Decode``/``Abort`` from the gateway); the gateway's public
+port asks for none (API keys authenticate clients).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import datetime
+import functools
+import ipaddress
+import os
+from collections.abc import Collection, Mapping, Sequence
+from dataclasses import dataclass
+from pathlib import Path
+
+import grpc
+
+from cluster.interceptors import wrap_handler
+
+ROLES = ("gateway", "prefill", "decode")
+CLUSTER_NAME = "tandem-cluster"
+
+
+def role_name(role: str) -> str:
+    """The DNS name every certificate of ``role`` carries, e.g. ``tandem-decode``."""
+    return f"tandem-{role}"
+
+
+@dataclass(frozen=True)
+class TlsFiles:
+    """One process's TLS material, read from a TLS directory.
+
+    Attributes:
+        ca: the cluster CA certificate (PEM bytes).
+        cert: this process's certificate chain (PEM bytes).
+        key: its private key (PEM bytes).
+    """
+
+    ca: bytes
+    cert: bytes
+    key: bytes
+
+    @classmethod
+    def load(cls, directory: str, role: str, setting: str) -> TlsFiles:
+        """Read ``ca.pem``, ``{role}.pem`` and ``{role}-key.pem`` from ``directory``.
+
+        Raises:
+            ValueError: a file is missing or unreadable; names it and ``setting``.
+        """
+        base = Path(directory)
+        try:
+            return cls((base / "ca.pem").read_bytes(), (base / f"{role}.pem").read_bytes(),
+                       (base / f"{role}-key.pem").read_bytes())
+        except OSError as exc:
+            raise ValueError(f"{setting}: cannot read {exc.filename}: {exc.strerror}") from None
+
+    def matches(self) -> bool:
+        """Whether the key belongs to the certificate (a half-replaced pair does not)."""
+        from cryptography import x509
+        from cryptography.hazmat.primitives import serialization
+
+        try:
+            cert_key = x509.load_pem_x509_certificate(self.cert).public_key()
+            key = serialization.load_pem_private_key(self.key, password=None)
+        except ValueError:
+            return False
+        raw = (serialization.Encoding.DER, serialization.PublicFormat.SubjectPublicKeyInfo)
+        return cert_key.public_bytes(*raw) == key.public_key().public_bytes(*raw)
+
+    def channel_credentials(self) -> grpc.ChannelCredentials:
+        """Credentials of a channel to a cluster member: the peer verified against the CA, this
+        process's certificate presented."""
+        return grpc.ssl_channel_credentials(root_certificates=self.ca, private_key=self.key,
+                                            certificate_chain=self.cert)
+
+
+def server_credentials(directory: str, role: str, require_client_auth: bool, setting: str) -> grpc.ServerCredentials:
+    """Credentials of a server port from a TLS directory, re-read when its files change: at each
+    new handshake the files' modification times are compared, and a changed set that is
+    complete and consistent (the key matches the certificate) replaces the old one (rotation
+    without a restart; connections already open keep theirs).
+
+    Args:
+        directory: the TLS directory.
+        role: whose certificate to serve (``gateway``, ``prefill``, ``decode``).
+        require_client_auth: a client must present a certificate signed by the CA (else the
+            handshake fails).
+        setting: the setting that named ``directory``, for errors.
+
+    Raises:
+        ValueError: the files cannot be read now, or the key does not match the certificate.
+    """
+    paths = [Path(directory) / name for name in ("ca.pem", f"{role}.pem", f"{role}-key.pem")]
+
+    def stamp() -> tuple[int, ...]:
+        return tuple(p.stat().st_mtime_ns if p.exists() else -1 for p in paths)
+
+    def configuration(files: TlsFiles) -> grpc.ServerCertificateConfiguration:
+        return grpc.ssl_server_certificate_configuration([(files.key, files.cert)], root_certificates=files.ca)
+
+    files = TlsFiles.load(directory, role, setting)
+    if not files.matches():
+        raise ValueError(f"{setting}: {role}-key.pem does not belong to {role}.pem")
+    loaded = [stamp()]
+
+    def fetch() -> grpc.ServerCertificateConfiguration | None:  # gRPC calls it at each new handshake
+        now = stamp()
+        if now == loaded[0]:
+            return None
+        try:
+            fresh = TlsFiles.load(directory, role, setting)
+        except ValueError:
+            return None  # mid-rotation: keep serving the old files
+        if not fresh.matches():
+            return None
+        loaded[0] = now
+        return configuration(fresh)
+
+    return grpc.dynamic_ssl_server_credentials(configuration(files), fetch,
+                                               require_client_authentication=require_client_auth)
+
+
+def peer_roles(context: grpc.aio.ServicerContext) -> set[str]:
+    """The roles the caller's verified certificate names (``tandem-{role}`` DNS names); empty
+    without TLS or without a client certificate."""
+    names = context.auth_context().get("x509_subject_alternative_name", [])
+    return {role for role in ROLES if role_name(role).encode() in names}
+
+
+class PeerRoleInterceptor(grpc.aio.ServerInterceptor):
+    """Under mTLS, each method of ``service`` only for the roles that call it: the caller's
+    certificate must name one of ``allowed[method]`` (else ``PERMISSION_DENIED``); a method
+    missing from ``allowed`` is for no one. Other services (health, reflection) are left to
+    the certificate check of the port.
+
+    Args:
+        service: full service name, e.g. ``tandem.v1.DecodeWorker``.
+        allowed: method name (``"TransferKV"``) → roles (``("prefill",)``).
+    """
+
+    def __init__(self, service: str, allowed: Mapping[str, Collection[str]]) -> None:
+        self.service = service
+        self.allowed = {method: tuple(roles) for method, roles in allowed.items()}
+
+    async def intercept_service(self, continuation, handler_call_details):
+        handler = await continuation(handler_call_details)
+        service, _, method = handler_call_details.method.lstrip("/").partition("/")
+        if handler is None or service != self.service:
+            return handler
+        return wrap_handler(handler, scope=functools.partial(self._check, method, self.allowed.get(method, ())))
+
+    @contextlib.asynccontextmanager
+    async def _check(self, method: str, roles: tuple[str, ...], context: grpc.aio.ServicerContext):
+        if not peer_roles(context) & set(roles):
+            await context.abort(grpc.StatusCode.PERMISSION_DENIED,
+                                f"{method} takes calls from {' or '.join(roles) or 'no'} certificates only")
+        yield
+
+
+def init_certs(directory: str, extra_names: Sequence[str] = (), days: int = 825) -> list[Path]:
+    """Make a development CA and one certificate per role in ``directory`` (created; existing
+    files are overwritten). Keys are ECDSA P-256, written with mode 0600.
+
+    Args:
+        directory: where to write.
+        extra_names: more DNS names or IP addresses for the gateway's certificate (its public
+            name).
+        days: validity of every certificate, days.
+
+    Returns:
+        The written files.
+    """
+    from cryptography import x509
+    from cryptography.hazmat.primitives import hashes, serialization
+    from cryptography.hazmat.primitives.asymmetric import ec
+    from cryptography.x509.oid import ExtendedKeyUsageOID, NameOID
+
+    out = Path(directory)
+    out.mkdir(parents=True, exist_ok=True)
+    now = datetime.datetime.now(datetime.timezone.utc)
+    written: list[Path] = []
+
+    def write(name: str, data: bytes, private: bool = False) -> None:
+        path = out / name
+        fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600 if private else 0o644)
+        with os.fdopen(fd, "wb") as f:
+            f.write(data)
+        written.append(path)
+
+    def key_pem(key) -> bytes:
+        return key.private_bytes(serialization.Encoding.PEM, serialization.PrivateFormat.PKCS8,
+                                 serialization.NoEncryption())
+
+    def san(name: str) -> x509.GeneralName:
+        try:
+            return x509.IPAddress(ipaddress.ip_address(name))
+        except ValueError:
+            return x509.DNSName(name)
+
+    ca_key = ec.generate_private_key(ec.SECP256R1())
+    ca_name = x509.Name([x509.NameAttribute(NameOID.COMMON_NAME, "Tandem cluster CA")])
+    ca_cert = (x509.CertificateBuilder().subject_name(ca_name).issuer_name(ca_name)
+               .public_key(ca_key.public_key()).serial_number(x509.random_serial_number())
+               .not_valid_before(now - datetime.timedelta(minutes=5)).not_valid_after(now + datetime.timedelta(days=days))
+               .add_extension(x509.BasicConstraints(ca=True, path_length=0), critical=True)
+               .add_extension(x509.KeyUsage(digital_signature=False, content_commitment=False, key_encipherment=False,
+                                            data_encipherment=False, key_agreement=False, key_cert_sign=True,
+                                            crl_sign=True, encipher_only=False, decipher_only=False), critical=True)
+               .sign(ca_key, hashes.SHA256()))
+    write("ca.pem", ca_cert.public_bytes(serialization.Encoding.PEM))
+    write("ca-key.pem", key_pem(ca_key), private=True)
+    for role in ROLES:
+        key = ec.generate_private_key(ec.SECP256R1())
+        names = [CLUSTER_NAME, role_name(role), role]
+        if role == "gateway":
+            names += ["localhost", "127.0.0.1", "::1", *extra_names]
+        cert = (x509.CertificateBuilder()
+                .subject_name(x509.Name([x509.NameAttribute(NameOID.COMMON_NAME, role_name(role))]))
+                .issuer_name(ca_name).public_key(key.public_key()).serial_number(x509.random_serial_number())
+                .not_valid_before(now - datetime.timedelta(minutes=5))
+                .not_valid_after(now + datetime.timedelta(days=days))
+                .add_extension(x509.SubjectAlternativeName([san(n) for n in dict.fromkeys(names)]), critical=False)
+                .add_extension(x509.BasicConstraints(ca=False, path_length=None), critical=True)
+                .add_extension(x509.ExtendedKeyUsage([ExtendedKeyUsageOID.SERVER_AUTH,
+                                                      ExtendedKeyUsageOID.CLIENT_AUTH]), critical=False)
+                .sign(ca_key, hashes.SHA256()))
+        write(f"{role}.pem", cert.public_bytes(serialization.Encoding.PEM))
+        write(f"{role}-key.pem", key_pem(key), private=True)
+    return written
