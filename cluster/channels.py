@@ -1,6 +1,17 @@
 """Client channels to the other servers of the cluster: one ``grpc.aio`` channel per address,
 opened on first use and reused, the one place that decides how a Tandem process dials a peer
-(message size limits)."""
+(message size limits, keepalive, reconnect backoff) and what a server allows its peers.
+
+Keepalive: a peer that is frozen (SIGSTOP, a hung host) keeps its TCP connection open, so
+without pings a call to it waits forever. Every connection pings every ``keepalive_time_s``
+(also with no call open, and while only receiving); a ping unanswered for
+``keepalive_timeout_s`` closes the connection and fails its calls with UNAVAILABLE. Servers
+accept pings at that rate (gRPC's default would answer them with GOAWAY ``too_many_pings``).
+
+Reconnect backoff is capped at ``MAX_RECONNECT_BACKOFF_MS``: a channel whose peer was down
+retries the connection at least that often, so a restarted peer is reached within about a
+second; :meth:`ChannelCache.reset` replaces a channel outright.
+"""
 
 from __future__ import annotations
 
@@ -9,17 +20,50 @@ from collections.abc import Sequence
 
 import grpc
 
+MAX_RECONNECT_BACKOFF_MS = 1000
+_RESET_GRACE_S = 60.0  # calls already on a replaced channel get this long to finish
+
+
+def client_keepalive_options(time_s: float, timeout_s: float) -> list[tuple[str, int]]:
+    """Channel options of a client: ping every ``time_s`` seconds, fail after ``timeout_s``
+    seconds without an ack, reconnect backoff capped at ``MAX_RECONNECT_BACKOFF_MS``."""
+    return [*_ping_options(time_s, timeout_s),
+            ("grpc.http2.max_pings_without_data", 0),
+            ("grpc.initial_reconnect_backoff_ms", min(MAX_RECONNECT_BACKOFF_MS, 250)),
+            ("grpc.min_reconnect_backoff_ms", min(MAX_RECONNECT_BACKOFF_MS, 250)),
+            ("grpc.max_reconnect_backoff_ms", MAX_RECONNECT_BACKOFF_MS)]
+
+
+def server_keepalive_options(time_s: float, timeout_s: float) -> list[tuple[str, int]]:
+    """Server options: ping clients every ``time_s`` seconds (drop one silent for
+    ``timeout_s``), and accept their pings as often as every ``time_s / 2`` seconds, calls
+    open or not."""
+    return [*_ping_options(time_s, timeout_s),
+            ("grpc.http2.min_recv_ping_interval_without_data_ms", round(time_s * 500)),
+            ("grpc.http2.min_ping_interval_without_data_ms", round(time_s * 500)),
+            ("grpc.http2.max_ping_strikes", 0),
+            ("grpc.http2.max_pings_without_data", 0)]
+
+
+def _ping_options(time_s: float, timeout_s: float) -> list[tuple[str, int]]:
+    # gRPC core (1.6x+) times an unanswered ping out by ``ping_timeout_ms`` (60 s by default),
+    # not by ``keepalive_timeout_ms``: both are set.
+    timeout_ms = round(timeout_s * 1000)
+    return [("grpc.keepalive_time_ms", round(time_s * 1000)), ("grpc.keepalive_timeout_ms", timeout_ms),
+            ("grpc.http2.ping_timeout_ms", timeout_ms), ("grpc.keepalive_permit_without_calls", 1)]
+
 
 class ChannelCache:
     """One channel per peer address.
 
     Args:
-        options: channel options for every channel (e.g. ``kvtransfer.GRPC_MESSAGE_OPTIONS``).
+        options: channel options for every channel (message sizes, :func:`client_keepalive_options`).
     """
 
     def __init__(self, options: Sequence[tuple[str, int]] = ()) -> None:
         self._options = list(options)
         self._channels: dict[str, grpc.aio.Channel] = {}
+        self._replaced: dict[grpc.aio.Channel, asyncio.Task] = {}
 
     def get(self, address: str) -> grpc.aio.Channel:
         """The channel to ``address`` (``host:port``), opened now if there is none."""
@@ -28,7 +72,33 @@ class ChannelCache:
             channel = self._channels[address] = grpc.aio.insecure_channel(address, options=self._options)
         return channel
 
+    def state(self, address: str) -> grpc.ChannelConnectivity | None:
+        """The connectivity of the channel to ``address`` (``None``: no channel open)."""
+        channel = self._channels.get(address)
+        return None if channel is None else channel.get_state(try_to_connect=False)
+
+    def reset(self, address: str) -> None:
+        """Replace the channel to ``address`` with a fresh one at its next :meth:`get` (a new
+        connection attempt at once, none of the old one's reconnect backoff). Calls already on
+        the old channel keep running; it is closed ``_RESET_GRACE_S`` seconds later, its calls
+        still open then cancelled."""
+        channel = self._channels.pop(address, None)
+        if channel is None:
+            return
+
+        async def close_later() -> None:
+            await asyncio.sleep(_RESET_GRACE_S)
+            await channel.close()
+
+        task = asyncio.get_running_loop().create_task(close_later())
+        self._replaced[channel] = task
+        task.add_done_callback(lambda _: self._replaced.pop(channel, None))
+
     async def close(self) -> None:
-        """Close every channel."""
-        channels, self._channels = list(self._channels.values()), {}
+        """Close every channel, replaced ones included (their calls cancelled)."""
+        channels, self._channels = [*self._channels.values(), *self._replaced], {}
+        tasks = list(self._replaced.values())
+        for task in tasks:  # no more waiting: the close below cancels their calls
+            task.cancel()
+        await asyncio.gather(*tasks, return_exceptions=True)
         await asyncio.gather(*(c.close() for c in channels), return_exceptions=True)

@@ -19,6 +19,7 @@ from typing import Protocol
 
 import grpc
 
+from cluster.channels import server_keepalive_options
 from cluster.health import SERVING
 from cluster.heartbeat import Heartbeat
 from cluster.log import configure_logging
@@ -118,7 +119,8 @@ class WorkerServer:
             BindError: the listen address or the metrics port cannot be bound.
         """
         s = self.settings
-        self._scaffold = scaffold = ServerScaffold([self.servicer.service_name], GRPC_MESSAGE_OPTIONS)
+        self._scaffold = scaffold = ServerScaffold([self.servicer.service_name], [
+            *GRPC_MESSAGE_OPTIONS, *server_keepalive_options(s.keepalive_time_s, s.keepalive_timeout_s)])
         self.servicer.add_to_server(scaffold.server)
         self.port = scaffold.bind(s.listen, setting_name(WorkerSettings, "listen"))
         self.metrics.serve(s.listen_host, s.metrics_port, setting_name(WorkerSettings, "metrics_port"))

@@ -23,7 +23,7 @@ import time
 
 import grpc
 
-from cluster.channels import ChannelCache
+from cluster.channels import ChannelCache, client_keepalive_options
 from cluster.log import request_id_var
 from cluster.metrics import WorkerMetrics
 from cluster.registry import Role
@@ -64,7 +64,8 @@ class PrefillServicer(worker_pb2_grpc.PrefillWorkerServicer):
         self.limits = settings.limits()
         self.max_waiting = settings.max_num_seqs  # queued requests at most (back-pressure)
         self.metrics = metrics
-        self.channels = ChannelCache(GRPC_MESSAGE_OPTIONS)
+        self.channels = ChannelCache([*GRPC_MESSAGE_OPTIONS, *client_keepalive_options(
+            settings.keepalive_time_s, settings.keepalive_timeout_s)])
         transports, self.nixl = kv_transport(settings, settings.resolved_worker_id(str(Role.PREFILL)), engine.engine)
         self.sender = sender or GrpcKVSender(self.channels.get, transports=transports, nixl=self.nixl,
                                              verify_checksums=settings.kv_verify_checksums)
