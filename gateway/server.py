@@ -21,7 +21,7 @@ from dataclasses import dataclass
 
 import grpc
 
-from cluster.channels import ChannelCache
+from cluster.channels import ChannelCache, client_keepalive_options, server_keepalive_options
 from cluster.health import NOT_SERVING, SERVING
 from cluster.log import request_id_var
 from cluster.registry import ClusterNamespace, Role, WorkerConfig, WorkerRegistry, redis_client
@@ -32,6 +32,8 @@ from engine.model_source import resolve_model
 from engine.tokenizer import Tokenizer
 from gateway import metrics
 from gateway.orchestrator import Orchestrator, WorkerClients
+from gateway.outlier import OutlierDetector
+from gateway.prober import HealthProber
 from gateway.router import ClusterView
 from gateway.settings import GatewaySettings
 from gateway.validation import check_input, check_request_size, input_field, render_prompt
@@ -165,11 +167,15 @@ class Gateway:
         self.settings = settings
         self.model = model or load_served_model(settings)
         self.port: int | None = None
-        self._channels = ChannelCache(_WORKER_CHANNEL_OPTIONS)
+        self._channels = ChannelCache([*_WORKER_CHANNEL_OPTIONS, *client_keepalive_options(
+            settings.keepalive_time_s, settings.keepalive_timeout_s)])
         self._redis = None
         self.view = self._build_view()
         self.orchestrator = Orchestrator(self.view, WorkerClients(self._channels), self.model.tokenizer,
-                                         settings.admit_wait_s, settings.local_prefill_max_tokens)
+                                         settings.admit_wait_s, settings.local_prefill_max_tokens,
+                                         settings.max_retries, settings.hop_timeout_s, settings.decode_stall_timeout_s)
+        self.prober = HealthProber(self.view, self._channels, settings.health_probe_interval_s,
+                                   settings.health_probe_timeout_s)
         self.servicer = GatewayServicer(self.model, self.view, self.orchestrator, settings.limits(),
                                         settings.max_request_bytes)
         self._scaffold: ServerScaffold | None = None
@@ -189,13 +195,15 @@ class Gateway:
         s = self.settings
         # gRPC's own limit sits above max_request_bytes so that a request between the two gets
         # INVALID_ARGUMENT naming "request" (larger ones: RESOURCE_EXHAUSTED from gRPC itself).
-        self._scaffold = ServerScaffold([SERVICE_NAME], [("grpc.max_receive_message_length",
-                                                          2 * s.max_request_bytes)])
+        self._scaffold = ServerScaffold([SERVICE_NAME], [("grpc.max_receive_message_length", 2 * s.max_request_bytes),
+                                                         *server_keepalive_options(s.keepalive_time_s,
+                                                                                   s.keepalive_timeout_s)])
         gateway_pb2_grpc.add_GatewayServicer_to_server(self.servicer, self._scaffold.server)
         self.port = self._scaffold.bind(s.listen, setting_name(GatewaySettings, "listen"))
         await self._scaffold.start()
         await self._refresh()
         self._tasks.append(asyncio.get_running_loop().create_task(self._refresh_loop(), name="refresh"))
+        self._tasks.append(asyncio.get_running_loop().create_task(self.prober.run(), name="health-probe"))
         logger.info("listening on %s:%d (model %s, %s)", s.listen_host, self.port, self.model.model_id,
                     f"redis {s.redis_url}" if s.redis_url else f"static workers {s.static_prefill}+{s.static_decode}")
         return self.port
@@ -203,18 +211,21 @@ class Gateway:
     def _build_view(self) -> ClusterView:
         s = self.settings
         ns = ClusterNamespace(s.redis_key_prefix, s.registry_ttl_s)
+        outliers = OutlierDetector(s.outlier_consecutive_failures, s.outlier_base_ejection_s,
+                                   s.outlier_max_ejection_s)
         if s.redis_url:
             from cluster.prefix_index import PrefixIndex
 
             self._redis = redis_client(s.redis_url)
-            return ClusterView(WorkerRegistry(self._redis, ns), PrefixIndex(self._redis, ns), self.model.model_id)
+            return ClusterView(WorkerRegistry(self._redis, ns), PrefixIndex(self._redis, ns), self.model.model_id,
+                               outliers=outliers)
         from gateway.static_cluster import RoutedPrefixIndex, StaticRegistry
 
         logger.warning("no Redis configured: static workers prefill=%s decode=%s, in-process prefix index "
                        "built from this gateway's own routing", s.static_prefill, s.static_decode)
         registry = StaticRegistry(WorkerClients(self._channels),
                                   {Role.PREFILL: s.static_prefill, Role.DECODE: s.static_decode}, ns)
-        return ClusterView(registry, RoutedPrefixIndex(), self.model.model_id)
+        return ClusterView(registry, RoutedPrefixIndex(), self.model.model_id, outliers=outliers)
 
     async def _refresh(self) -> None:
         """Re-read the pool; SERVING exactly while a request can be routed."""
