@@ -36,7 +36,8 @@ from gateway.outlier import OutlierDetector
 from gateway.prober import HealthProber
 from gateway.router import ClusterView
 from gateway.settings import GatewaySettings
-from gateway.validation import check_input, check_request_size, input_field, render_prompt
+from gateway.tokenizer_pool import TokenizerPool
+from gateway.validation import check_input, check_prompt_bytes, check_request_size, input_field, render_prompt
 from protos.status import StatusError
 from protos.tandem.v1 import gateway_pb2, gateway_pb2_grpc
 
@@ -76,15 +77,19 @@ class GatewayServicer(gateway_pb2_grpc.GatewayServicer):
         orchestrator: drives requests through the cluster.
         limits: the request caps (the workers check the same ones).
         max_request_bytes: serialized request size at most.
+        max_prompt_bytes: UTF-8 bytes of prompt text at most, checked before tokenization.
+        tokenizer_pool: where prompts are tokenized (bounded: RESOURCE_EXHAUSTED when full).
     """
 
     def __init__(self, model: ServedModel, view: ClusterView, orchestrator: Orchestrator, limits: RequestLimits,
-                 max_request_bytes: int) -> None:
+                 max_request_bytes: int, max_prompt_bytes: int, tokenizer_pool: TokenizerPool) -> None:
         self.model = model
         self.view = view
         self.orchestrator = orchestrator
         self.limits = limits
         self.max_request_bytes = max_request_bytes
+        self.max_prompt_bytes = max_prompt_bytes
+        self.tokenizer_pool = tokenizer_pool
         self.admission = Admission()
 
     def _pool(self) -> WorkerConfig:
@@ -94,9 +99,14 @@ class GatewayServicer(gateway_pb2_grpc.GatewayServicer):
         return pool
 
     async def _tokenize(self, request) -> tuple[str, list[int]]:
+        """The request's input form and prompt token ids; sizes are checked before any
+        tokenizer work, which runs on the bounded pool (token ids need none)."""
         check_request_size(request, self.max_request_bytes)
         which = check_input(request)
-        return which, await asyncio.to_thread(render_prompt, request, which, self.model.tokenizer)
+        check_prompt_bytes(request, which, self.max_prompt_bytes)
+        if which == "token_ids":
+            return which, render_prompt(request, which, self.model.tokenizer)
+        return which, await self.tokenizer_pool.run(render_prompt, request, which, self.model.tokenizer)
 
     async def Generate(self, request: gateway_pb2.GenerateRequest, context: grpc.aio.ServicerContext) -> None:  # noqa: N802
         request_id = request.request_id or f"req-{uuid.uuid4().hex[:12]}"
@@ -176,8 +186,9 @@ class Gateway:
                                          settings.max_retries, settings.hop_timeout_s, settings.decode_stall_timeout_s)
         self.prober = HealthProber(self.view, self._channels, settings.health_probe_interval_s,
                                    settings.health_probe_timeout_s)
+        self.tokenizer_pool = TokenizerPool(settings.tokenizer_threads, settings.tokenizer_queue)
         self.servicer = GatewayServicer(self.model, self.view, self.orchestrator, settings.limits(),
-                                        settings.max_request_bytes)
+                                        settings.max_request_bytes, settings.max_prompt_bytes, self.tokenizer_pool)
         self._scaffold: ServerScaffold | None = None
         self._tasks: list[asyncio.Task] = []
 
@@ -251,6 +262,7 @@ class Gateway:
         await self.servicer.admission.wait_idle(grace_s)
         await self._scaffold.stop(0.5)
         await self.orchestrator.drain_aborts()
+        self.tokenizer_pool.close()
         await self._channels.close()
         if self._redis is not None:
             await self._redis.aclose()
