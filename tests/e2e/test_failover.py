@@ -5,7 +5,9 @@ What must hold: a dead prefill worker costs (almost) no request (retried elsewhe
 first token, the dead worker ejected and probed down); a dead decode worker fails only the
 streams whose client already had tokens from it (UNAVAILABLE); a frozen decode worker stops
 getting new requests within 5 s, no request waits past the per-hop timeout, and it is routed to
-again once it thaws; every surviving worker's free blocks return to where they started.
+again once it thaws; every surviving worker's free blocks return to where they started. A
+rolling SIGTERM of every worker in turn (each drains: NOT_SERVING, finishes what it holds,
+leaves the registry, exits 0, and is started again) drops no request at all.
 """
 
 from __future__ import annotations
@@ -128,3 +130,28 @@ def test_sigkill_of_a_decode_worker_fails_only_streams_already_decoding_on_it(he
     assert len(failed) <= holding + 4, (len(failed), holding)
     survivors = {k: v for k, v in before.items() if k != "decode-1"}
     assert wait_free_blocks(cluster, survivors, within_s=5) == survivors
+
+
+def test_rolling_sigterm_of_every_worker_under_load_drops_no_request(healed):
+    cluster = healed
+    load = ClosedLoop(cluster.stub, lambda i: _request(i, 16), streams=16).start()
+    _wait_completed(load, 16, within_s=120)
+    for name in ("prefill-0", "decode-0", "prefill-1", "decode-1"):
+        worker = cluster.workers[name]
+        worker.proc.send_signal(signal.SIGTERM)
+        assert worker.proc.wait(30) == 0, name
+        cluster.restart(name)
+        completed = load.completed()
+        _wait_completed(load, completed + 16, within_s=60)  # the pool serves on before the next one goes
+    outcomes = load.stop()
+    assert len(outcomes) >= 80
+    assert all(o.code == "OK" and o.tokens == 16 for o in outcomes), \
+        [(o.code, o.tokens) for o in outcomes if o.code != "OK" or o.tokens != 16]
+    deadline = time.monotonic() + 5
+    while time.monotonic() < deadline:
+        totals = {name: stats(w.address, name.split("-")[0]) for name, w in cluster.workers.items()}
+        if all(s.num_free_blocks == s.num_total_blocks for s in totals.values()):
+            break
+        time.sleep(0.1)
+    assert {n: (s.num_free_blocks, s.num_total_blocks) for n, s in totals.items()
+            if s.num_free_blocks != s.num_total_blocks} == {}
