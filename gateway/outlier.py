@@ -107,16 +107,6 @@ class OutlierDetector:
         self._publish()
         return True
 
-    def ejected(self, worker_id: str) -> bool:
-        """Whether ``worker_id`` is ejected now."""
-        record = self._records.get(worker_id)
-        return record is not None and self._clock() < record.ejected_until
-
-    def down(self, worker_id: str) -> bool:
-        """Whether ``worker_id``'s last probe failed."""
-        record = self._records.get(worker_id)
-        return record is not None and record.down
-
     def avoided(self) -> tuple[frozenset[str], frozenset[str]]:
         """The ids down now and the ids ejected now (a worker may be in both)."""
         now = self._clock()
