@@ -507,9 +507,7 @@ def _status_from_worker(failure: _WorkerCallError) -> StatusError:
     """The client's status for a worker error that is not retried (a worker's own failure,
     a per-hop or stall timeout included: UNAVAILABLE)."""
     code = failure.code
-    if failure.worker_fault:
-        code = grpc.StatusCode.UNAVAILABLE
-    elif code == grpc.StatusCode.CANCELLED:
+    if failure.worker_fault or code == grpc.StatusCode.CANCELLED:
         code = grpc.StatusCode.UNAVAILABLE
     elif code == grpc.StatusCode.UNKNOWN:
         code = grpc.StatusCode.INTERNAL
