@@ -46,8 +46,8 @@ def server_keepalive_options(time_s: float, timeout_s: float) -> list[tuple[str,
 
 
 def _ping_options(time_s: float, timeout_s: float) -> list[tuple[str, int]]:
-    # gRPC core (1.6x+) times an unanswered ping out by ``ping_timeout_ms`` (60 s by default),
-    # not by ``keepalive_timeout_ms``: both are set.
+    # gRPC core (seen with grpcio 1.85) times an unanswered ping out by ``ping_timeout_ms``
+    # (60 s by default), not by ``keepalive_timeout_ms``: both are set.
     timeout_ms = round(timeout_s * 1000)
     return [("grpc.keepalive_time_ms", round(time_s * 1000)), ("grpc.keepalive_timeout_ms", timeout_ms),
             ("grpc.http2.ping_timeout_ms", timeout_ms), ("grpc.keepalive_permit_without_calls", 1)]
