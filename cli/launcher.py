@@ -233,6 +233,26 @@ class LocalCluster:
         """Names of cluster processes that have exited."""
         return [c.name for c in self.children() if c.proc is not None and not c.alive]
 
+    def restart(self, name: str, timeout_s: float = 300.0) -> None:
+        """Start worker ``name`` again (same address, settings and worker id) once it has
+        exited, and wait until it reports SERVING.
+
+        Raises:
+            ClusterError: it is still running, exited again, or was not SERVING within ``timeout_s``.
+        """
+        child = self.workers[name]
+        if child.alive:
+            raise ClusterError(f"{name} is still running")
+        child.start(self.sink, self.log_dir)
+        deadline = time.monotonic() + timeout_s
+        while not check(child.address, timeout_s=1.0):
+            if not child.alive:
+                raise ClusterError(f"{name} exited with {child.proc.returncode}; last lines:\n"
+                                   + "\n".join(list(child.tail)[-15:]))
+            if time.monotonic() > deadline:
+                raise ClusterError(f"{name} not SERVING after {timeout_s:.0f} s")
+            time.sleep(0.2)
+
     def children(self) -> list[Child]:
         return [c for c in [self.gateway, *self.workers.values()] if c is not None]
 

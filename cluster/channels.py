@@ -1,6 +1,18 @@
 """Client channels to the other servers of the cluster: one ``grpc.aio`` channel per address,
 opened on first use and reused, the one place that decides how a Tandem process dials a peer
-(message size limits, TLS credentials and the certificate name a peer must present)."""
+(message size limits, TLS credentials and the certificate name a peer must present,
+keepalive, reconnect backoff) and what a server allows its peers.
+
+Keepalive: a peer that is frozen (SIGSTOP, a hung host) keeps its TCP connection open, so
+without pings a call to it waits forever. Every connection pings every ``keepalive_time_s``
+(also with no call open, and while only receiving); a ping unanswered for
+``keepalive_timeout_s`` closes the connection and fails its calls with UNAVAILABLE. Servers
+accept pings at that rate (gRPC's default would answer them with GOAWAY ``too_many_pings``).
+
+Reconnect backoff is capped at ``MAX_RECONNECT_BACKOFF_MS``: a channel whose peer was down
+retries the connection at least that often, so a restarted peer is reached within about a
+second; :meth:`ChannelCache.reset` replaces a channel outright.
+"""
 
 from __future__ import annotations
 
@@ -10,15 +22,45 @@ from collections.abc import Sequence
 
 import grpc
 
-# Evicted channels get this long for their calls in flight before they are closed, seconds.
-EVICTION_GRACE_S = 60.0
+MAX_RECONNECT_BACKOFF_MS = 1000
+# A channel evicted or replaced gets this long for its calls in flight before it is closed, seconds.
+RETIRE_GRACE_S = 60.0
+
+
+def client_keepalive_options(time_s: float, timeout_s: float) -> list[tuple[str, int]]:
+    """Channel options of a client: ping every ``time_s`` seconds, fail after ``timeout_s``
+    seconds without an ack, reconnect backoff capped at ``MAX_RECONNECT_BACKOFF_MS``."""
+    return [*_ping_options(time_s, timeout_s),
+            ("grpc.http2.max_pings_without_data", 0),
+            ("grpc.initial_reconnect_backoff_ms", min(MAX_RECONNECT_BACKOFF_MS, 250)),
+            ("grpc.min_reconnect_backoff_ms", min(MAX_RECONNECT_BACKOFF_MS, 250)),
+            ("grpc.max_reconnect_backoff_ms", MAX_RECONNECT_BACKOFF_MS)]
+
+
+def server_keepalive_options(time_s: float, timeout_s: float) -> list[tuple[str, int]]:
+    """Server options: ping clients every ``time_s`` seconds (drop one silent for
+    ``timeout_s``), and accept their pings as often as every ``time_s / 2`` seconds, calls
+    open or not."""
+    return [*_ping_options(time_s, timeout_s),
+            ("grpc.http2.min_recv_ping_interval_without_data_ms", round(time_s * 500)),
+            ("grpc.http2.min_ping_interval_without_data_ms", round(time_s * 500)),
+            ("grpc.http2.max_ping_strikes", 0),
+            ("grpc.http2.max_pings_without_data", 0)]
+
+
+def _ping_options(time_s: float, timeout_s: float) -> list[tuple[str, int]]:
+    # gRPC core (seen with grpcio 1.85) times an unanswered ping out by ``ping_timeout_ms``
+    # (60 s by default), not by ``keepalive_timeout_ms``: both are set.
+    timeout_ms = round(timeout_s * 1000)
+    return [("grpc.keepalive_time_ms", round(time_s * 1000)), ("grpc.keepalive_timeout_ms", timeout_ms),
+            ("grpc.http2.ping_timeout_ms", timeout_ms), ("grpc.keepalive_permit_without_calls", 1)]
 
 
 class ChannelCache:
     """One channel per peer address, at most ``max_channels`` (least recently used closed first).
 
     Args:
-        options: channel options for every channel (e.g. ``kvtransfer.GRPC_MESSAGE_OPTIONS``).
+        options: channel options for every channel (message sizes, :func:`client_keepalive_options`).
         credentials: TLS credentials (``cluster.tls.TlsFiles.channel_credentials``); ``None``:
             plaintext.
         peer_name: with TLS, the DNS name the peer's certificate must carry whatever address
@@ -34,7 +76,7 @@ class ChannelCache:
         self._credentials = credentials
         self.max_channels = max_channels
         self._channels: collections.OrderedDict[str, grpc.aio.Channel] = collections.OrderedDict()
-        self._closing: set[asyncio.Task] = set()
+        self._retiring: dict[asyncio.Task, grpc.aio.Channel] = {}
 
     def __len__(self) -> int:
         return len(self._channels)
@@ -51,13 +93,32 @@ class ChannelCache:
             channel = grpc.aio.secure_channel(address, self._credentials, options=self._options)
         self._channels[address] = channel
         while len(self._channels) > self.max_channels:
-            _, oldest = self._channels.popitem(last=False)
-            task = asyncio.get_running_loop().create_task(oldest.close(EVICTION_GRACE_S))
-            self._closing.add(task)
-            task.add_done_callback(self._closing.discard)
+            self._retire(self._channels.popitem(last=False)[1])
         return channel
 
+    def state(self, address: str) -> grpc.ChannelConnectivity | None:
+        """The connectivity of the channel to ``address`` (``None``: no channel open)."""
+        channel = self._channels.get(address)
+        return None if channel is None else channel.get_state(try_to_connect=False)
+
+    def reset(self, address: str) -> None:
+        """Replace the channel to ``address`` with a fresh one at its next :meth:`get` (a new
+        connection attempt at once, none of the old one's reconnect backoff). Calls already on
+        the old channel keep running for up to ``RETIRE_GRACE_S`` seconds."""
+        channel = self._channels.pop(address, None)
+        if channel is not None:
+            self._retire(channel)
+
+    def _retire(self, channel: grpc.aio.Channel) -> None:
+        task = asyncio.get_running_loop().create_task(channel.close(RETIRE_GRACE_S))
+        self._retiring[task] = channel
+        task.add_done_callback(lambda done: self._retiring.pop(done, None))
+
     async def close(self) -> None:
-        """Close every channel."""
-        channels, self._channels = list(self._channels.values()), collections.OrderedDict()
-        await asyncio.gather(*(c.close() for c in channels), *self._closing, return_exceptions=True)
+        """Close every channel, retiring ones included (their calls cancelled)."""
+        retiring = dict(self._retiring)
+        for task in retiring:  # no more waiting: the close below cancels their calls
+            task.cancel()
+        await asyncio.gather(*retiring, return_exceptions=True)
+        channels, self._channels = [*self._channels.values(), *retiring.values()], collections.OrderedDict()
+        await asyncio.gather(*(c.close() for c in channels), return_exceptions=True)

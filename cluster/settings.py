@@ -72,6 +72,27 @@ class TandemSettings(BaseSettings):
     max_stop: int = Field(RequestLimits.max_stop, ge=0, description="stop strings per request at most")
     max_stop_len: int = Field(RequestLimits.max_stop_len, ge=1, description="characters per stop string at most")
     max_stop_token_ids: int = Field(RequestLimits.max_stop_token_ids, ge=0, description="stop token ids per request at most")
+    # Liveness and failover (docs/deployment.md, "Failures"): keepalive on every channel, both
+    # ends; the rest is read by the gateway, which drives the worker calls.
+    keepalive_time_s: float = Field(5.0, gt=0, description="seconds between HTTP/2 keepalive pings on every gRPC "
+                                                           "connection (client and server side)")
+    keepalive_timeout_s: float = Field(5.0, gt=0, description="seconds a keepalive ping waits for its ack before "
+                                                              "the connection (and every call on it) is failed")
+    hop_timeout_s: float = Field(60.0, gt=0, description="seconds one worker call (Admit, Prefill) may take when "
+                                                         "the client's deadline is later or unset")
+    decode_stall_timeout_s: float = Field(15.0, gt=0, description="seconds a Decode stream may go without a "
+                                                                  "message before its worker counts as failed")
+    max_retries: int = Field(2, ge=0, description="tries on other workers after a worker failure, before the "
+                                                  "client has seen a token")
+    outlier_consecutive_failures: int = Field(2, ge=1, description="consecutive failed calls that eject a worker "
+                                                                   "from routing")
+    outlier_base_ejection_s: float = Field(5.0, gt=0, description="seconds of a worker's first ejection; each "
+                                                                  "repeat doubles it")
+    outlier_max_ejection_s: float = Field(60.0, gt=0, description="seconds an ejection lasts at most")
+    health_probe_interval_s: float = Field(1.0, gt=0, description="seconds between the gateway's health probes "
+                                                                  "of each worker")
+    health_probe_timeout_s: float = Field(1.0, gt=0, description="seconds a health probe waits; no SERVING "
+                                                                 "answer in time: not routed to until one comes")
 
     @field_validator("listen")
     @classmethod
@@ -86,6 +107,14 @@ class TandemSettings(BaseSettings):
     def _check_tls_dir(cls, value: str) -> str:
         if value and not os.path.isfile(os.path.join(value, "ca.pem")):
             raise ValueError(f"{value} has no ca.pem (make one with `tandem certs init {value}`)")
+        return value
+
+    @field_validator("outlier_max_ejection_s")
+    @classmethod
+    def _check_max_ejection(cls, value: float, info) -> float:
+        base = info.data.get("outlier_base_ejection_s")
+        if base is not None and value < base:
+            raise ValueError(f"must be >= outlier_base_ejection_s ({base}), got {value}")
         return value
 
     @field_validator("log_level", mode="before")

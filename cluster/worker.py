@@ -19,6 +19,7 @@ from typing import Protocol
 
 import grpc
 
+from cluster.channels import server_keepalive_options
 from cluster.health import SERVING
 from cluster.heartbeat import Heartbeat
 from cluster.log import configure_logging
@@ -141,8 +142,10 @@ class WorkerServer:
         s = self.settings
         tls = worker_tls(s, self.role)
         roles = [PeerRoleInterceptor(self.servicer.service_name, self.servicer.peer_roles)] if tls else []
-        self._scaffold = scaffold = ServerScaffold([self.servicer.service_name], GRPC_MESSAGE_OPTIONS,
-                                                  reflection=s.reflection, interceptors=roles)
+        self._scaffold = scaffold = ServerScaffold(
+            [self.servicer.service_name],
+            [*GRPC_MESSAGE_OPTIONS, *server_keepalive_options(s.keepalive_time_s, s.keepalive_timeout_s)],
+            reflection=s.reflection, interceptors=roles)
         self.servicer.add_to_server(scaffold.server)
         credentials = None
         if tls is not None:

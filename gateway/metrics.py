@@ -19,3 +19,7 @@ REFUSED_WORKERS = Gauge("tandem_gateway_refused_workers",
                         "Live workers refused because their model or cache settings disagree with the pool.")
 PREFILLS = Counter("tandem_gateway_prefills", "Prompts prefilled, by where (remote: a prefill worker; local: the "
                    "decode worker itself) and the KV transport the blocks took.", ["where", "kv_transport"])
+AVOIDED_WORKERS = Gauge("tandem_gateway_avoided_workers", "Workers routing avoids: down (health probe failing) or "
+                        "ejected (consecutive failed calls), as of the last change.", ["reason"])
+WORKER_FAILURES = Counter("tandem_gateway_worker_failures", "Worker calls counted as failures of the worker, by call.",
+                          ["call"])

@@ -16,9 +16,18 @@ Conditional disaggregation (as Dynamo does): ``Admit`` tells how many leading pr
 the decode worker already holds; when the tokens left are at most ``local_prefill_max_tokens``
 (or the pool has no prefill worker), the decode worker prefills them itself and no KV moves.
 
-Retries: a worker answering UNAVAILABLE (or a reservation lost) before the client has seen a
-token is retried once, on other workers where any exist; after that the client gets
-UNAVAILABLE. Decode capacity (``NoCapacityError`` or Admit's RESOURCE_EXHAUSTED) is waited for
+Failover (docs/architecture.md, "Failures"): a worker failure before the client has seen a
+token (UNAVAILABLE, a connection failure, a lost reservation, no answer within
+``hop_timeout_s``, a Decode stream silent for ``decode_stall_timeout_s``) is retried up to
+``max_retries`` times, each time on workers the request has not failed on yet (other workers
+of the role where any exist); after that the client gets UNAVAILABLE. Failures of a worker's
+own (the call to it failed or timed out, not the KV transfer it made to its peer) are counted
+in the view's outlier detector, which ejects a worker failing repeatedly. Once the client has
+a token, a failed or stalled Decode stream ends the request with UNAVAILABLE: the tokens
+already sent cannot be taken back, and the request is not resumed elsewhere. Every worker call
+but the Decode stream gets ``hop_timeout_s`` or the client's deadline, whichever is sooner; the
+Decode stream gets the client's deadline and ``decode_stall_timeout_s`` between messages.
+Decode capacity (``NoCapacityError`` or Admit's RESOURCE_EXHAUSTED) is waited for
 up to ``admit_wait_s`` with backoff, a small admission queue, then answered
 RESOURCE_EXHAUSTED.
 """
@@ -36,7 +45,7 @@ from dataclasses import dataclass, field
 import grpc
 
 from cluster.channels import ChannelCache
-from cluster.registry import WorkerConfig
+from cluster.registry import Role, WorkerConfig, WorkerInfo
 from engine.block_hash import hash_blocks, salted_seed
 from engine.detokenizer import IncrementalDetokenizer
 from engine.sampling_params import SamplingParams
@@ -73,6 +82,10 @@ class WorkerClients:
 
     def prefill(self, address: str) -> worker_pb2_grpc.PrefillWorkerStub:
         return worker_pb2_grpc.PrefillWorkerStub(self.prefill_channels.get(address))
+
+    def for_role(self, role: Role) -> ChannelCache:
+        """The cache of channels to workers of ``role``."""
+        return self.prefill_channels if role == Role.PREFILL else self.channels
 
 
 @dataclass
@@ -111,14 +124,25 @@ class _Attempt:
     first_messages: list = field(default_factory=list)
     decode_cached_tokens: int = 0
 
+    def __post_init__(self) -> None:
+        if self.route.prefill is None:  # the decode worker prefills: nothing to release on a prefill worker
+            self.prefill_counted = self.prefill_holds = False
+
 
 class _WorkerCallError(Exception):
-    """A worker call failed; ``stage`` names the call (Admit, Prefill)."""
+    """A worker call failed.
 
-    def __init__(self, stage: str, error: grpc.aio.AioRpcError) -> None:
-        super().__init__(f"{stage}: {error.code().name} {error.details()}")
-        self.stage = stage
-        self.error = error
+    Attributes:
+        stage: the call (Admit, Prefill, Decode).
+        code: its status (UNAVAILABLE for a stalled stream).
+        details: its message.
+        worker_fault: the worker failed (UNAVAILABLE, or no answer within the per-hop or stall
+            timeout while the client's deadline had not passed): worth a retry elsewhere.
+    """
+
+    def __init__(self, stage: str, code: grpc.StatusCode, details: str, worker_fault: bool) -> None:
+        super().__init__(f"{stage}: {code.name} {details}")
+        self.stage, self.code, self.details, self.worker_fault = stage, code, details, worker_fault
 
 
 class Orchestrator:
@@ -131,15 +155,22 @@ class Orchestrator:
         admit_wait_s: longest wait for decode capacity before RESOURCE_EXHAUSTED, seconds.
         local_prefill_max_tokens: the decode worker prefills a request itself when at most this
             many prompt tokens are left after its prefix hit.
+        max_retries: tries on other workers after worker failures before the first token.
+        hop_timeout_s: seconds an Admit or Prefill call may take (sooner: the client's deadline).
+        decode_stall_timeout_s: seconds a Decode stream may go without a message.
     """
 
     def __init__(self, view: ClusterView, clients: WorkerClients, tokenizer: Tokenizer | None,
-                 admit_wait_s: float = 5.0, local_prefill_max_tokens: int = 0) -> None:
+                 admit_wait_s: float = 5.0, local_prefill_max_tokens: int = 0, max_retries: int = 2,
+                 hop_timeout_s: float = 60.0, decode_stall_timeout_s: float = 15.0) -> None:
         self.view = view
         self.clients = clients
         self.tokenizer = tokenizer
         self.admit_wait_s = admit_wait_s
         self.local_prefill_max_tokens = local_prefill_max_tokens
+        self.max_retries = max_retries
+        self.hop_timeout_s = hop_timeout_s
+        self.decode_stall_timeout_s = decode_stall_timeout_s
         self._background: set[asyncio.Task] = set()
 
     async def generate(
@@ -179,7 +210,7 @@ class Orchestrator:
     async def _prefill_with_retry(self, request_id, prompt, hashes, sampling, pool: WorkerConfig, time_left,
                                   cache_salt: str):
         avoid: frozenset[str] = frozenset()
-        retried = False
+        retries = 0
         capacity = _Backoff(self.admit_wait_s)
         while True:
             route = await self._choose(hashes, len(prompt), avoid, capacity, time_left)
@@ -192,17 +223,19 @@ class Orchestrator:
                 raise
             except _WorkerCallError as failure:
                 self._release(attempt, f"{failure.stage} failed")
-                exc, stage, code = failure.error, failure.stage, failure.error.code()
+                code = failure.code
                 level = logging.DEBUG if code == grpc.StatusCode.RESOURCE_EXHAUSTED else logging.WARNING
-                logger.log(level, "%s failed on %s: %s %s", stage, _workers(route), code.name, exc.details())
+                logger.log(level, "%s failed on %s: %s %s", failure.stage, _workers(route), code.name,
+                           failure.details)
                 if code == grpc.StatusCode.RESOURCE_EXHAUSTED and await capacity.wait(time_left):
                     continue
-                if code in _RETRYABLE and not retried:
-                    retried = True
+                if (failure.worker_fault or code in _RETRYABLE) and retries < self.max_retries \
+                        and not _expired(time_left):
+                    retries += 1
                     metrics.RETRIES.inc()
-                    avoid = avoid | {route.prefill.worker_id, route.decode.worker_id}
+                    avoid = avoid | _involved(route, failure.stage)
                     continue
-                raise _status_from_worker(exc, stage) from exc
+                raise _status_from_worker(failure) from failure
             except BaseException:
                 self._release(attempt, "gateway error")
                 raise
@@ -227,16 +260,16 @@ class Orchestrator:
         decode = self.clients.decode(route.decode.address)
         admit = decode.Admit(worker_pb2.AdmitRequest(request_id=rid, prompt_token_ids=prompt,
                                                      cache_salt=attempt.cache_salt),
-                             timeout=_timeout(time_left))
+                             timeout=self._hop_timeout(time_left))
         attempt.calls.append(admit)
-        admitted = await _staged(admit, "Admit")
+        admitted = await self._staged(admit, "Admit", route.decode, time_left)
         attempt.reservation_id = admitted.reservation_id
         attempt.decode_cached_tokens = admitted.num_cached_blocks * pool.block_size
         if route.prefill is None or len(prompt) - attempt.decode_cached_tokens <= self.local_prefill_max_tokens:
             attempt.prefill_counted = attempt.prefill_holds = False
             self.view.prefill_done(route)
             call = self._decode_call(attempt, prompt, [], sampling, time_left, local_prefill=True)
-            first = await _staged(call.read(), "Decode")
+            first = await self._staged(self._next_message(call), "Decode", route.decode, time_left)
             if first is grpc.aio.EOF:
                 raise StatusError(grpc.StatusCode.INTERNAL, "the decode worker ended the stream before a token")
             attempt.first_messages.append(first)
@@ -248,13 +281,59 @@ class Orchestrator:
         prefill = self.clients.prefill(route.prefill.address).Prefill(
             worker_pb2.PrefillRequest(request_id=rid, prompt_token_ids=prompt, sampling=sampling,
                                       destination=destination, cache_salt=attempt.cache_salt),
-            timeout=_timeout(time_left))
+            timeout=self._hop_timeout(time_left))
         attempt.calls.append(prefill)
-        response = await _staged(prefill, "Prefill")
+        response = await self._staged(prefill, "Prefill", route.prefill, time_left)
         attempt.prefill_counted = attempt.prefill_holds = False
         self.view.prefill_done(route)
         metrics.PREFILLS.labels("remote", response.kv_transport).inc()
         return response
+
+    def _hop_timeout(self, time_left: Callable[[], float | None]) -> float:
+        """The timeout of one Admit or Prefill call: ``hop_timeout_s`` or the client's deadline."""
+        left = _timeout(time_left)
+        return self.hop_timeout_s if left is None else min(left, self.hop_timeout_s)
+
+    async def _next_message(self, call):
+        """The Decode stream's next message (``grpc.aio.EOF`` at its end).
+
+        Raises:
+            TimeoutError: none came within ``decode_stall_timeout_s``.
+            grpc.aio.AioRpcError: the call failed.
+        """
+        async with asyncio.timeout(self.decode_stall_timeout_s):
+            return await call.read()
+
+    async def _staged(self, awaitable, stage: str, worker: WorkerInfo, time_left):
+        """Await one step of a worker call (a unary call, or a stream's next message); its
+        failure comes out as :class:`_WorkerCallError`, and the worker's own failures and
+        successes go to the outlier detector.
+
+        A failed Prefill counts against the prefill worker only when the gateway's connection
+        to it is down (keepalive closes the connection of a frozen worker too): an UNAVAILABLE
+        or a timeout with the connection up may be its KV transfer's (the decode worker's
+        fault), which the health probe judges instead.
+        """
+        outliers = self.view.outliers
+        try:
+            result = await awaitable
+        except TimeoutError as exc:
+            outliers.failure(worker.worker_id)
+            metrics.WORKER_FAILURES.labels(stage).inc()
+            raise _WorkerCallError(stage, grpc.StatusCode.UNAVAILABLE,
+                                   f"no message within {self.decode_stall_timeout_s} s", True) from exc
+        except grpc.aio.AioRpcError as exc:
+            code = exc.code()
+            hop_timeout = code == grpc.StatusCode.DEADLINE_EXCEEDED and not _expired(time_left)
+            fault = code == grpc.StatusCode.UNAVAILABLE or hop_timeout
+            if fault and (stage != "Prefill" or
+                          self.clients.for_role(worker.role).state(worker.address) != grpc.ChannelConnectivity.READY):
+                outliers.failure(worker.worker_id)
+                metrics.WORKER_FAILURES.labels(stage).inc()
+            details = f"no answer within {self.hop_timeout_s} s" if hop_timeout else exc.details()
+            raise _WorkerCallError(stage, code, details or "", fault) from exc
+        outliers.success(worker.worker_id)
+        return result
 
     def _decode_call(self, attempt: _Attempt, prompt, first_ids: list[int], sampling, time_left,
                      local_prefill: bool = False):
@@ -314,19 +393,30 @@ class Orchestrator:
         first_token_at = time.monotonic()
         route = attempt.route
         try:
-            async for message in _chain(attempt.first_messages, call):
+            async for message in _chain(attempt.first_messages, call, self._next_message):
                 if message.index >= n or samples[message.index].done:
                     continue
                 yield piece(message.index, list(message.token_ids), message.logprobs, message.finish_reason)
                 if all(s.done for s in samples):
                     break
+        except TimeoutError as exc:
+            logger.warning("Decode on %s stalled after the first token: no message within %.1f s",
+                           route.decode.address, self.decode_stall_timeout_s)
+            self.view.outliers.failure(route.decode.worker_id)
+            metrics.WORKER_FAILURES.labels("Decode").inc()
+            raise StatusError(grpc.StatusCode.UNAVAILABLE,
+                              f"decode worker {route.decode.worker_id} stalled mid-stream: no token within "
+                              f"{self.decode_stall_timeout_s} s") from exc
         except grpc.aio.AioRpcError as exc:
             logger.warning("Decode on %s failed after the first token: %s %s", route.decode.address,
                            exc.code().name, exc.details())
+            if exc.code() == grpc.StatusCode.UNAVAILABLE:
+                self.view.outliers.failure(route.decode.worker_id)
+                metrics.WORKER_FAILURES.labels("Decode").inc()
             if exc.code() in _RETRYABLE:
                 raise StatusError(grpc.StatusCode.UNAVAILABLE,
                                   f"decode worker {route.decode.worker_id} failed mid-stream: {exc.details()}") from exc
-            raise _status_from_worker(exc, "Decode") from exc
+            raise _status_from_worker(_WorkerCallError("Decode", exc.code(), exc.details() or "", False)) from exc
         else:
             if all(s.done for s in samples) and call.done():
                 attempt.decode_holds = False  # the worker ended the stream itself: nothing left to free
@@ -395,25 +485,26 @@ class _Backoff:
         return True
 
 
-async def _chain(first: list, call) -> AsyncIterator:
-    """The messages already read, then the rest of the stream (read with ``read()``: grpc.aio
-    does not let one call mix it with iteration)."""
+async def _chain(first: list, call, next_message) -> AsyncIterator:
+    """The messages already read, then the rest of the stream, each read by
+    ``next_message(call)`` (``read()``: grpc.aio does not let one call mix it with iteration)."""
     for message in first:
         yield message
-    while (message := await call.read()) is not grpc.aio.EOF:
+    while (message := await next_message(call)) is not grpc.aio.EOF:
         yield message
 
 
-async def _staged(call, stage: str):
-    """Await a unary worker call; its failure comes out as :class:`_WorkerCallError`."""
-    try:
-        return await call
-    except grpc.aio.AioRpcError as exc:
-        raise _WorkerCallError(stage, exc) from exc
+def _involved(route: Route, stage: str) -> frozenset[str]:
+    """The workers a failure at ``stage`` may be the fault of (a failed Prefill: either side,
+    its KV transfer goes to the decode worker)."""
+    if stage == "Prefill" and route.prefill is not None:
+        return frozenset({route.prefill.worker_id, route.decode.worker_id})
+    return frozenset({route.decode.worker_id})
 
 
 def _workers(route: Route) -> str:
-    return f"prefill {route.prefill.worker_id} / decode {route.decode.worker_id}"
+    prefill = route.prefill.worker_id if route.prefill is not None else "none (local)"
+    return f"prefill {prefill} / decode {route.decode.worker_id}"
 
 
 def _timeout(time_left: Callable[[], float | None]) -> float | None:
@@ -424,13 +515,20 @@ def _timeout(time_left: Callable[[], float | None]) -> float | None:
     return max(left, 0.001)
 
 
-def _status_from_worker(exc: grpc.aio.AioRpcError, stage: str) -> StatusError:
-    """The client's status for a worker error that is not retried."""
-    code = exc.code()
-    if code == grpc.StatusCode.CANCELLED:
+def _expired(time_left: Callable[[], float | None]) -> bool:
+    """Whether the client's deadline has passed (or is about to)."""
+    left = _timeout(time_left)
+    return left is not None and left <= 0.01
+
+
+def _status_from_worker(failure: _WorkerCallError) -> StatusError:
+    """The client's status for a worker error that is not retried (a worker's own failure,
+    a per-hop or stall timeout included: UNAVAILABLE)."""
+    code = failure.code
+    if failure.worker_fault or code == grpc.StatusCode.CANCELLED:
         code = grpc.StatusCode.UNAVAILABLE
     elif code == grpc.StatusCode.UNKNOWN:
         code = grpc.StatusCode.INTERNAL
     elif code == grpc.StatusCode.NOT_FOUND:
         code = grpc.StatusCode.UNAVAILABLE  # a lost reservation: the cluster's fault, not the client's
-    return StatusError(code, f"{stage}: {exc.details()}")
+    return StatusError(code, f"{failure.stage}: {failure.details}")

@@ -42,6 +42,7 @@ from typing import Protocol
 from cluster.registry import REDIS_ERRORS, ClusterNamespace, Role, WorkerConfig, WorkerInfo, WorkerLoad
 from engine.block_pool import cdiv
 from gateway import metrics
+from gateway.outlier import OutlierDetector
 
 logger = logging.getLogger(__name__)
 
@@ -260,6 +261,7 @@ class ClusterView:
         model_id: the model this gateway serves; workers of another model are refused.
         policy: routing knobs.
         rng: tie-breaking randomness (seed it in tests).
+        outliers: workers to avoid now (down or ejected, :mod:`gateway.outlier`); default: none.
     """
 
     def __init__(
@@ -269,8 +271,10 @@ class ClusterView:
         model_id: str,
         policy: RoutingPolicy = RoutingPolicy(),
         rng: random.Random | None = None,
+        outliers: OutlierDetector | None = None,
     ) -> None:
         self.registry = registry
+        self.outliers = outliers or OutlierDetector()
         self.index = index
         self.model_id = model_id
         self.policy = policy
@@ -360,8 +364,10 @@ class ClusterView:
             block_hashes: chained hashes of the prompt's full blocks (``prompt_len // block_size``
                 of the pool's block size).
             prompt_len: prompt length in tokens (>= 1).
-            exclude: worker ids to avoid (they failed this request already); one of them is
-                picked only when no other worker of its role exists.
+            exclude: worker ids to avoid (they failed this request already). Workers are
+                preferred in this order: neither excluded nor down nor ejected; not excluded
+                nor down; (decode only) not down; any. A prefill worker is never picked
+                excluded or down: the decode worker prefills instead.
 
         Raises:
             ValueError: inconsistent arguments.
@@ -373,8 +379,9 @@ class ClusterView:
             raise NoWorkerError("no live decode worker")
         if prompt_len < 1 or len(block_hashes) != prompt_len // pool.block_size:
             raise ValueError(f"{len(block_hashes)} block hashes do not fit prompt_len={prompt_len}")
-        prefills = _avoiding(self.workers(Role.PREFILL), exclude)
-        decodes = _avoiding(self.workers(Role.DECODE), exclude)
+        down, ejected = self.outliers.avoided()
+        prefills = _preferred(self.workers(Role.PREFILL), [exclude | down | ejected, exclude | down])
+        decodes = _preferred(self.workers(Role.DECODE), [exclude | down | ejected, exclude | down, down, frozenset()])
         prompt_blocks = cdiv(prompt_len, pool.block_size)
         cached = await self._cached_runs(prefills + decodes, block_hashes)
         decode = pick_decode(decodes, prompt_blocks, cached, pool.block_size, self.policy, self._rng)
@@ -414,7 +421,10 @@ class ClusterView:
             return {}
 
 
-def _avoiding(workers: list[WorkerInfo], exclude: frozenset[str]) -> list[WorkerInfo]:
-    """``workers`` minus the excluded ones, unless that leaves none."""
-    kept = [w for w in workers if w.worker_id not in exclude]
-    return kept or workers
+def _preferred(workers: list[WorkerInfo], drops: list[frozenset[str]]) -> list[WorkerInfo]:
+    """``workers`` minus the first set of ids in ``drops`` that leaves any; none if none does."""
+    for drop in drops:
+        kept = [w for w in workers if w.worker_id not in drop]
+        if kept:
+            return kept
+    return []

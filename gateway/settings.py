@@ -28,6 +28,12 @@ class GatewaySettings(TandemSettings):
         256, ge=0, description="conditional disaggregation: the decode worker prefills a prompt itself when at most "
                                "this many tokens are left after its prefix-cache hit (no prefill worker, no KV transfer)")
     max_request_bytes: int = Field(4 << 20, ge=1024, description="serialized request size at most (larger: INVALID_ARGUMENT)")
+    max_prompt_bytes: int = Field(256 << 10, ge=1, description="UTF-8 bytes of prompt text (prompt, or all chat "
+                                                              "messages) at most, checked before tokenization "
+                                                              "(larger: INVALID_ARGUMENT)")
+    tokenizer_threads: int = Field(2, ge=1, description="threads that tokenize prompts (off the event loop)")
+    tokenizer_queue: int = Field(64, ge=0, description="prompts waiting for a tokenizer thread at most (more: "
+                                                       "RESOURCE_EXHAUSTED)")
 
     api_keys: Addresses = Field(default_factory=list, description="API keys as SHA256HEX:TENANT[:MAX_STREAMS],... "
                                                                   "(none here or in api_keys_file: the gateway is open)")

@@ -44,6 +44,21 @@ def check_input(request: Request) -> str:
     return which
 
 
+def check_prompt_bytes(request: Request, which: str, max_prompt_bytes: int) -> None:
+    """Refuse prompt text longer than ``max_prompt_bytes`` UTF-8 bytes (``prompt``, or the
+    roles and contents of all ``chat`` messages together), before any of it is tokenized."""
+    if which == "prompt":
+        size = len(request.prompt.encode())
+    elif which == "chat":
+        size = sum(len(m.role.encode()) + len(m.content.encode()) for m in request.chat.messages)
+    else:
+        return
+    if size > max_prompt_bytes:
+        raise StatusError.invalid_argument(
+            "chat.messages" if which == "chat" else "prompt",
+            f"is {size} bytes of text, more than the limit of {max_prompt_bytes} (TANDEM_MAX_PROMPT_BYTES)")
+
+
 def input_field(which: str) -> str:
     """The request field a prompt error names (``prompt``, ``chat`` or ``token_ids.ids``)."""
     return "token_ids.ids" if which == "token_ids" else which

@@ -24,7 +24,7 @@ import time
 import grpc
 from redis.exceptions import RedisError
 
-from cluster.channels import ChannelCache
+from cluster.channels import ChannelCache, client_keepalive_options
 from cluster.log import request_id_var
 from cluster.metrics import WorkerMetrics
 from cluster.registry import ClusterNamespace, Role, WorkerRegistry, redis_client
@@ -73,8 +73,9 @@ class PrefillServicer(worker_pb2_grpc.PrefillWorkerServicer):
         tls = worker_tls(settings, Role.PREFILL)
         # KV goes only to a peer that proves it is a decode worker of this cluster (with TLS) and
         # that is registered as one (with Redis).
-        self.channels = ChannelCache(GRPC_MESSAGE_OPTIONS, tls.channel_credentials() if tls else None,
-                                     peer_name=role_name("decode"))
+        self.channels = ChannelCache(
+            [*GRPC_MESSAGE_OPTIONS, *client_keepalive_options(settings.keepalive_time_s, settings.keepalive_timeout_s)],
+            tls.channel_credentials() if tls else None, peer_name=role_name("decode"))
         self._registry = (WorkerRegistry(redis_client(settings.redis_url, password=settings.redis_password,
                                                       tls_ca=settings.redis_tls_ca),
                                          ClusterNamespace(settings.redis_key_prefix, settings.registry_ttl_s))

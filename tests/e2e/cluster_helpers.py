@@ -4,7 +4,11 @@ calls)."""
 
 from __future__ import annotations
 
+import itertools
+import threading
 import time
+from collections.abc import Callable
+from dataclasses import dataclass
 from pathlib import Path
 
 import grpc
@@ -84,3 +88,66 @@ def collect(stub, request, timeout_s: float = 120) -> dict:
 def log_text(tmp: Path, name: str) -> str:
     path = tmp / f"{name}.log"
     return path.read_text(errors="replace") if path.exists() else ""
+
+
+@dataclass
+class Outcome:
+    """One request of a :class:`ClosedLoop`: its status name, the tokens the client got, and when
+    (``time.monotonic()`` seconds) it started, got its first token (``None``: never) and ended."""
+
+    code: str
+    tokens: int
+    started: float
+    first_token_at: float | None
+    ended: float
+
+
+class ClosedLoop:
+    """``streams`` client threads, each sending its next Generate as soon as the last one ended
+    (closed loop), until :meth:`stop`.
+
+    Args:
+        stub: a ``GatewayStub``.
+        make_request: request number → the request.
+        streams: concurrent streams.
+        timeout_s: each call's deadline.
+    """
+
+    def __init__(self, stub, make_request: Callable[[int], gateway_pb2.GenerateRequest], streams: int,
+                 timeout_s: float = 60.0) -> None:
+        self.stub, self.make_request, self.timeout_s = stub, make_request, timeout_s
+        self.outcomes: list[Outcome] = []
+        self._stop = threading.Event()
+        self._lock = threading.Lock()
+        self._count = itertools.count()
+        self._threads = [threading.Thread(target=self._run, daemon=True) for _ in range(streams)]
+
+    def start(self) -> ClosedLoop:
+        for thread in self._threads:
+            thread.start()
+        return self
+
+    def completed(self) -> int:
+        with self._lock:
+            return sum(o.code == "OK" for o in self.outcomes)
+
+    def stop(self) -> list[Outcome]:
+        """Stop sending, wait for the calls in flight, return every outcome."""
+        self._stop.set()
+        for thread in self._threads:
+            thread.join(self.timeout_s + 10)
+        return list(self.outcomes)
+
+    def _run(self) -> None:
+        while not self._stop.is_set():
+            request = self.make_request(next(self._count))
+            started, first, tokens, code = time.monotonic(), None, 0, "OK"
+            try:
+                for message in self.stub.Generate(request, timeout=self.timeout_s):
+                    if message.token_ids and first is None:
+                        first = time.monotonic()
+                    tokens += len(message.token_ids)
+            except grpc.RpcError as exc:
+                code = exc.code().name
+            with self._lock:
+                self.outcomes.append(Outcome(code, tokens, started, first, time.monotonic()))

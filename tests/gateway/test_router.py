@@ -318,8 +318,12 @@ def test_choose_avoids_excluded_workers_while_others_exist(key_prefix, redis_url
         view.decode_done(retry)
         assert all(w.load.num_seqs == 0 for role in Role for w in view.workers(role))
         assert {w.load.free_blocks for w in view.workers(Role.DECODE)} == {100}
-        alone = await view.choose(H, len(PROMPT), exclude=frozenset({"p0", "p1"}))  # nobody else: allowed
-        assert alone.prefill.worker_id in ("p0", "p1")
+        alone = await view.choose(H, len(PROMPT), exclude=frozenset({"d0", "d1"}))  # no other decode worker: allowed
+        assert alone.decode.worker_id in ("d0", "d1")
+        view.prefill_done(alone)
+        view.decode_done(alone)
+        local = await view.choose(H, len(PROMPT), exclude=frozenset({"p0", "p1"}))  # the decode worker prefills
+        assert local.prefill is None
         await client.aclose()
 
     asyncio.run(main())

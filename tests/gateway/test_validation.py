@@ -22,7 +22,8 @@ from tests.gateway.gateway_helpers import ServerThread, register_workers, unregi
 
 SP = gateway_pb2.SamplingParams
 MAX_MODEL_LEN = 64
-CAPS = dict(max_n=4, max_logprobs=5, max_stop=2, max_stop_len=8, max_stop_token_ids=3, max_request_bytes=16 << 10)
+CAPS = dict(max_n=4, max_logprobs=5, max_stop=2, max_stop_len=8, max_stop_token_ids=3, max_request_bytes=16 << 10,
+            max_prompt_bytes=4096)
 
 
 @pytest.fixture(scope="module")
@@ -81,6 +82,9 @@ BAD_REQUESTS = [
     ("stop id >= vocab", gateway_pb2.GenerateRequest(prompt="hi", sampling=SP(stop_token_ids=[70000])),
      "sampling.stop_token_ids[0]"),
     ("oversized message", gateway_pb2.GenerateRequest(prompt="x" * (20 << 10)), "request"),
+    ("prompt over max_prompt_bytes", gateway_pb2.GenerateRequest(prompt="é" * 2100), "prompt"),  # 4200 bytes
+    ("chat over max_prompt_bytes", gateway_pb2.GenerateRequest(chat=gateway_pb2.ChatMessages(messages=[
+        gateway_pb2.ChatMessage(role="user", content="x" * 2100)] * 2)), "chat.messages"),
 ]
 
 
@@ -118,6 +122,9 @@ def test_tokenize_matches_model_tokenizer_and_chat_template(stub):
     with pytest.raises(grpc.RpcError) as info:
         gateway.Tokenize(gateway_pb2.TokenizeRequest(), timeout=5)
     assert info.value.code() == grpc.StatusCode.INVALID_ARGUMENT and info.value.details().startswith("input")
+    with pytest.raises(grpc.RpcError) as info:  # the same byte cap as Generate, before tokenization
+        gateway.Tokenize(gateway_pb2.TokenizeRequest(prompt="é" * 2100), timeout=5)
+    assert info.value.code() == grpc.StatusCode.INVALID_ARGUMENT and info.value.details().startswith("prompt:")
 
 
 def test_model_info(stub):

@@ -1,0 +1,252 @@
+"""Soak: mixed traffic for ``--minutes`` with a fault every ``--fault-every-s`` seconds, then
+the invariants: every request accounted for, none hung, no block, fd or thread leaked.
+
+It starts a private ``redis-server`` (it is restarted during the run, so never a shared one)
+and a local cluster (2 prefill + 2 decode workers and a gateway on loopback). ``--streams``
+closed-loop clients send a mix: short prompts (greedy, 8-24 tokens), long prompts (~1000
+tokens), ``n=2`` sampled requests, and 10% cancelled by the client after their first token.
+Faults, in turn: SIGKILL of a prefill worker, SIGSTOP of a decode worker for 8 s, SIGKILL of a
+decode worker, SIGTERM (drain) of a prefill worker, a Redis restart (empty); a killed or
+drained worker is started again 5 s later.
+
+Metrics: ``minutes``, ``sent``, ``completed``, ``cancelled`` (by the client, on purpose),
+``failed_with_status`` (with ``failed_<CODE>`` per status), ``hung`` (calls still open 30 s
+after their deadline), ``leaked_blocks`` (blocks not free on any worker once idle),
+``stale_registry_entries`` (registry entries beyond the live workers after the TTL),
+``leaked_fds`` / ``leaked_threads`` / ``rss_growth_fraction`` of the gateway (the one process
+never restarted) between the first idle point after warm-up and the end, ``faults``. The
+invariant ``sent == completed + cancelled + failed_with_status + hung`` is checked.
+
+Usage: ``python bench/soak.py --minutes 60`` (``--help`` lists the knobs).
+"""
+
+from __future__ import annotations
+
+import argparse
+import collections
+import os
+import random
+import signal
+import sys
+import tempfile
+import threading
+import time
+from pathlib import Path
+
+import grpc
+import redis
+
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+
+from bench.common import machine, write_result  # noqa: E402
+from cli.launcher import LocalCluster  # noqa: E402
+from cli.redis_server import RedisServer  # noqa: E402
+from protos.tandem.v1 import gateway_pb2, gateway_pb2_grpc, worker_pb2, worker_pb2_grpc  # noqa: E402
+
+DEADLINE_S = 60.0
+SETTINGS = {"TANDEM_KEEPALIVE_TIME_S": "2", "TANDEM_KEEPALIVE_TIMEOUT_S": "2",
+            "TANDEM_HEALTH_PROBE_INTERVAL_S": "0.5", "TANDEM_HEALTH_PROBE_TIMEOUT_S": "1",
+            "TANDEM_LOCAL_PREFILL_MAX_TOKENS": "0", "TANDEM_KV_TRANSPORT": "grpc",
+            "TANDEM_KV_CACHE_MEMORY_BYTES": str(64 << 20), "TANDEM_MAX_MODEL_LEN": "2048",
+            "TANDEM_DRAIN_TIMEOUT_S": "5", "TANDEM_REGISTRY_TTL_S": "3", "TANDEM_HEARTBEAT_INTERVAL_S": "0.5"}
+LONG_PROMPT = " ".join(f"Fact {i} about the sea is that it is wide." for i in range(75))  # ~1000 tokens
+
+
+class Traffic:
+    """``streams`` client threads sending the mixed workload until :meth:`stop`; counts outcomes."""
+
+    def __init__(self, stub, streams: int, seed: int) -> None:
+        self.stub = stub
+        self.counts: collections.Counter[str] = collections.Counter()
+        self.open_calls = 0
+        self._lock = threading.Lock()
+        self._stop = threading.Event()
+        self._threads = [threading.Thread(target=self._run, args=(random.Random(seed + i),), daemon=True)
+                         for i in range(streams)]
+        for thread in self._threads:
+            thread.start()
+
+    def stop(self) -> int:
+        """Stop sending; return the calls still open 30 s after the last deadline (hung)."""
+        self._stop.set()
+        for thread in self._threads:
+            thread.join(DEADLINE_S + 30)
+        return sum(thread.is_alive() for thread in self._threads)
+
+    def _request(self, rng: random.Random, i: int) -> gateway_pb2.GenerateRequest:
+        kind = rng.random()
+        if kind < 0.15:
+            return gateway_pb2.GenerateRequest(prompt=f"{LONG_PROMPT} Question {i}: why?",
+                                               sampling=gateway_pb2.SamplingParams(max_tokens=8, temperature=0))
+        if kind < 0.3:
+            return gateway_pb2.GenerateRequest(prompt=f"Name two colours ({i}).", sampling=gateway_pb2.SamplingParams(
+                max_tokens=12, n=2, temperature=0.8, seed=i))
+        return gateway_pb2.GenerateRequest(prompt=f"Tell me about the number {i}.", sampling=gateway_pb2.SamplingParams(
+            max_tokens=rng.randint(8, 24), temperature=0, ignore_eos=True))
+
+    def _run(self, rng: random.Random) -> None:
+        i = 0
+        while not self._stop.is_set():
+            i += 1
+            cancel = rng.random() < 0.1
+            with self._lock:
+                self.counts["sent"] += 1
+            outcome = "completed"
+            call = self.stub.Generate(self._request(rng, i), timeout=DEADLINE_S)
+            try:
+                for message in call:
+                    if cancel and message.token_ids:
+                        call.cancel()
+            except grpc.RpcError as exc:
+                outcome = "cancelled" if cancel and exc.code() == grpc.StatusCode.CANCELLED \
+                    else f"failed_{exc.code().name}"
+            with self._lock:
+                self.counts[outcome] += 1
+
+
+def _stats(address: str, role: str) -> worker_pb2.WorkerStats:
+    with grpc.insecure_channel(address) as channel:
+        stub = (worker_pb2_grpc.PrefillWorkerStub if role == "prefill" else worker_pb2_grpc.DecodeWorkerStub)(channel)
+        return stub.GetStats(worker_pb2.GetStatsRequest(), timeout=5)
+
+
+def _leaked_blocks(cluster: LocalCluster, within_s: float = 10.0) -> int:
+    """Blocks not free, summed over the workers, once they are back to idle (polls ``within_s``)."""
+    deadline = time.monotonic() + within_s
+    while True:
+        leaked = 0
+        for name, worker in cluster.workers.items():
+            s = _stats(worker.address, name.split("-")[0])
+            leaked += s.num_total_blocks - s.num_free_blocks
+        if leaked == 0 or time.monotonic() > deadline:
+            return leaked
+        time.sleep(0.2)
+
+
+def _process(pid: int) -> dict[str, float]:
+    with open(f"/proc/{pid}/status") as f:
+        fields = dict(line.split(":", 1) for line in f)
+    return {"fds": len(os.listdir(f"/proc/{pid}/fd")), "threads": int(fields["Threads"]),
+            "rss_mb": int(fields["VmRSS"].split()[0]) / 1024}
+
+
+class Faults:
+    """Injects the next fault of the cycle; restarts what it stopped ``restart_after_s`` later."""
+
+    def __init__(self, cluster: LocalCluster, redis_server: RedisServer, restart_after_s: float = 5.0) -> None:
+        self.cluster, self.redis = cluster, redis_server
+        self.restart_after_s = restart_after_s
+        self.done: collections.Counter[str] = collections.Counter()
+        self._cycle = [self._kill("prefill-0"), self._freeze("decode-0"), self._kill("decode-1"),
+                       self._drain("prefill-1"), self._redis_restart]
+        self._next = 0
+
+    def inject(self) -> None:
+        fault = self._cycle[self._next % len(self._cycle)]
+        self._next += 1
+        fault()
+
+    def _restart_later(self, name: str) -> None:
+        def restart() -> None:
+            time.sleep(self.restart_after_s)
+            self.cluster.workers[name].proc.wait(30)
+            self.cluster.restart(name)
+
+        threading.Thread(target=restart, daemon=True).start()
+
+    def _kill(self, name: str):
+        def fault() -> None:
+            self.cluster.workers[name].proc.send_signal(signal.SIGKILL)
+            self.done[f"sigkill_{name.split('-')[0]}"] += 1
+            self._restart_later(name)
+        return fault
+
+    def _drain(self, name: str):
+        def fault() -> None:
+            self.cluster.workers[name].proc.send_signal(signal.SIGTERM)
+            self.done[f"sigterm_{name.split('-')[0]}"] += 1
+            self._restart_later(name)
+        return fault
+
+    def _freeze(self, name: str):
+        def fault() -> None:
+            proc = self.cluster.workers[name].proc
+            proc.send_signal(signal.SIGSTOP)
+            self.done[f"sigstop_{name.split('-')[0]}"] += 1
+            threading.Timer(8.0, proc.send_signal, args=(signal.SIGCONT,)).start()
+        return fault
+
+    def _redis_restart(self) -> None:
+        self.redis.kill()
+        self.redis.start()
+        self.done["redis_restart"] += 1
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--minutes", type=float, default=5.0, help="minutes of traffic")
+    parser.add_argument("--streams", type=int, default=16, help="closed-loop client streams")
+    parser.add_argument("--fault-every-s", type=float, default=30.0, help="seconds between faults")
+    parser.add_argument("--seed", type=int, default=0, help="seed of the traffic mix")
+    args = parser.parse_args(argv)
+    tmp = Path(tempfile.mkdtemp(prefix="tandem-soak-"))
+    redis_server = RedisServer(tmp)
+    redis_server.start()
+    cluster = LocalCluster(num_prefill=2, num_decode=2, env=SETTINGS, redis=redis_server.url,
+                           sink=lambda name, line: None, log_dir=tmp, metrics=False)
+    try:
+        cluster.start(timeout_s=600)
+        channel = grpc.insecure_channel(cluster.gateway_addr)
+        stub = gateway_pb2_grpc.GatewayStub(channel)
+        warm = Traffic(stub, args.streams, args.seed - 1000)
+        time.sleep(20)
+        warm.stop()
+        gateway_before = _process(cluster.gateway.proc.pid)
+        traffic, faults = Traffic(stub, args.streams, args.seed), Faults(cluster, redis_server)
+        started = time.monotonic()
+        next_fault = started + args.fault_every_s
+        while time.monotonic() < started + args.minutes * 60:
+            if time.monotonic() >= next_fault:
+                faults.inject()
+                next_fault += args.fault_every_s
+            time.sleep(0.2)
+        hung = traffic.stop()
+        time.sleep(faults.restart_after_s + 1)
+        for name, worker in cluster.workers.items():  # a restart still under way, or a last freeze
+            worker.proc.send_signal(signal.SIGCONT)
+            if not worker.alive:
+                cluster.restart(name)
+        time.sleep(float(SETTINGS["TANDEM_REGISTRY_TTL_S"]) + 2)
+        leaked_blocks = _leaked_blocks(cluster)
+        client = redis.Redis.from_url(redis_server.url)
+        entries = sum(not key.endswith(b":blocks") for key in client.scan_iter(match="tandem:*:worker:*"))
+        client.close()
+        gateway_after = _process(cluster.gateway.proc.pid)
+        channel.close()
+    finally:
+        cluster.stop()
+        redis_server.stop()
+    counts = traffic.counts
+    failed = {k: v for k, v in counts.items() if k.startswith("failed_")}
+    metrics = {"minutes": args.minutes, "sent": counts["sent"], "completed": counts["completed"],
+               "cancelled": counts["cancelled"], "failed_with_status": sum(failed.values()), **failed,
+               "hung": hung, "leaked_blocks": leaked_blocks, "stale_registry_entries": max(0, entries - 4),
+               "leaked_fds": gateway_after["fds"] - gateway_before["fds"],
+               "leaked_threads": gateway_after["threads"] - gateway_before["threads"],
+               "rss_growth_fraction": round(gateway_after["rss_mb"] / gateway_before["rss_mb"] - 1, 4),
+               **{f"faults_{k}": v for k, v in faults.done.items()}}
+    accounted = metrics["completed"] + metrics["cancelled"] + metrics["failed_with_status"] + hung
+    metrics["accounted"] = int(accounted == metrics["sent"])
+    write_result("soak", metrics, tag="cpu", model="SmolLM2-135M-Instruct", machine=machine(),
+                 workload={"prefill_workers": 2, "decode_workers": 2, "streams": args.streams,
+                           "fault_every_s": args.fault_every_s, "deadline_s": DEADLINE_S, "seed": args.seed,
+                           "mix": "70% short greedy (8-24 tokens), 15% ~1000-token prompts, 15% n=2 sampled; "
+                                  "10% of all cancelled after their first token",
+                           "faults": "SIGKILL prefill, SIGSTOP decode 8 s, SIGKILL decode, SIGTERM prefill, "
+                                     "Redis restart; workers restarted 5 s later",
+                           "settings": SETTINGS})
+    return 0 if accounted == metrics["sent"] and hung == 0 else 1
+
+
+if __name__ == "__main__":
+    sys.exit(main())
