@@ -110,7 +110,11 @@ class ChannelCache:
             self._retire(channel)
 
     def _retire(self, channel: grpc.aio.Channel) -> None:
-        task = asyncio.get_running_loop().create_task(channel.close(RETIRE_GRACE_S))
+        async def close_later() -> None:  # Channel.close(grace) would end open streams at once
+            await asyncio.sleep(RETIRE_GRACE_S)
+            await channel.close()
+
+        task = asyncio.get_running_loop().create_task(close_later())
         self._retiring[task] = channel
         task.add_done_callback(lambda done: self._retiring.pop(done, None))
 

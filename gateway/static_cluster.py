@@ -21,7 +21,9 @@ from cluster.registry import ClusterNamespace, Role, WorkerInfo, WorkerLoad
 from cluster.translate import worker_config_from_proto
 from protos.tandem.v1 import worker_pb2
 
-_STATS_TIMEOUT_S = 0.5
+# Seconds a GetStats probe may take (a first TLS handshake on a busy machine takes a good part of
+# one): a frozen worker is taken out of routing sooner by the health prober's own deadline.
+_STATS_TIMEOUT_S = 2.0
 
 
 def static_worker_id(role: Role, address: str) -> str:
