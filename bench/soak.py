@@ -33,13 +33,18 @@ import threading
 import time
 from pathlib import Path
 
-import grpc
-import redis
+# This process forks workers while its client threads are in gRPC calls; gRPC's fork handlers
+# then abort the child now and then (SIGABRT before exec). The children exec at once and need
+# none of them.
+os.environ.setdefault("GRPC_ENABLE_FORK_SUPPORT", "false")
+
+import grpc  # noqa: E402
+import redis  # noqa: E402
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 from bench.common import machine, write_result  # noqa: E402
-from cli.launcher import LocalCluster  # noqa: E402
+from cli.launcher import ClusterError, LocalCluster  # noqa: E402
 from cli.redis_server import RedisServer  # noqa: E402
 from protos.tandem.v1 import gateway_pb2, gateway_pb2_grpc, worker_pb2, worker_pb2_grpc  # noqa: E402
 
@@ -131,7 +136,9 @@ def _process(pid: int) -> dict[str, float]:
 
 
 class Faults:
-    """Injects the next fault of the cycle; restarts what it stopped ``restart_after_s`` later."""
+    """Injects the next fault of the cycle; :meth:`restart_due` starts again, ``restart_after_s``
+    later, what it stopped. Call both from the main thread: a worker is started with
+    PR_SET_PDEATHSIG, which fires when the *thread* that started it exits."""
 
     def __init__(self, cluster: LocalCluster, redis_server: RedisServer, restart_after_s: float = 5.0) -> None:
         self.cluster, self.redis = cluster, redis_server
@@ -140,19 +147,29 @@ class Faults:
         self._cycle = [self._kill("prefill-0"), self._freeze("decode-0"), self._kill("decode-1"),
                        self._drain("prefill-1"), self._redis_restart]
         self._next = 0
+        self._restarts: list[tuple[float, str]] = []
 
     def inject(self) -> None:
         fault = self._cycle[self._next % len(self._cycle)]
         self._next += 1
         fault()
 
-    def _restart_later(self, name: str) -> None:
-        def restart() -> None:
-            time.sleep(self.restart_after_s)
+    def restart_due(self, everything: bool = False) -> None:
+        """Start again the stopped workers whose time has come (``everything``: all of them)."""
+        now = time.monotonic()
+        due = [name for at, name in self._restarts if everything or at <= now]
+        self._restarts = [(at, name) for at, name in self._restarts if name not in due]
+        for name in due:
             self.cluster.workers[name].proc.wait(30)
-            self.cluster.restart(name)
+            try:
+                self.cluster.restart(name)
+            except ClusterError as exc:  # counted, and tried again at the next call
+                self.done["restart_failed"] += 1
+                print(f"restart of {name} failed: {exc}", file=sys.stderr, flush=True)
+                self._restarts.append((now + 1.0, name))
 
-        threading.Thread(target=restart, daemon=True).start()
+    def _restart_later(self, name: str) -> None:
+        self._restarts.append((time.monotonic() + self.restart_after_s, name))
 
     def _kill(self, name: str):
         def fault() -> None:
@@ -209,13 +226,11 @@ def main(argv: list[str] | None = None) -> int:
             if time.monotonic() >= next_fault:
                 faults.inject()
                 next_fault += args.fault_every_s
+            faults.restart_due()
             time.sleep(0.2)
         hung = traffic.stop()
-        time.sleep(faults.restart_after_s + 1)
-        for name, worker in cluster.workers.items():  # a restart still under way, or a last freeze
-            worker.proc.send_signal(signal.SIGCONT)
-            if not worker.alive:
-                cluster.restart(name)
+        time.sleep(8.0)  # a last freeze ends
+        faults.restart_due(everything=True)
         time.sleep(float(SETTINGS["TANDEM_REGISTRY_TTL_S"]) + 2)
         leaked_blocks = _leaked_blocks(cluster)
         client = redis.Redis.from_url(redis_server.url)

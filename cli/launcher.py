@@ -235,7 +235,9 @@ class LocalCluster:
 
     def restart(self, name: str, timeout_s: float = 300.0) -> None:
         """Start worker ``name`` again (same address, settings and worker id) once it has
-        exited, and wait until it reports SERVING.
+        exited, and wait until it reports SERVING. Call it from a thread that outlives the
+        worker (the main one): the child's PR_SET_PDEATHSIG fires when the thread that
+        started it exits.
 
         Raises:
             ClusterError: it is still running, exited again, or was not SERVING within ``timeout_s``.
