@@ -247,7 +247,7 @@ class LocalCluster:
             raise ClusterError(f"{name} is still running")
         child.start(self.sink, self.log_dir)
         deadline = time.monotonic() + timeout_s
-        while not check(child.address, timeout_s=1.0):
+        while not check(child.address, timeout_s=1.0, tls_dir=self.tls_dir or ""):
             if not child.alive:
                 raise ClusterError(f"{name} exited with {child.proc.returncode}; last lines:\n"
                                    + "\n".join(list(child.tail)[-15:]))

@@ -99,7 +99,7 @@ def test_sigstop_of_a_decode_worker_routes_around_it_within_5_s_and_back_after(h
     thawed_at = time.monotonic()
     back = False
     while not back and time.monotonic() < thawed_at + 10:  # routed to again once it answers its probe
-        s = stats(victim.address, "decode")
+        s = stats(cluster, victim.address, "decode")
         back = s.num_running + s.num_waiting > 0
         time.sleep(0.05)
     outcomes = load.stop()
@@ -118,7 +118,7 @@ def test_sigkill_of_a_decode_worker_fails_only_streams_already_decoding_on_it(he
     victim = cluster.workers["decode-1"]
     load = ClosedLoop(cluster.stub, lambda i: _request(i, 24), streams=32).start()
     _wait_completed(load, 32, within_s=120)
-    s = stats(victim.address, "decode")
+    s = stats(cluster, victim.address, "decode")
     holding = s.num_running + s.num_waiting
     victim.proc.send_signal(signal.SIGKILL)
     killed_at_completed = load.completed()
@@ -149,7 +149,7 @@ def test_rolling_sigterm_of_every_worker_under_load_drops_no_request(healed):
         [(o.code, o.tokens) for o in outcomes if o.code != "OK" or o.tokens != 16]
     deadline = time.monotonic() + 5
     while time.monotonic() < deadline:
-        totals = {name: stats(w.address, name.split("-")[0]) for name, w in cluster.workers.items()}
+        totals = {name: stats(cluster, w.address, name.split("-")[0]) for name, w in cluster.workers.items()}
         if all(s.num_free_blocks == s.num_total_blocks for s in totals.values()):
             break
         time.sleep(0.1)

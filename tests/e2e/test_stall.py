@@ -53,7 +53,7 @@ def test_a_stalled_decode_stream_fails_over_before_its_first_token_and_is_unavai
     load = ClosedLoop(cluster.stub, request, streams=8).start()
     deadline = time.monotonic() + 120
     while time.monotonic() < deadline:
-        s = stats(victim.address, "decode")
+        s = stats(cluster, victim.address, "decode")
         if s.num_running >= 2:
             break
         time.sleep(0.01)
