@@ -195,8 +195,8 @@ class Gateway:
         self._channels = ChannelCache(options, credentials, peer_name=role_name("decode"))
         self._prefill_channels = ChannelCache(options, credentials, peer_name=role_name("prefill"))
         self._redis = None
+        self._clients = clients = WorkerClients(self._channels, self._prefill_channels)
         self.view = self._build_view()
-        clients = WorkerClients(self._channels, self._prefill_channels)
         self.orchestrator = Orchestrator(self.view, clients, self.model.tokenizer,
                                          settings.admit_wait_s, settings.local_prefill_max_tokens,
                                          settings.max_retries, settings.hop_timeout_s, settings.decode_stall_timeout_s)
@@ -264,7 +264,7 @@ class Gateway:
 
         logger.warning("no Redis configured: static workers prefill=%s decode=%s, in-process prefix index "
                        "built from this gateway's own routing", s.static_prefill, s.static_decode)
-        registry = StaticRegistry(WorkerClients(self._channels, self._prefill_channels),
+        registry = StaticRegistry(self._clients,
                                   {Role.PREFILL: s.static_prefill, Role.DECODE: s.static_decode}, ns)
         return ClusterView(registry, RoutedPrefixIndex(), self.model.model_id, outliers=outliers)
 
