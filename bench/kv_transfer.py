@@ -57,10 +57,11 @@ class ReceiverServicer(worker_pb2_grpc.DecodeWorkerServicer):
     """The decode side of the data plane, without an engine: Admit reserves blocks from a free
     list in id order (as a fresh pool allocates), TransferKV receives."""
 
-    def __init__(self, cache: KVCache, nixl: NixlAgent) -> None:
+    def __init__(self, cache: KVCache, nixl: NixlAgent, verify_checksums: bool = False) -> None:
         self.free = list(range(cache.num_blocks))
         self.table = ReservationTable(self.free.extend)
-        self.receiver = GrpcKVReceiver(KVReceiver(cache.tensor, self.table, nixl=nixl))
+        self.receiver = GrpcKVReceiver(KVReceiver(cache.tensor, self.table, nixl=nixl,
+                                                  verify_checksums=verify_checksums))
 
     async def Admit(self, request, context):  # noqa: N802
         count = len(request.prompt_token_ids) // BLOCK_SIZE
@@ -80,11 +81,11 @@ class ReceiverServicer(worker_pb2_grpc.DecodeWorkerServicer):
         return worker_pb2.AbortResponse(found=True)
 
 
-async def serve(device: str, num_blocks: int) -> None:
+async def serve(device: str, num_blocks: int, verify_checksums: bool) -> None:
     cache = make_pool(device, num_blocks)
     server = grpc.aio.server(options=GRPC_MESSAGE_OPTIONS)
-    worker_pb2_grpc.add_DecodeWorkerServicer_to_server(ReceiverServicer(cache, NixlAgent(f"bench-rx-{os.getpid()}",
-                                                                                         cache.tensor)), server)
+    nixl = NixlAgent(f"bench-rx-{os.getpid()}", cache.tensor)
+    worker_pb2_grpc.add_DecodeWorkerServicer_to_server(ReceiverServicer(cache, nixl, verify_checksums), server)
     port = server.add_insecure_port("127.0.0.1:0")
     await server.start()
     print(f"PORT {port}", flush=True)
@@ -109,13 +110,13 @@ def copy_gbps(device: str, peer_device: str, nbytes: int) -> float:
 
 
 async def measure(address: str, cache: KVCache, nixl: NixlAgent, repeats: int,
-                  block_counts: tuple[int, ...]) -> dict[str, float]:
+                  block_counts: tuple[int, ...], verify_checksums: bool) -> dict[str, float]:
     channel = grpc.aio.insecure_channel(address, options=GRPC_MESSAGE_OPTIONS)
     stub = worker_pb2_grpc.DecodeWorkerStub(channel)
     block_nbytes = cache.tensor[0].numel() * cache.tensor.element_size()
     metrics = {}
     for transport in ("nixl", "grpc"):
-        sender = GrpcKVSender(lambda _: channel, transports=[transport], nixl=nixl)
+        sender = GrpcKVSender(lambda _: channel, transports=[transport], nixl=nixl, verify_checksums=verify_checksums)
         for count in block_counts:
             times = []
             for repeat in range(repeats + 1):  # the first is a warm-up (connection, registration)
@@ -135,12 +136,23 @@ async def measure(address: str, cache: KVCache, nixl: NixlAgent, repeats: int,
 
 
 def transfer_metrics(device: str, peer_device: str, repeats: int = 5,
-                     block_counts: tuple[int, ...] = BLOCK_COUNTS) -> dict[str, float]:
+                     block_counts: tuple[int, ...] = BLOCK_COUNTS, verify_checksums: bool = False) -> dict[str, float]:
     """Run the receiving process on ``peer_device`` and measure both transports and the copy
-    ceiling (the metrics named in the module's docstring)."""
+    ceiling (the metrics named in the module's docstring).
+
+    Args:
+        verify_checksums: over NIXL too, the receiver checks a CRC-32 of every chunk's blocks
+            against the sender's (the gRPC stream always does): a transfer that moved wrong
+            bytes fails with ``DATA_LOSS``. Slower (both sides copy the blocks to the host).
+
+    Raises:
+        StatusError: a transfer failed (``DATA_LOSS``: the bytes differ).
+        SystemExit: the receiving process did not start.
+    """
     num_blocks = max(block_counts)
     receiver = subprocess.Popen([sys.executable, os.path.abspath(__file__), "--serve", "--device", peer_device,
-                                 "--block-counts", str(num_blocks)], stdout=subprocess.PIPE, text=True)
+                                 "--block-counts", str(num_blocks)] + ["--verify"] * verify_checksums,
+                                stdout=subprocess.PIPE, text=True)
     try:
         line = receiver.stdout.readline()
         while line and not line.startswith("PORT "):
@@ -150,7 +162,7 @@ def transfer_metrics(device: str, peer_device: str, repeats: int = 5,
         address = f"127.0.0.1:{line.split()[1]}"
         cache = make_pool(device, num_blocks)
         nixl = NixlAgent(f"bench-tx-{os.getpid()}", cache.tensor)
-        metrics = asyncio.run(measure(address, cache, nixl, repeats, block_counts))
+        metrics = asyncio.run(measure(address, cache, nixl, repeats, block_counts, verify_checksums))
         nixl.close()
     finally:
         receiver.terminate()
@@ -170,14 +182,18 @@ def main() -> None:
     parser.add_argument("--repeats", type=int, default=5)
     parser.add_argument("--block-counts", default=",".join(map(str, BLOCK_COUNTS)),
                         help="blocks per transfer, comma-separated (each pool holds the largest)")
+    parser.add_argument("--verify", action="store_true", help="check a CRC-32 of every transfer (slower; "
+                                                              "not written under bench/results)")
     parser.add_argument("--serve", action="store_true", help="(internal) run the receiving process")
     args = parser.parse_args()
     block_counts = tuple(int(c) for c in args.block_counts.split(","))
     if args.serve:
-        asyncio.run(serve(args.device, max(block_counts)))
+        asyncio.run(serve(args.device, max(block_counts), args.verify))
         return
     peer_device = args.peer_device or args.device
-    metrics = transfer_metrics(args.device, peer_device, args.repeats, block_counts)
+    metrics = transfer_metrics(args.device, peer_device, args.repeats, block_counts, args.verify)
+    if args.verify:
+        return
     gpu = torch.cuda.get_device_name() if args.device.startswith("cuda") else None
     block = make_pool("cpu", 1).tensor
     workload = {"block_shape": list(block.shape[1:]), "dtype": "bfloat16",

@@ -39,6 +39,7 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import gc
 import os
 import random
 import sys
@@ -51,6 +52,7 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 from bench.common import machine, write_result  # noqa: E402
 from cli.launcher import LocalCluster  # noqa: E402
+from gateway.settings import GatewaySettings  # noqa: E402
 from protos.tandem.v1 import gateway_pb2, gateway_pb2_grpc  # noqa: E402
 
 WORKLOADS = ("random", "shared_prefix", "multi_turn", "long", "interference")
@@ -256,6 +258,8 @@ def summarize(results: list[Result], elapsed: float, slo_ttft: float, slo_tpot: 
 def offline_tokens_per_s(model: str, load_format: str, requests: list[Request], engine_args: dict) -> float:
     """Output tokens per second of the same prompts through ``LLM.generate`` (later turns of a
     conversation use the prompts the service built)."""
+    import torch
+
     from engine import LLM, SamplingParams
 
     llm = LLM(model, load_format=load_format, **engine_args)
@@ -265,6 +269,9 @@ def offline_tokens_per_s(model: str, load_format: str, requests: list[Request], 
     outputs = llm.generate([r.prompt for r in requests], params, use_tqdm=False)
     elapsed = time.perf_counter() - start
     del llm
+    gc.collect()  # the engine's cycles (CUDA graphs, the KV pool) go now, not at exit,
+    if torch.cuda.is_available():  # and their memory back to the driver for later processes
+        torch.cuda.empty_cache()
     return sum(len(o.outputs[0].token_ids) for o in outputs) / elapsed
 
 
@@ -315,7 +322,9 @@ def main() -> None:
     parser.add_argument("--gpus", type=int, default=0, help="GPUs to spread the workers over (0: CPU)")
     parser.add_argument("--gpu-memory-utilization", type=float, default=0.85, help="per GPU, shared by its workers")
     parser.add_argument("--max-num-seqs", type=int, default=256)
-    parser.add_argument("--local-prefill", type=int, default=0, help="TANDEM_LOCAL_PREFILL_MAX_TOKENS")
+    parser.add_argument("--local-prefill", type=int,
+                        default=GatewaySettings.model_fields["local_prefill_max_tokens"].default,
+                        help="TANDEM_LOCAL_PREFILL_MAX_TOKENS (default: the gateway's)")
     parser.add_argument("--kv-transport", default="auto")
     parser.add_argument("--env", action="append", default=[], help="extra KEY=VALUE for every process")
     parser.add_argument("--offline", action=argparse.BooleanOptionalAction, default=True,

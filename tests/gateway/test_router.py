@@ -21,6 +21,7 @@ from gateway.router import (
     NoCapacityError,
     NoWorkerError,
     RoutingPolicy,
+    decode_score,
     pick_decode,
     pick_prefill,
     prefill_score,
@@ -46,15 +47,32 @@ def workers_of(role: Role, min_size: int = 0):
 
 @given(workers=workers_of(Role.DECODE), prompt_blocks=st.integers(0, 1000), margin=st.integers(0, 8),
        seed=st.integers())
-def test_chosen_decode_worker_has_room_and_least_load(workers, prompt_blocks, margin, seed):
+def test_chosen_decode_worker_has_room_and_best_score_then_least_load(workers, prompt_blocks, margin, seed):
     policy = RoutingPolicy(decode_margin_blocks=margin)
     chosen = pick_decode(workers, prompt_blocks, {}, BLOCK_SIZE, policy, random.Random(seed))
     fitting = [w for w in workers if w.load.free_blocks >= prompt_blocks + margin]
     if not fitting:
         assert chosen is None
     else:
-        assert chosen in fitting
-        assert chosen.load.num_seqs == min(w.load.num_seqs for w in fitting)
+        def score(w):
+            return decode_score(0, w.load, BLOCK_SIZE, policy)
+
+        best = [w for w in fitting if score(w) == max(map(score, fitting))]
+        assert chosen in best
+        assert chosen.load.num_seqs == min(w.load.num_seqs for w in best)
+
+
+@pytest.mark.parametrize("extra_running, stays", [(4, True), (12, True), (40, False)])
+def test_a_chats_next_turn_stays_with_its_decode_worker_unless_that_one_is_much_busier(extra_running, stays):
+    """The previous turns (512 tokens) are cached on ``holder``; a running sequence costs
+    ``decode_load_cost_tokens`` (32): the turn moves only past 16 more running sequences."""
+    holder = WorkerInfo("holder", Role.DECODE, "10.0.0.1:5000", CONFIG,
+                        WorkerLoad(running=64 + extra_running, free_blocks=1000, total_blocks=2000))
+    other = WorkerInfo("other", Role.DECODE, "10.0.0.2:5000", CONFIG,
+                       WorkerLoad(running=64, free_blocks=1000, total_blocks=2000))
+    cached = 512 // BLOCK_SIZE
+    chosen = pick_decode([holder, other], cached + 4, {"holder": cached}, BLOCK_SIZE, RoutingPolicy(), random.Random(0))
+    assert chosen.worker_id == ("holder" if stays else "other")
 
 
 @given(workers=workers_of(Role.PREFILL, min_size=1), runs=st.lists(st.integers(0, 64), min_size=8, max_size=8),

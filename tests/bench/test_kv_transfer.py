@@ -1,0 +1,19 @@
+"""The KV transfer benchmark between two processes moves the right bytes: with ``verify_checksums``
+the receiving process checks a CRC-32 of every transfer's blocks against the sender's (a
+mismatch fails the run with ``DATA_LOSS``), over NIXL and over the gRPC stream. On the GPU this is
+the check that UCX's CUDA IPC reads (``UCX_CUDA_IPC_ENABLE_GET_ZCOPY``) land where they should."""
+
+import pytest
+import torch
+
+from bench.kv_transfer import transfer_metrics
+
+GPU = [pytest.mark.gpu, pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")]
+
+
+@pytest.mark.parametrize("device", ["cpu", pytest.param("cuda", marks=GPU)])
+def test_both_transports_move_blocks_bit_exact_between_two_processes(device: str) -> None:
+    metrics = transfer_metrics(device, device, repeats=1, block_counts=(3, 16), verify_checksums=True)
+    for transport in ("nixl", "grpc"):
+        for count in (3, 16):
+            assert metrics[f"{transport}_gbps_{count}_blocks"] > 0
