@@ -43,7 +43,7 @@ import redis  # noqa: E402
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
-from bench.common import machine, write_result  # noqa: E402
+from bench.common import RESULTS_DIR, machine, write_result  # noqa: E402
 from cli.launcher import ClusterError, LocalCluster  # noqa: E402
 from cli.redis_server import RedisServer  # noqa: E402
 from protos.tandem.v1 import gateway_pb2, gateway_pb2_grpc, worker_pb2, worker_pb2_grpc  # noqa: E402
@@ -205,6 +205,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--streams", type=int, default=16, help="closed-loop client streams")
     parser.add_argument("--fault-every-s", type=float, default=30.0, help="seconds between faults")
     parser.add_argument("--seed", type=int, default=0, help="seed of the traffic mix")
+    parser.add_argument("--out-dir", type=Path, default=RESULTS_DIR, help="where the result JSON goes")
     args = parser.parse_args(argv)
     tmp = Path(tempfile.mkdtemp(prefix="tandem-soak-"))
     redis_server = RedisServer(tmp)
@@ -252,7 +253,7 @@ def main(argv: list[str] | None = None) -> int:
                **{f"faults_{k}": v for k, v in faults.done.items()}}
     accounted = metrics["completed"] + metrics["cancelled"] + metrics["failed_with_status"] + hung
     metrics["accounted"] = int(accounted == metrics["sent"])
-    write_result("soak", metrics, tag="cpu", model="SmolLM2-135M-Instruct", machine=machine(),
+    write_result("soak", metrics, tag="cpu", out_dir=args.out_dir, model="SmolLM2-135M-Instruct", machine=machine(),
                  workload={"prefill_workers": 2, "decode_workers": 2, "streams": args.streams,
                            "fault_every_s": args.fault_every_s, "deadline_s": DEADLINE_S, "seed": args.seed,
                            "mix": "70% short greedy (8-24 tokens), 15% ~1000-token prompts, 15% n=2 sampled; "
