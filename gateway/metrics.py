@@ -15,6 +15,7 @@ TPOT = Histogram("tandem_gateway_tpot_seconds", "Time per output token after the
 E2E = Histogram("tandem_gateway_e2e_latency_seconds", "Generate call duration, start to last message.",
                 buckets=LATENCY_BUCKETS)
 RETRIES = Counter("tandem_gateway_retries", "Requests retried on other workers before any token was sent.")
+RESUMES = Counter("tandem_gateway_resumes", "Streams resumed on another decode worker after theirs failed mid-stream.")
 REFUSED_WORKERS = Gauge("tandem_gateway_refused_workers",
                         "Live workers refused because their model or cache settings disagree with the pool.")
 PREFILLS = Counter("tandem_gateway_prefills", "Prompts prefilled, by where (remote: a prefill worker; local: the "

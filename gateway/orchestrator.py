@@ -23,8 +23,15 @@ token (UNAVAILABLE, a connection failure, a lost reservation, no answer within
 of the role where any exist); after that the client gets UNAVAILABLE. Failures of a worker's
 own (the call to it failed or timed out, not the KV transfer it made to its peer) are counted
 in the view's outlier detector, which ejects a worker failing repeatedly. Once the client has
-a token, a failed or stalled Decode stream ends the request with UNAVAILABLE: the tokens
-already sent cannot be taken back, and the request is not resumed elsewhere. Every worker call
+tokens, a failed or stalled Decode stream (UNAVAILABLE, NOT_FOUND, ABORTED, silent for
+``decode_stall_timeout_s``) is **resumed** on another decode worker when its tokens are
+reproducible: one sample (``n`` = 1) that is greedy or seeded (the sampler's noise depends only
+on the seed, the sample and the position, ``kernels/sampling.py``). The prompt plus the tokens
+already sent is prefilled again (Admit → Prefill → Decode, on workers other than the failed
+one) with ``max_tokens`` reduced by them, and the stream goes on where it stopped: the client
+sees one stream, its usage counting the original prompt and every output token. At most
+``max_retries`` resumes per request. Any other request (unseeded sampling, ``n`` > 1) ends
+with UNAVAILABLE: the tokens already sent cannot be taken back. Every worker call
 but the Decode stream gets ``hop_timeout_s`` or the client's deadline, whichever is sooner; the
 Decode stream gets the client's deadline and ``decode_stall_timeout_s`` between messages.
 Decode capacity (``NoCapacityError`` or Admit's RESOURCE_EXHAUSTED) is waited for
@@ -57,7 +64,7 @@ from protos.tandem.v1 import gateway_pb2, worker_pb2, worker_pb2_grpc
 
 logger = logging.getLogger(__name__)
 
-STOP, ABORT = gateway_pb2.FINISH_REASON_STOP, gateway_pb2.FINISH_REASON_ABORT
+STOP, LENGTH, ABORT = gateway_pb2.FINISH_REASON_STOP, gateway_pb2.FINISH_REASON_LENGTH, gateway_pb2.FINISH_REASON_ABORT
 # Worker failures worth one transparent retry elsewhere, while the client has seen nothing.
 _RETRYABLE = {grpc.StatusCode.UNAVAILABLE, grpc.StatusCode.NOT_FOUND, grpc.StatusCode.ABORTED}
 _ABORT_TIMEOUT_S = 2.0
@@ -92,9 +99,14 @@ class WorkerClients:
 class _Sample:
     """Output state of one sample (index ``i`` of ``n``)."""
 
-    detok: IncrementalDetokenizer | None
-    tokens: int = 0
-    finish: int = 0  # FinishReason; 0 while it streams
+    def __init__(self, detok: IncrementalDetokenizer | None) -> None:
+        self.detok = detok
+        self.token_ids: list[int] = []  # sent to the client
+        self.finish = 0  # FinishReason; 0 while it streams
+
+    @property
+    def tokens(self) -> int:
+        return len(self.token_ids)
 
     @property
     def done(self) -> bool:
@@ -127,6 +139,23 @@ class _Attempt:
     def __post_init__(self) -> None:
         if self.route.prefill is None:  # the decode worker prefills: nothing to release on a prefill worker
             self.prefill_counted = self.prefill_holds = False
+
+
+@dataclass
+class _Output:
+    """What the client has been sent: each sample's state, and the usage of the whole request."""
+
+    samples: list[_Sample]
+    usage: gateway_pb2.Usage
+
+
+class _DecodeLost(Exception):
+    """The Decode stream failed or stalled after the client had tokens (``status``: what the
+    client gets unless the request is resumed elsewhere)."""
+
+    def __init__(self, status: StatusError, worker_id: str) -> None:
+        super().__init__(status.message)
+        self.status, self.worker_id = status, worker_id
 
 
 class _WorkerCallError(Exception):
@@ -195,21 +224,49 @@ class Orchestrator:
             StatusError: the status the client gets.
         """
         started = time.monotonic()
-        hashes = hash_blocks(prompt, pool.block_size, salted_seed(pool.hash_seed, cache_salt))
-        attempt, first = await self._prefill_with_retry(request_id, prompt, hashes, sampling, pool, time_left,
-                                                        cache_salt)
+        seed = salted_seed(pool.hash_seed, cache_salt)
+        attempt, first = await self._prefill_with_retry(request_id, prompt, hash_blocks(prompt, pool.block_size, seed),
+                                                        sampling, pool, time_left, cache_salt)
+        backend = self.tokenizer.backend if self.tokenizer is not None else None
+        output = _Output([_Sample(IncrementalDetokenizer(backend, prompt, params.stop) if backend else None)
+                          for _ in range(params.n)],
+                         gateway_pb2.Usage(prompt_tokens=len(prompt), cached_prompt_tokens=(
+                             first.num_cached_tokens if first is not None else attempt.decode_cached_tokens)))
+        worker_prompt, worker_sampling, resumes = prompt, sampling, 0
         try:
-            async for response in self._stream(request_id, attempt, prompt, sampling, params, first, time_left,
-                                               started):
-                yield response
+            while True:
+                try:
+                    async for response in self._stream(request_id, attempt, worker_prompt, worker_sampling, output,
+                                                       first, time_left, started if not resumes else None):
+                        yield response
+                    return
+                except _DecodeLost as lost:
+                    self._release(attempt, "decode worker lost mid-stream")
+                    sent = output.samples[0].token_ids
+                    if not (params.n == 1 and (params.greedy or params.seed is not None)) \
+                            or resumes >= self.max_retries or _expired(time_left):
+                        raise lost.status from lost
+                    if len(sent) >= params.max_tokens:  # the last token's finish was what got lost
+                        yield self._piece(request_id, output, 0, [], [], LENGTH)
+                        return
+                    resumes += 1
+                    metrics.RESUMES.inc()
+                    logger.warning("resuming request %s after %d tokens on another decode worker (%s lost)",
+                                   request_id, len(sent), lost.worker_id)
+                    worker_prompt = prompt + sent
+                    worker_sampling = gateway_pb2.SamplingParams()
+                    worker_sampling.CopyFrom(sampling)
+                    worker_sampling.max_tokens = params.max_tokens - len(sent)
+                    attempt, first = await self._prefill_with_retry(
+                        request_id, worker_prompt, hash_blocks(worker_prompt, pool.block_size, seed), worker_sampling,
+                        pool, time_left, cache_salt, avoid=frozenset({lost.worker_id}))
         finally:
             self._release(attempt, "request ended")
 
     # -- admission and prefill -------------------------------------------------------------
 
     async def _prefill_with_retry(self, request_id, prompt, hashes, sampling, pool: WorkerConfig, time_left,
-                                  cache_salt: str):
-        avoid: frozenset[str] = frozenset()
+                                  cache_salt: str, avoid: frozenset[str] = frozenset()):
         retries = 0
         capacity = _Backoff(self.admit_wait_s)
         while True:
@@ -348,55 +405,60 @@ class Orchestrator:
 
     # -- decode and streaming --------------------------------------------------------------
 
-    async def _stream(self, request_id, attempt: _Attempt, prompt, sampling, params: SamplingParams,
-                      first: worker_pb2.PrefillResponse | None, time_left, started):
-        n = params.n
+    def _piece(self, request_id: str, output: _Output, index: int, tokens: list[int], logprobs,
+               finish: int) -> gateway_pb2.GenerateResponse:
+        """Feed ``tokens`` to sample ``index``; the message for the client (stop strings applied;
+        ``usage`` set when it is the stream's last message)."""
+        sample = output.samples[index]
+        kept = []
+        for token in tokens:
+            kept.append(token)
+            if sample.detok is not None and sample.detok.push(token) is not None:
+                finish = STOP
+                break
+        sample.token_ids += kept
+        sample.finish = finish
+        output.usage.completion_tokens += len(kept)
+        text = sample.detok.take_new_text(bool(finish)) if sample.detok is not None else ""
+        response = gateway_pb2.GenerateResponse(request_id=request_id, index=index, token_ids=kept, text=text,
+                                                finish_reason=finish, logprobs=list(logprobs)[: len(kept)])
+        if all(s.done for s in output.samples):
+            response.usage.CopyFrom(output.usage)
+        return response
+
+    async def _stream(self, request_id, attempt: _Attempt, prompt, sampling, output: _Output,
+                      first: worker_pb2.PrefillResponse | None, time_left, started: float | None):
+        """Stream one attempt's tokens into ``output`` (``prompt``: what the workers were given;
+        ``started``: when the request began, for the TTFT metric, ``None`` on a resumed attempt).
+
+        Raises:
+            _DecodeLost: the Decode stream failed or stalled after the first token.
+            StatusError: any other failure.
+        """
+        samples, n = output.samples, len(output.samples)
         if first is not None and (len(first.first_tokens) != n or len(first.finish_reasons) != n):
             raise StatusError(grpc.StatusCode.INTERNAL,
                               f"prefill worker returned {len(first.first_tokens)} first tokens for n={n}")
-        backend = self.tokenizer.backend if self.tokenizer is not None else None
-        samples = [_Sample(IncrementalDetokenizer(backend, prompt, params.stop) if backend else None)
-                   for _ in range(n)]
-        cached = first.num_cached_tokens if first is not None else attempt.decode_cached_tokens
-        usage = gateway_pb2.Usage(prompt_tokens=len(prompt), cached_prompt_tokens=cached)
-
-        def piece(index: int, tokens: list[int], logprobs, finish: int) -> gateway_pb2.GenerateResponse:
-            """Feed ``tokens`` to sample ``index``; the message for the client (stop strings
-            applied; ``usage`` set when it is the stream's last message)."""
-            sample = samples[index]
-            kept = []
-            for token in tokens:
-                kept.append(token)
-                sample.tokens += 1
-                if sample.detok is not None and sample.detok.push(token) is not None:
-                    finish = STOP
-                    break
-            sample.finish = finish
-            usage.completion_tokens += len(kept)
-            text = sample.detok.take_new_text(bool(finish)) if sample.detok is not None else ""
-            response = gateway_pb2.GenerateResponse(request_id=request_id, index=index, token_ids=kept, text=text,
-                                                    finish_reason=finish, logprobs=list(logprobs)[: len(kept)])
-            if all(s.done for s in samples):
-                response.usage.CopyFrom(usage)
-            return response
-
         if first is not None:
             for index, (token, finish) in enumerate(zip(first.first_tokens, first.finish_reasons)):
-                yield piece(index, [token.token_id], [token], finish)
+                yield self._piece(request_id, output, index, [token.token_id], [token], finish)
             if all(s.done for s in samples):
-                metrics.TTFT.observe(time.monotonic() - started)
+                if started is not None:
+                    metrics.TTFT.observe(time.monotonic() - started)
                 return  # the decode reservation is never claimed: the release's Abort frees it
             call = self._decode_call(attempt, prompt, [t.token_id for t in first.first_tokens], sampling, time_left)
         else:
             call = attempt.decode_call
-        metrics.TTFT.observe(time.monotonic() - started)
-        first_token_at = time.monotonic()
+        if started is not None:
+            metrics.TTFT.observe(time.monotonic() - started)
+        first_token_at, tokens_before = time.monotonic(), max(s.tokens for s in samples)
         route = attempt.route
         try:
             async for message in _chain(attempt.first_messages, call, self._next_message):
                 if message.index >= n or samples[message.index].done:
                     continue
-                yield piece(message.index, list(message.token_ids), message.logprobs, message.finish_reason)
+                yield self._piece(request_id, output, message.index, list(message.token_ids), message.logprobs,
+                                  message.finish_reason)
                 if all(s.done for s in samples):
                     break
         except TimeoutError as exc:
@@ -404,9 +466,9 @@ class Orchestrator:
                            route.decode.address, self.decode_stall_timeout_s)
             self.view.outliers.failure(route.decode.worker_id)
             metrics.WORKER_FAILURES.labels("Decode").inc()
-            raise StatusError(grpc.StatusCode.UNAVAILABLE,
-                              f"decode worker {route.decode.worker_id} stalled mid-stream: no token within "
-                              f"{self.decode_stall_timeout_s} s") from exc
+            raise _DecodeLost(StatusError(grpc.StatusCode.UNAVAILABLE,
+                                          f"decode worker {route.decode.worker_id} stalled mid-stream: no token "
+                                          f"within {self.decode_stall_timeout_s} s"), route.decode.worker_id) from exc
         except grpc.aio.AioRpcError as exc:
             logger.warning("Decode on %s failed after the first token: %s %s", route.decode.address,
                            exc.code().name, exc.details())
@@ -414,16 +476,17 @@ class Orchestrator:
                 self.view.outliers.failure(route.decode.worker_id)
                 metrics.WORKER_FAILURES.labels("Decode").inc()
             if exc.code() in _RETRYABLE:
-                raise StatusError(grpc.StatusCode.UNAVAILABLE,
-                                  f"decode worker {route.decode.worker_id} failed mid-stream: {exc.details()}") from exc
+                raise _DecodeLost(StatusError(grpc.StatusCode.UNAVAILABLE,
+                                              f"decode worker {route.decode.worker_id} failed mid-stream: "
+                                              f"{exc.details()}"), route.decode.worker_id) from exc
             raise _status_from_worker(_WorkerCallError("Decode", exc.code(), exc.details() or "", False)) from exc
         else:
             if all(s.done for s in samples) and call.done():
                 attempt.decode_holds = False  # the worker ended the stream itself: nothing left to free
             for index, sample in enumerate(samples):
                 if not sample.done:  # the worker ended the stream without finishing this sample
-                    yield piece(index, [], [], ABORT)
-        tokens_after_first = max(s.tokens for s in samples) - 1
+                    yield self._piece(request_id, output, index, [], [], ABORT)
+        tokens_after_first = max(s.tokens for s in samples) - max(1, tokens_before)
         if tokens_after_first > 0:
             metrics.TPOT.observe((time.monotonic() - first_token_at) / tokens_after_first)
 
