@@ -82,8 +82,9 @@ class TandemSettings(BaseSettings):
                                                          "the client's deadline is later or unset")
     decode_stall_timeout_s: float = Field(15.0, gt=0, description="seconds a Decode stream may go without a "
                                                                   "message before its worker counts as failed")
-    max_retries: int = Field(2, ge=0, description="tries on other workers after a worker failure, before the "
-                                                  "client has seen a token")
+    max_retries: int = Field(2, ge=0, description="tries on other workers after a worker failure before the "
+                                                  "client has seen a token, and resumes of a greedy or seeded "
+                                                  "stream on another decode worker after it")
     outlier_consecutive_failures: int = Field(2, ge=1, description="consecutive failed calls that eject a worker "
                                                                    "from routing")
     outlier_base_ejection_s: float = Field(5.0, gt=0, description="seconds of a worker's first ejection; each "
