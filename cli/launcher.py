@@ -124,7 +124,8 @@ class LocalCluster:
         metrics: serve every process's Prometheus metrics, each on a free port of its own
             (``metrics_ports`` says which).
         tls_dir: a TLS directory (``cluster.tls``) every process uses: the gateway serves TLS,
-            gateway and workers authenticate each other with mTLS; ``None``: plaintext.
+            gateway and workers authenticate each other with mTLS; ``None``: plaintext (the
+            processes get ``TANDEM_INSECURE=1``).
     """
 
     def __init__(self, model: str | None = None, gateway_addr: str | None = None, num_prefill: int = 1,
@@ -163,6 +164,7 @@ class LocalCluster:
                 base["TANDEM_MODEL"] = self.model
             base["TANDEM_REDIS_URL"] = self.redis_url or ""
             base["TANDEM_TLS_DIR"] = self.tls_dir or ""
+            base["TANDEM_INSECURE"] = "0" if self.tls_dir else "1"  # plaintext, chosen by passing no tls_dir
             for role, count in (("prefill", self.num_prefill), ("decode", self.num_decode)):
                 for i in range(count):
                     name, address = f"{role}-{i}", f"127.0.0.1:{free_port()}"

@@ -28,6 +28,10 @@ from protos.status import StatusError
 HEALTH_SERVICE = health_pb2.DESCRIPTOR.services_by_name["Health"].full_name
 
 
+class StartupError(RuntimeError):
+    """A server cannot start as configured (the message says which setting)."""
+
+
 class BindError(OSError):
     """An address could not be bound; the message names it and the setting that chose it."""
 

@@ -62,7 +62,9 @@ class TandemSettings(BaseSettings):
     drain_timeout_s: float = Field(30.0, ge=0, description="on SIGTERM, seconds in-flight requests get before they are aborted")
     tls_dir: str = Field("", description="TLS directory of `tandem certs init` (ca.pem, {role}.pem, {role}-key.pem): "
                                          "the gateway serves TLS, workers require a cluster client certificate; "
-                                         "empty: plaintext, with a warning")
+                                         "empty: the server refuses to start unless insecure is set")
+    insecure: bool = Field(False, description="without tls_dir, serve and dial plaintext (any caller that reaches a "
+                                              "port is served): a deliberate choice, logged as a warning")
     redis_password: str = Field("", repr=False, description="Redis password (AUTH); empty: none")
     redis_tls_ca: str = Field("", description="CA file that verifies Redis's certificate (with a rediss:// URL)")
     reflection: bool = Field(False, description="serve gRPC reflection (lists the services; workers' are internal)")
@@ -109,6 +111,17 @@ class TandemSettings(BaseSettings):
         if value and not os.path.isfile(os.path.join(value, "ca.pem")):
             raise ValueError(f"{value} has no ca.pem (make one with `tandem certs init {value}`)")
         return value
+
+    def check_transport_security(self) -> None:
+        """Refuse plaintext nobody chose: without ``tls_dir``, ``insecure`` must be set.
+
+        Raises:
+            ValueError: neither is set (the message names both settings).
+        """
+        if not self.tls_dir and not self.insecure:
+            cls = type(self)
+            raise ValueError(f"no TLS: set {setting_name(cls, 'tls_dir')} (`tandem certs init DIR` makes one) or "
+                             f"choose plaintext with {setting_name(cls, 'insecure')}")
 
     @field_validator("outlier_max_ejection_s")
     @classmethod

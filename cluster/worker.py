@@ -26,7 +26,7 @@ from cluster.log import configure_logging
 from cluster.metrics import WorkerMetrics
 from cluster.prefix_index import PrefixIndex
 from cluster.registry import ClusterNamespace, Role, WorkerConfig, WorkerInfo, WorkerLoad, WorkerRegistry, redis_client
-from cluster.server import Admission, BindError, ServerScaffold
+from cluster.server import Admission, BindError, ServerScaffold, StartupError
 from cluster.settings import WorkerSettings, advertised_address, setting_name
 from cluster.tls import PeerRoleInterceptor, TlsFiles, server_credentials
 from engine.async_engine import AsyncEngine
@@ -35,10 +35,6 @@ from kvtransfer import GRPC_MESSAGE_OPTIONS
 from kvtransfer.nixl import NixlAgent
 
 logger = logging.getLogger(__name__)
-
-class StartupError(RuntimeError):
-    """The worker cannot start as configured (the message says which setting)."""
-
 
 def kv_transport(settings: WorkerSettings, worker_id: str, llm: LLMEngine) -> tuple[list[str], NixlAgent | None]:
     """The KV transports this worker uses, preferred first, and its NIXL agent (its KV pool
@@ -140,6 +136,10 @@ class WorkerServer:
             StartupError: the TLS files cannot be read.
         """
         s = self.settings
+        try:
+            s.check_transport_security()
+        except ValueError as exc:
+            raise StartupError(str(exc)) from None
         tls = worker_tls(s, self.role)
         roles = [PeerRoleInterceptor(self.servicer.service_name, self.servicer.peer_roles)] if tls else []
         self._scaffold = scaffold = ServerScaffold(
@@ -157,7 +157,7 @@ class WorkerServer:
         self.metrics.serve(s.listen_host, s.metrics_port, setting_name(WorkerSettings, "metrics_port"))
         await scaffold.start()
         if tls is None:
-            logger.warning("no TLS (%s): the worker port is plaintext and serves any caller that reaches it",
+            logger.warning("insecure: the worker port is plaintext and serves any caller that reaches it (no %s)",
                            setting_name(WorkerSettings, "tls_dir"))
         self.address = advertised_address(s.listen_host, self.port, s.advertise)
         await scaffold.health.set_all(SERVING)

@@ -53,7 +53,7 @@ class DecodeServicer(worker_pb2_grpc.DecodeWorkerServicer):
         metrics: the worker's metrics.
 
     Raises:
-        cluster.worker.StartupError: ``kv_transport`` is ``nixl`` and NIXL cannot start.
+        cluster.server.StartupError: ``kv_transport`` is ``nixl`` and NIXL cannot start.
     """
 
     service_name = "tandem.v1.DecodeWorker"

@@ -14,7 +14,7 @@ from collections.abc import Sequence
 
 def main(argv: Sequence[str] | None = None) -> int:
     from cluster.log import configure_logging
-    from cluster.server import BindError
+    from cluster.server import BindError, StartupError
     from cluster.settings import from_args
     from gateway.server import serve
     from gateway.settings import GatewaySettings
@@ -23,7 +23,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     configure_logging(settings.log_level)
     try:
         asyncio.run(serve(settings))
-    except BindError as exc:
+    except (BindError, StartupError) as exc:
         logging.getLogger("gateway").error("%s", exc)
         return 1
     return 0

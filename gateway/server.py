@@ -26,7 +26,7 @@ from cluster.channels import ChannelCache, client_keepalive_options, server_keep
 from cluster.health import NOT_SERVING, SERVING
 from cluster.log import request_id_var
 from cluster.registry import ClusterNamespace, Role, WorkerConfig, WorkerRegistry, redis_client
-from cluster.server import Admission, ServerScaffold, serve_metrics
+from cluster.server import Admission, ServerScaffold, StartupError, serve_metrics
 from cluster.settings import RequestLimits, setting_name
 from cluster.tls import TlsFiles, role_name, server_credentials
 from cluster.translate import REQUEST_ID_MAX_CHARS, check_prompt_ids, check_request_id, sampling_params_from_proto
@@ -218,8 +218,13 @@ class Gateway:
 
         Raises:
             cluster.server.BindError: the listen address cannot be bound.
+            cluster.server.StartupError: neither TLS nor ``insecure`` is set.
         """
         s = self.settings
+        try:
+            s.check_transport_security()
+        except ValueError as exc:
+            raise StartupError(str(exc)) from None
         # gRPC's own limit sits above max_request_bytes so that a request between the two gets
         # INVALID_ARGUMENT naming "request" (larger ones: RESOURCE_EXHAUSTED from gRPC itself).
         self._scaffold = ServerScaffold([SERVICE_NAME], [("grpc.max_receive_message_length", 2 * s.max_request_bytes),
@@ -231,7 +236,7 @@ class Gateway:
                        if self._tls else None)
         self.port = self._scaffold.bind(s.listen, setting_name(GatewaySettings, "listen"), credentials)
         if self._tls is None:
-            logger.warning("no TLS (%s): the API and the worker channels are plaintext",
+            logger.warning("insecure: the API and the worker channels are plaintext (no %s)",
                            setting_name(GatewaySettings, "tls_dir"))
         await self._scaffold.start()
         await self._refresh()

@@ -58,7 +58,7 @@ class PrefillServicer(worker_pb2_grpc.PrefillWorkerServicer):
             channels to decode workers).
 
     Raises:
-        cluster.worker.StartupError: ``kv_transport`` is ``nixl`` and NIXL cannot start.
+        cluster.server.StartupError: ``kv_transport`` is ``nixl`` and NIXL cannot start.
     """
 
     service_name = "tandem.v1.PrefillWorker"

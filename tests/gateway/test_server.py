@@ -29,7 +29,8 @@ SERVING, NOT_SERVING = health_pb2.HealthCheckResponse.SERVING, health_pb2.Health
 @pytest.fixture
 def gateway(redis_url):
     prefix = f"test-server-{uuid.uuid4().hex[:8]}"
-    settings = GatewaySettings(listen="127.0.0.1:0", metrics_port=0, redis_url=redis_url, redis_key_prefix=prefix,
+    settings = GatewaySettings(listen="127.0.0.1:0", metrics_port=0, insecure=True, redis_url=redis_url,
+                               redis_key_prefix=prefix,
                                registry_ttl_s=3600, refresh_interval_s=0.1)
     model = load_served_model(settings)
     config = WorkerConfig(model.model_id, 16, 2048, "float32", hash_seed(model.model_id, 16, "float32"), 49152)

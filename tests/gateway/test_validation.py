@@ -30,7 +30,8 @@ CAPS = dict(max_n=4, max_logprobs=5, max_stop=2, max_stop_len=8, max_stop_token_
 def stub(redis_url):
     """A gateway whose pool (registered in Redis, nobody listening) has max_model_len 64."""
     prefix = f"test-validation-{uuid.uuid4().hex[:8]}"
-    settings = GatewaySettings(listen="127.0.0.1:0", metrics_port=0, redis_url=redis_url, redis_key_prefix=prefix,
+    settings = GatewaySettings(listen="127.0.0.1:0", metrics_port=0, insecure=True, redis_url=redis_url,
+                               redis_key_prefix=prefix,
                                registry_ttl_s=3600, **CAPS)
     model = load_served_model(settings)
     config = WorkerConfig(model.model_id, 16, MAX_MODEL_LEN, "float32", hash_seed(model.model_id, 16, "float32"),

@@ -49,7 +49,8 @@ class Pair:
 
 
 def settings(**overrides) -> WorkerSettings:
-    return WorkerSettings(**{"listen": "127.0.0.1:0", "redis_url": "", "drain_timeout_s": 5.0, **overrides})
+    return WorkerSettings(**{"listen": "127.0.0.1:0", "redis_url": "", "drain_timeout_s": 5.0,
+                             "insecure": not overrides.get("tls_dir"), **overrides})
 
 
 @contextlib.asynccontextmanager

@@ -28,7 +28,7 @@ def test_worker_process_serves_and_exits_cleanly_on_sigterm(module):
     env = {**os.environ, "TANDEM_NUM_BLOCKS": "8", "TANDEM_REDIS_URL": "", "TANDEM_LOG_LEVEL": "INFO"}
     proc = subprocess.Popen(
         [sys.executable, "-m", module, "--listen", "127.0.0.1:0", "--model", "smollm2-135m",
-         "--load-format", "dummy", "--block-size", "16", "--metrics-port", str(metrics_port)],
+         "--load-format", "dummy", "--block-size", "16", "--metrics-port", str(metrics_port), "--insecure"],
         env=env, stderr=subprocess.PIPE, text=True)
     try:
         address, deadline, lines = None, time.monotonic() + 60, []
@@ -39,6 +39,7 @@ def test_worker_process_serves_and_exits_cleanly_on_sigterm(module):
             if m := re.search(r"listening on (\S+)", line):
                 address = m.group(1)
         assert address, "no 'listening on' line"
+        assert any("insecure" in line and "plaintext" in line for line in lines), lines  # plaintext is loud
         with grpc.insecure_channel(address) as channel:
             health = health_pb2_grpc.HealthStub(channel).Check(health_pb2.HealthCheckRequest(), timeout=5)
             assert health.status == health_pb2.HealthCheckResponse.SERVING
@@ -67,7 +68,22 @@ def test_a_taken_port_is_one_line_naming_the_address_and_the_setting():
             out = subprocess.run(
                 [sys.executable, "-m", "decode_worker", "--model", "smollm2-135m", "--load-format", "dummy",
                  "--num-blocks", "8", "--log-level", "WARNING", *flags],
-                env={**os.environ, "TANDEM_REDIS_URL": ""}, capture_output=True, text=True, timeout=120)
+                env={**os.environ, "TANDEM_REDIS_URL": "", "TANDEM_INSECURE": "1"}, capture_output=True, text=True,
+                timeout=120)
             assert out.returncode == 1, out.stderr
             lines = [line for line in out.stderr.splitlines() if line.strip()]
             assert len(lines) == 1 and f"127.0.0.1:{port}" in lines[0] and setting in lines[0], out.stderr
+
+
+@pytest.mark.parametrize("module", ["prefill_worker", "decode_worker", "gateway"])
+def test_a_server_without_tls_refuses_to_start_unless_plaintext_is_chosen(module):
+    """No ``tls_dir`` and no ``insecure``: one line naming both settings, exit code 1."""
+    env = {k: v for k, v in os.environ.items() if k not in ("TANDEM_TLS_DIR", "TANDEM_INSECURE")}
+    out = subprocess.run(
+        [sys.executable, "-m", module, "--listen", "127.0.0.1:0", "--model", "smollm2-135m", "--log-level", "ERROR",
+         *(["--load-format", "dummy", "--num-blocks", "8"] if module != "gateway" else [])],
+        env={**env, "TANDEM_REDIS_URL": ""}, capture_output=True, text=True, timeout=120)
+    assert out.returncode == 1, out.stderr
+    lines = [line for line in out.stderr.splitlines() if line.strip()]
+    assert len(lines) == 1 and "--tls-dir / TANDEM_TLS_DIR" in lines[0] and "--insecure / TANDEM_INSECURE" in lines[0], \
+        out.stderr

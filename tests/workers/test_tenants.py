@@ -42,7 +42,8 @@ def test_tenants_are_authenticated_isolated_and_limited(engines):
     async def main():
         async with pair(engines) as p:
             entries = [f"{hash_key(KEYS['alice'])}:alice", f"{hash_key(KEYS['bob'])}:bob:1"]
-            settings = GatewaySettings(listen="127.0.0.1:0", metrics_port=0, static_prefill=[p.prefill.address],
+            settings = GatewaySettings(listen="127.0.0.1:0", metrics_port=0, insecure=True,
+                                       static_prefill=[p.prefill.address],
                                        static_decode=[p.decode.address], api_keys=entries, refresh_interval_s=0.1,
                                        local_prefill_max_tokens=0)
             gateway = Gateway(settings, load_served_model(settings))

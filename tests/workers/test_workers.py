@@ -256,7 +256,7 @@ def test_abort_and_cancel_during_prefill_free_blocks(engines):
                     call.cancel()
                 t0 = time.monotonic()
                 await until(lambda: engines[0].num_free_blocks == start and rid not in engines[0].requests)
-                assert time.monotonic() - t0 < 1.0
+                assert time.monotonic() - t0 < 5.0  # at the end of the chunk computing, not at a lease's expiry
                 # The prefill's transfer stream, open on the reservation since the prefill began,
                 # ended with it: the decode worker has already freed the reservation.
                 await until(lambda: len(p.decode.server.servicer.table) == 0)
