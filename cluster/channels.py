@@ -22,6 +22,8 @@ from collections.abc import Sequence
 
 import grpc
 
+from cluster.tls import ClientCredentials
+
 MAX_RECONNECT_BACKOFF_MS = 1000
 # A channel evicted or replaced gets this long for its calls in flight before it is closed, seconds.
 RETIRE_GRACE_S = 60.0
@@ -61,19 +63,20 @@ class ChannelCache:
 
     Args:
         options: channel options for every channel (message sizes, :func:`client_keepalive_options`).
-        credentials: TLS credentials (``cluster.tls.TlsFiles.channel_credentials``); ``None``:
-            plaintext.
+        credentials: TLS credentials, followed as their files change (a change retires every
+            channel: the next calls dial with the new ones); ``None``: plaintext.
         peer_name: with TLS, the DNS name the peer's certificate must carry whatever address
             is dialed (e.g. ``tandem-decode``; ``cluster.tls``).
         max_channels: channels kept open at most.
     """
 
-    def __init__(self, options: Sequence[tuple[str, int | str]] = (), credentials: grpc.ChannelCredentials | None = None,
+    def __init__(self, options: Sequence[tuple[str, int | str]] = (), credentials: ClientCredentials | None = None,
                  peer_name: str = "", max_channels: int = 64) -> None:
         self._options = list(options)
         if credentials is not None and peer_name:
             self._options.append(("grpc.ssl_target_name_override", peer_name))
         self._credentials = credentials
+        self._generation = credentials.generation if credentials is not None else 0
         self.max_channels = max_channels
         self._channels: collections.OrderedDict[str, grpc.aio.Channel] = collections.OrderedDict()
         self._retiring: dict[asyncio.Task, grpc.aio.Channel] = {}
@@ -83,6 +86,12 @@ class ChannelCache:
 
     def get(self, address: str) -> grpc.aio.Channel:
         """The channel to ``address`` (``host:port``), opened now if there is none."""
+        if self._credentials is not None:
+            credentials = self._credentials.current()
+            if self._credentials.generation != self._generation:  # rotated: retire every channel
+                self._generation = self._credentials.generation
+                while self._channels:
+                    self._retire(self._channels.popitem()[1])
         channel = self._channels.get(address)
         if channel is not None:
             self._channels.move_to_end(address)
@@ -90,7 +99,7 @@ class ChannelCache:
         if self._credentials is None:
             channel = grpc.aio.insecure_channel(address, options=self._options)
         else:
-            channel = grpc.aio.secure_channel(address, self._credentials, options=self._options)
+            channel = grpc.aio.secure_channel(address, credentials, options=self._options)
         self._channels[address] = channel
         while len(self._channels) > self.max_channels:
             self._retire(self._channels.popitem(last=False)[1])

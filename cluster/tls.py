@@ -22,6 +22,7 @@ import datetime
 import functools
 import ipaddress
 import os
+import time
 from collections.abc import Collection, Mapping, Sequence
 from dataclasses import dataclass
 from pathlib import Path
@@ -87,6 +88,36 @@ class TlsFiles:
                                             certificate_chain=self.cert)
 
 
+class _WatchedFiles:
+    """A role's files in a TLS directory and the modification times they were read at."""
+
+    def __init__(self, directory: str, role: str, setting: str) -> None:
+        self.directory, self.role, self.setting = directory, role, setting
+        self.paths = [Path(directory) / name for name in ("ca.pem", f"{role}.pem", f"{role}-key.pem")]
+        self.stamp = self._stamp()
+        self.files = TlsFiles.load(directory, role, setting)
+        if not self.files.matches():
+            raise ValueError(f"{setting}: {role}-key.pem does not belong to {role}.pem")
+
+    def _stamp(self) -> tuple[int, ...]:
+        return tuple(p.stat().st_mtime_ns if p.exists() else -1 for p in self.paths)
+
+    def changed(self) -> TlsFiles | None:
+        """The files if they changed since last read and are complete and consistent (the key
+        matches the certificate); ``None`` otherwise (unchanged, or mid-rotation: keep the old)."""
+        now = self._stamp()
+        if now == self.stamp:
+            return None
+        try:
+            fresh = TlsFiles.load(self.directory, self.role, self.setting)
+        except ValueError:
+            return None
+        if not fresh.matches():
+            return None
+        self.stamp, self.files = now, fresh
+        return fresh
+
+
 def server_credentials(directory: str, role: str, require_client_auth: bool, setting: str) -> grpc.ServerCredentials:
     """Credentials of a server port from a TLS directory, re-read when its files change: at each
     new handshake the files' modification times are compared, and a changed set that is
@@ -103,34 +134,51 @@ def server_credentials(directory: str, role: str, require_client_auth: bool, set
     Raises:
         ValueError: the files cannot be read now, or the key does not match the certificate.
     """
-    paths = [Path(directory) / name for name in ("ca.pem", f"{role}.pem", f"{role}-key.pem")]
-
-    def stamp() -> tuple[int, ...]:
-        return tuple(p.stat().st_mtime_ns if p.exists() else -1 for p in paths)
+    watched = _WatchedFiles(directory, role, setting)
 
     def configuration(files: TlsFiles) -> grpc.ServerCertificateConfiguration:
         return grpc.ssl_server_certificate_configuration([(files.key, files.cert)], root_certificates=files.ca)
 
-    files = TlsFiles.load(directory, role, setting)
-    if not files.matches():
-        raise ValueError(f"{setting}: {role}-key.pem does not belong to {role}.pem")
-    loaded = [stamp()]
-
     def fetch() -> grpc.ServerCertificateConfiguration | None:  # gRPC calls it at each new handshake
-        now = stamp()
-        if now == loaded[0]:
-            return None
-        try:
-            fresh = TlsFiles.load(directory, role, setting)
-        except ValueError:
-            return None  # mid-rotation: keep serving the old files
-        if not fresh.matches():
-            return None
-        loaded[0] = now
-        return configuration(fresh)
+        fresh = watched.changed()
+        return None if fresh is None else configuration(fresh)
 
-    return grpc.dynamic_ssl_server_credentials(configuration(files), fetch,
+    return grpc.dynamic_ssl_server_credentials(configuration(watched.files), fetch,
                                                require_client_authentication=require_client_auth)
+
+
+class ClientCredentials:
+    """The credentials a process dials cluster members with, re-read when its TLS files change
+    (the client side of rotation; :func:`server_credentials` is the server's): :meth:`current`
+    compares the files' modification times at most every ``check_interval_s`` seconds and takes
+    a changed set once it is complete and consistent. ``cluster.channels.ChannelCache`` then
+    replaces its channels, so new calls present the new certificate and trust the new CA.
+
+    Args:
+        directory, role, setting: as :func:`server_credentials`.
+        check_interval_s: seconds between looks at the files.
+
+    Raises:
+        ValueError: the files cannot be read now, or the key does not match the certificate.
+    """
+
+    def __init__(self, directory: str, role: str, setting: str, check_interval_s: float = 1.0) -> None:
+        self._watched = _WatchedFiles(directory, role, setting)
+        self.check_interval_s = check_interval_s
+        self.generation = 0  # grows with each change taken
+        self._credentials = self._watched.files.channel_credentials()
+        self._checked_at = time.monotonic()
+
+    def current(self) -> grpc.ChannelCredentials:
+        """The credentials to dial with now (re-read first when the files changed)."""
+        now = time.monotonic()
+        if now - self._checked_at >= self.check_interval_s:
+            self._checked_at = now
+            fresh = self._watched.changed()
+            if fresh is not None:
+                self._credentials = fresh.channel_credentials()
+                self.generation += 1
+        return self._credentials
 
 
 def peer_roles(context: grpc.aio.ServicerContext) -> set[str]:

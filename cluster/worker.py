@@ -28,7 +28,7 @@ from cluster.prefix_index import PrefixIndex
 from cluster.registry import ClusterNamespace, Role, WorkerConfig, WorkerInfo, WorkerLoad, WorkerRegistry, redis_client
 from cluster.server import Admission, BindError, ServerScaffold, StartupError
 from cluster.settings import WorkerSettings, advertised_address, setting_name
-from cluster.tls import PeerRoleInterceptor, TlsFiles, server_credentials
+from cluster.tls import ClientCredentials, PeerRoleInterceptor, server_credentials
 from engine.async_engine import AsyncEngine
 from engine.llm_engine import LLMEngine
 from kvtransfer import GRPC_MESSAGE_OPTIONS
@@ -56,16 +56,18 @@ def kv_transport(settings: WorkerSettings, worker_id: str, llm: LLMEngine) -> tu
     return (["nixl"] if settings.kv_transport == "nixl" else ["nixl", "grpc"]), agent
 
 
-def worker_tls(settings: WorkerSettings, role: Role) -> TlsFiles | None:
-    """This worker's TLS material from ``tls_dir`` (``None``: plaintext).
+def worker_tls(settings: WorkerSettings, role: Role) -> ClientCredentials | None:
+    """The credentials this worker dials its peers with, from ``tls_dir`` and followed as its
+    files change (``None``: plaintext).
 
     Raises:
-        StartupError: a file is missing or unreadable (named, with the setting).
+        StartupError: a file is missing or unreadable, or the key does not match the
+            certificate (named, with the setting).
     """
     if not settings.tls_dir:
         return None
     try:
-        return TlsFiles.load(settings.tls_dir, str(role), setting_name(WorkerSettings, "tls_dir"))
+        return ClientCredentials(settings.tls_dir, str(role), setting_name(WorkerSettings, "tls_dir"))
     except ValueError as exc:
         raise StartupError(str(exc)) from None
 

@@ -28,7 +28,7 @@ from cluster.log import request_id_var
 from cluster.registry import ClusterNamespace, Role, WorkerConfig, WorkerRegistry, redis_client
 from cluster.server import Admission, ServerScaffold, StartupError, serve_metrics
 from cluster.settings import RequestLimits, setting_name
-from cluster.tls import TlsFiles, role_name, server_credentials
+from cluster.tls import ClientCredentials, role_name, server_credentials
 from cluster.translate import REQUEST_ID_MAX_CHARS, check_prompt_ids, check_request_id, sampling_params_from_proto
 from engine.model_source import resolve_model
 from engine.tokenizer import Tokenizer
@@ -186,10 +186,10 @@ class Gateway:
         self.settings = settings
         self.model = model or load_served_model(settings)
         self.port: int | None = None
-        self._tls = (TlsFiles.load(settings.tls_dir, "gateway", setting_name(GatewaySettings, "tls_dir"))
+        self._tls = (ClientCredentials(settings.tls_dir, "gateway", setting_name(GatewaySettings, "tls_dir"))
                      if settings.tls_dir else None)
         # With TLS a worker must show a certificate of the role its registry entry claims.
-        credentials = self._tls.channel_credentials() if self._tls else None
+        credentials = self._tls
         options = [*_WORKER_CHANNEL_OPTIONS, *client_keepalive_options(settings.keepalive_time_s,
                                                                        settings.keepalive_timeout_s)]
         self._channels = ChannelCache(options, credentials, peer_name=role_name("decode"))

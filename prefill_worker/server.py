@@ -75,7 +75,7 @@ class PrefillServicer(worker_pb2_grpc.PrefillWorkerServicer):
         # that is registered as one (with Redis).
         self.channels = ChannelCache(
             [*GRPC_MESSAGE_OPTIONS, *client_keepalive_options(settings.keepalive_time_s, settings.keepalive_timeout_s)],
-            tls.channel_credentials() if tls else None, peer_name=role_name("decode"))
+            tls, peer_name=role_name("decode"))
         self._registry = (WorkerRegistry(redis_client(settings.redis_url, password=settings.redis_password,
                                                       tls_ca=settings.redis_tls_ca),
                                          ClusterNamespace(settings.redis_key_prefix, settings.registry_ttl_s))

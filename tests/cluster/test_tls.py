@@ -13,7 +13,7 @@ import pytest
 from cluster.channels import ChannelCache
 from cluster.health import SERVING
 from cluster.server import ServerScaffold
-from cluster.tls import CLUSTER_NAME, TlsFiles, init_certs, role_name, server_credentials
+from cluster.tls import CLUSTER_NAME, ClientCredentials, TlsFiles, init_certs, role_name, server_credentials
 from protos.grpc.health.v1 import health_pb2, health_pb2_grpc
 
 
@@ -90,8 +90,7 @@ def test_a_channel_for_decode_workers_refuses_a_peer_with_another_role(certs):
     async def main():
         prefill, prefill_address = await _server(ours, "prefill")
         decode, decode_address = await _server(ours, "decode")
-        cache = ChannelCache(credentials=TlsFiles.load(ours, "prefill", "tls_dir").channel_credentials(),
-                             peer_name=role_name("decode"))
+        cache = ChannelCache(credentials=ClientCredentials(ours, "prefill", "tls_dir"), peer_name=role_name("decode"))
         try:
             assert await _check(cache.get(decode_address)) == grpc.StatusCode.OK
             assert await _check(cache.get(prefill_address)) == grpc.StatusCode.UNAVAILABLE
@@ -148,3 +147,34 @@ def test_a_key_that_does_not_match_its_certificate_is_refused_at_start(tmp_path)
     (tmp_path / "decode-key.pem").write_bytes((tmp_path / "prefill-key.pem").read_bytes())
     with pytest.raises(ValueError, match="decode-key.pem does not belong"):
         server_credentials(str(tmp_path), "decode", True, "tls_dir")
+
+
+def test_a_client_follows_rotated_certificates_without_a_restart(tmp_path):
+    """The CA and every certificate are replaced on disk while a prefill worker's channel cache
+    is open: its next calls dial with the new certificate and trust the new CA; a cache that
+    does not look at the files again (the control) can no longer reach the server."""
+    directory = str(tmp_path / "certs")
+    init_certs(directory)
+
+    async def main():
+        server, address = await _server(directory, "decode")
+        following = ChannelCache(credentials=ClientCredentials(directory, "prefill", "tls_dir", check_interval_s=0),
+                                 peer_name=role_name("decode"))
+        stale = ChannelCache(credentials=ClientCredentials(directory, "prefill", "tls_dir", check_interval_s=3600),
+                             peer_name=role_name("decode"))
+        try:
+            before = following.get(address)
+            assert await _check(before) == grpc.StatusCode.OK
+            assert await _check(stale.get(address)) == grpc.StatusCode.OK
+            await asyncio.sleep(0.01)  # a distinct modification time
+            init_certs(directory)  # rotation: a new CA and new certificates
+            after = following.get(address)  # the change seen: every channel retired, a new one dialed
+            assert after is not before and await _check(after) == grpc.StatusCode.OK
+            stale.reset(address)  # a new connection (an open one keeps its handshake), with the old files
+            assert await _check(stale.get(address)) == grpc.StatusCode.UNAVAILABLE
+        finally:
+            await following.close()
+            await stale.close()
+            await server.stop(0)
+
+    asyncio.run(main())
