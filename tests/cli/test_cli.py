@@ -120,6 +120,7 @@ def test_compose_file_is_valid_and_workers_have_no_host_ports():
     for name in ("gateway", "prefill", "decode"):
         env_of = services[name]["environment"]
         assert env_of["TANDEM_REDIS_PASSWORD"] == "s3cret" and env_of["TANDEM_TLS_DIR"] == "/certs"
-        assert any(str(v).startswith("certs:/certs") or (isinstance(v, dict) and v.get("source") == "certs")
-                   for v in services[name]["volumes"])
+        # each role sees its own certificate volume only, read-only
+        sources = [v.get("source", "") if isinstance(v, dict) else str(v).split(":")[0] for v in services[name]["volumes"]]
+        assert [s for s in sources if s.startswith("certs")] == [f"certs-{name}"], sources
     assert services["redis"]["environment"]["REDISCLI_AUTH"] == "s3cret"
