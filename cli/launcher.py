@@ -28,8 +28,13 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from cli.healthcheck import check
-from cli.redis_server import RedisServer
+# This process starts workers (fork + exec, a death signal set between the two) while its gRPC
+# health-check channels exist; gRPC's fork handlers would now and then abort a child before it
+# execs. The children need none of them. Effective when set before grpc is first imported.
+os.environ.setdefault("GRPC_ENABLE_FORK_SUPPORT", "false")
+
+from cli.healthcheck import check  # noqa: E402
+from cli.redis_server import RedisServer  # noqa: E402
 
 logger = logging.getLogger(__name__)
 

@@ -326,7 +326,8 @@ class Orchestrator:
             attempt.prefill_counted = attempt.prefill_holds = False
             self.view.prefill_done(route)
             call = self._decode_call(attempt, prompt, [], sampling, time_left, local_prefill=True)
-            first = await self._staged(self._next_message(call), "Decode", route.decode, time_left)
+            first = await self._staged(self._next_message(call, self._hop_timeout(time_left)), "Decode", route.decode,
+                                       time_left)
             if first is grpc.aio.EOF:
                 raise StatusError(grpc.StatusCode.INTERNAL, "the decode worker ended the stream before a token")
             attempt.first_messages.append(first)
@@ -351,14 +352,18 @@ class Orchestrator:
         left = _timeout(time_left)
         return self.hop_timeout_s if left is None else min(left, self.hop_timeout_s)
 
-    async def _next_message(self, call):
+    async def _next_message(self, call, timeout_s: float | None = None):
         """The Decode stream's next message (``grpc.aio.EOF`` at its end).
 
+        Args:
+            timeout_s: seconds to wait (default ``decode_stall_timeout_s``; a local prefill's
+                first message takes the prefill's time and gets the per-hop timeout).
+
         Raises:
-            TimeoutError: none came within ``decode_stall_timeout_s``.
+            TimeoutError: none came in time.
             grpc.aio.AioRpcError: the call failed.
         """
-        async with asyncio.timeout(self.decode_stall_timeout_s):
+        async with asyncio.timeout(timeout_s or self.decode_stall_timeout_s):
             return await call.read()
 
     async def _staged(self, awaitable, stage: str, worker: WorkerInfo, time_left):
@@ -377,8 +382,8 @@ class Orchestrator:
         except TimeoutError as exc:
             outliers.failure(worker.worker_id)
             metrics.WORKER_FAILURES.labels(stage).inc()
-            raise _WorkerCallError(stage, grpc.StatusCode.UNAVAILABLE,
-                                   f"no message within {self.decode_stall_timeout_s} s", True) from exc
+            raise _WorkerCallError(stage, grpc.StatusCode.UNAVAILABLE, "no first message within the per-hop timeout",
+                                   True) from exc
         except grpc.aio.AioRpcError as exc:
             code = exc.code()
             hop_timeout = code == grpc.StatusCode.DEADLINE_EXCEEDED and not _expired(time_left)

@@ -6,11 +6,17 @@ import os
 import shutil
 import uuid
 
-import pytest
-import redis
-import torch
+# The tests start and restart worker processes (fork + exec, with a death signal set between
+# the two) while their own gRPC channels are open; gRPC's fork handlers then abort the child
+# now and then before it execs (SIGABRT: "epoll_wait error: Bad file descriptor"). The children
+# exec at once and need none of them. Set before anything imports grpc.
+os.environ.setdefault("GRPC_ENABLE_FORK_SUPPORT", "false")
 
-from cli.redis_server import RedisServer
+import pytest  # noqa: E402
+import redis  # noqa: E402
+import torch  # noqa: E402
+
+from cli.redis_server import RedisServer  # noqa: E402
 
 # The shared Redis every test machine runs (.ci/run starts it).
 REDIS_URL = "redis://127.0.0.1:6379/0"

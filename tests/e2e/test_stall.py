@@ -3,7 +3,8 @@ far longer than the stall timeout, so only ``decode_stall_timeout_s`` can notice
 processes, two decode workers that prefill locally, a gateway.
 
 Before the first token a stalled stream is retried on the other worker (the client sees
-nothing); after it the client gets UNAVAILABLE; no request waits on the frozen worker past the
+nothing); after it a stream that cannot be resumed elsewhere (unseeded sampling, as here; greedy
+and seeded ones are resumed, ``test_fault_matrix.py``) ends with UNAVAILABLE; no request waits on the frozen worker past the
 stall timeout (a Decode stream) or the per-hop timeout (an Admit)."""
 
 from __future__ import annotations
@@ -48,7 +49,7 @@ def test_a_stalled_decode_stream_fails_over_before_its_first_token_and_is_unavai
 
     def request(i: int) -> gateway_pb2.GenerateRequest:
         return gateway_pb2.GenerateRequest(prompt=f"Tell me a story, number {i}.",
-                                           sampling=SP(max_tokens=24, temperature=0, ignore_eos=True))
+                                           sampling=SP(max_tokens=24, temperature=0.8, ignore_eos=True))
 
     load = ClosedLoop(cluster.stub, request, streams=8).start()
     deadline = time.monotonic() + 120
