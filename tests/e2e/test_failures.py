@@ -94,14 +94,18 @@ def test_redis_outage_keeps_serving_and_recovers(env):
     assert len(out["samples"][0]["token_ids"]) == 4
 
 
-def test_killed_decode_worker_fails_its_stream_others_keep_flowing(env):
+def test_killed_decode_worker_fails_its_unresumable_stream_others_keep_flowing(env):
+    """An unseeded sampled stream cannot be resumed on another decode worker (greedy and seeded
+    ones are: test_failover.py): its worker's death ends it with UNAVAILABLE."""
     cluster, stub = env
     outcome: dict = {}
     got_tokens = threading.Event()
+    sampled = gateway_pb2.GenerateRequest(prompt="Write a long poem about the ocean.",
+                                          sampling=SP(max_tokens=500, temperature=0.8, ignore_eos=True))
 
     def victim() -> None:
         try:
-            for message in stub.Generate(_req("Write a long poem about the ocean.", 500, ignore_eos=True), timeout=120):
+            for message in stub.Generate(sampled, timeout=120):
                 if message.token_ids:
                     got_tokens.set()
             outcome["code"] = "OK"
