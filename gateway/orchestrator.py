@@ -224,9 +224,9 @@ class Orchestrator:
             StatusError: the status the client gets.
         """
         started = time.monotonic()
-        seed = salted_seed(pool.hash_seed, cache_salt)
-        attempt, first = await self._prefill_with_retry(request_id, prompt, hash_blocks(prompt, pool.block_size, seed),
-                                                        sampling, pool, time_left, cache_salt)
+        hash_seed = salted_seed(pool.hash_seed, cache_salt)  # the prompt's block hashes under the tenant's salt
+        attempt, first = await self._prefill_with_retry(
+            request_id, prompt, hash_blocks(prompt, pool.block_size, hash_seed), sampling, pool, time_left, cache_salt)
         backend = self.tokenizer.backend if self.tokenizer is not None else None
         output = _Output([_Sample(IncrementalDetokenizer(backend, prompt, params.stop) if backend else None)
                           for _ in range(params.n)],
@@ -258,8 +258,8 @@ class Orchestrator:
                     worker_sampling.CopyFrom(sampling)
                     worker_sampling.max_tokens = params.max_tokens - len(sent)
                     attempt, first = await self._prefill_with_retry(
-                        request_id, worker_prompt, hash_blocks(worker_prompt, pool.block_size, seed), worker_sampling,
-                        pool, time_left, cache_salt, avoid=frozenset({lost.worker_id}))
+                        request_id, worker_prompt, hash_blocks(worker_prompt, pool.block_size, hash_seed),
+                        worker_sampling, pool, time_left, cache_salt, avoid=frozenset({lost.worker_id}))
         finally:
             self._release(attempt, "request ended")
 
