@@ -135,30 +135,25 @@ class WorkerServer:
 
         Raises:
             BindError: the listen address or the metrics port cannot be bound.
-            StartupError: the TLS files cannot be read.
+            StartupError: neither TLS nor ``insecure`` is set, or the TLS files cannot be read.
         """
         s = self.settings
         try:
             s.check_transport_security()
+            credentials = (server_credentials(s.tls_dir, str(self.role), True, setting_name(WorkerSettings, "tls_dir"))
+                           if s.tls_dir else None)
         except ValueError as exc:
             raise StartupError(str(exc)) from None
-        tls = worker_tls(s, self.role)
-        roles = [PeerRoleInterceptor(self.servicer.service_name, self.servicer.peer_roles)] if tls else []
+        roles = [PeerRoleInterceptor(self.servicer.service_name, self.servicer.peer_roles)] if credentials else []
         self._scaffold = scaffold = ServerScaffold(
             [self.servicer.service_name],
             [*GRPC_MESSAGE_OPTIONS, *server_keepalive_options(s.keepalive_time_s, s.keepalive_timeout_s)],
             reflection=s.reflection, interceptors=roles)
         self.servicer.add_to_server(scaffold.server)
-        credentials = None
-        if tls is not None:
-            try:
-                credentials = server_credentials(s.tls_dir, str(self.role), True, setting_name(WorkerSettings, "tls_dir"))
-            except ValueError as exc:
-                raise StartupError(str(exc)) from None
         self.port = scaffold.bind(s.listen, setting_name(WorkerSettings, "listen"), credentials)
         self.metrics.serve(s.listen_host, s.metrics_port, setting_name(WorkerSettings, "metrics_port"))
         await scaffold.start()
-        if tls is None:
+        if credentials is None:
             logger.warning("insecure: the worker port is plaintext and serves any caller that reaches it (no %s)",
                            setting_name(WorkerSettings, "tls_dir"))
         self.address = advertised_address(s.listen_host, self.port, s.advertise)

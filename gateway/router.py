@@ -23,12 +23,12 @@ Score of worker ``w`` (higher wins), in tokens:
 
 i.e. the prompt tokens ``w`` need not compute (prefill) or receive (decode: its prefix cache
 holds the previous turns of a chat), minus the work assumed queued ahead of the request
-(``load_cost_tokens`` per sequence waiting on ``w``). A sequence already decoding costs a new
-one only a share of each step, far less than a queued prompt: with one cost for both, a chat's
-next turn left the worker holding its previous turns whenever that worker ran one more
-sequence than another (measured: 67% of multi-turn prompt blocks reused with two decode
-workers at 128 streams, against 91% with one). Ties go to the less loaded worker, then
-to a random one, so equal workers share the traffic. A decode worker must also have room for
+(``load_cost_tokens`` per sequence on a prefill worker, or waiting on a decode worker). A
+sequence already decoding costs a new one only a share of each step, far less than a queued
+prompt: with one cost for both, a chat's next turn left the worker holding its previous turns
+whenever that worker ran one more sequence than another (measured: 67% of multi-turn prompt
+blocks reused with two decode workers at 128 streams, against 91% with one). Ties go to the
+less loaded worker, then to a random one, so equal workers share the traffic. A decode worker must also have room for
 the blocks it does not hold. Prefill workers are optional: without one (or when few tokens are
 left after the decode worker's prefix hit) the decode worker prefills itself.
 """

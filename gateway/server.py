@@ -189,11 +189,10 @@ class Gateway:
         self._tls = (ClientCredentials(settings.tls_dir, "gateway", setting_name(GatewaySettings, "tls_dir"))
                      if settings.tls_dir else None)
         # With TLS a worker must show a certificate of the role its registry entry claims.
-        credentials = self._tls
         options = [*_WORKER_CHANNEL_OPTIONS, *client_keepalive_options(settings.keepalive_time_s,
                                                                        settings.keepalive_timeout_s)]
-        self._channels = ChannelCache(options, credentials, peer_name=role_name("decode"))
-        self._prefill_channels = ChannelCache(options, credentials, peer_name=role_name("prefill"))
+        self._channels = ChannelCache(options, self._tls, peer_name=role_name("decode"))
+        self._prefill_channels = ChannelCache(options, self._tls, peer_name=role_name("prefill"))
         self._redis = None
         self._clients = clients = WorkerClients(self._channels, self._prefill_channels)
         self.view = self._build_view()
@@ -218,11 +217,14 @@ class Gateway:
 
         Raises:
             cluster.server.BindError: the listen address cannot be bound.
-            cluster.server.StartupError: neither TLS nor ``insecure`` is set.
+            cluster.server.StartupError: neither TLS nor ``insecure`` is set, or the TLS files
+                cannot be read.
         """
         s = self.settings
         try:
             s.check_transport_security()
+            credentials = (server_credentials(s.tls_dir, "gateway", False, setting_name(GatewaySettings, "tls_dir"))
+                           if self._tls else None)
         except ValueError as exc:
             raise StartupError(str(exc)) from None
         # gRPC's own limit sits above max_request_bytes so that a request between the two gets
@@ -232,8 +234,6 @@ class Gateway:
                                                                                    s.keepalive_timeout_s)],
                                         reflection=s.reflection, interceptors=self._auth())
         gateway_pb2_grpc.add_GatewayServicer_to_server(self.servicer, self._scaffold.server)
-        credentials = (server_credentials(s.tls_dir, "gateway", False, setting_name(GatewaySettings, "tls_dir"))
-                       if self._tls else None)
         self.port = self._scaffold.bind(s.listen, setting_name(GatewaySettings, "listen"), credentials)
         if self._tls is None:
             logger.warning("insecure: the API and the worker channels are plaintext (no %s)",
