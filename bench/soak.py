@@ -14,8 +14,9 @@ Metrics: ``minutes``, ``sent``, ``completed``, ``cancelled`` (by the client, on 
 after their deadline), ``leaked_blocks`` (blocks not free on any worker once idle),
 ``stale_registry_entries`` (registry entries beyond the live workers after the TTL),
 ``leaked_fds`` / ``leaked_threads`` / ``rss_growth_fraction`` of the gateway (the one process
-never restarted) between the first idle point after warm-up and the end, ``faults``. The
-invariant ``sent == completed + cancelled + failed_with_status + hung`` is checked.
+never restarted) between the first idle point after warm-up and the end (the fds opened or
+closed between the two are printed, their peers named), ``faults``. The invariant
+``sent == completed + cancelled + failed_with_status + hung`` is checked.
 
 Usage: ``python bench/soak.py --minutes 60`` (``--help`` lists the knobs).
 """
@@ -24,6 +25,7 @@ from __future__ import annotations
 
 import argparse
 import collections
+import contextlib
 import os
 import random
 import signal
@@ -135,6 +137,36 @@ def _process(pid: int) -> dict[str, float]:
             "rss_mb": int(fields["VmRSS"].split()[0]) / 1024}
 
 
+def _fd_table(pid: int) -> dict[int, str]:
+    """What each open fd of ``pid`` is: a TCP socket as ``tcp <local port> -> <peer port>``
+    (from ``/proc/<pid>/net/tcp*``), anything else as its ``/proc/<pid>/fd`` link."""
+    sockets = {}
+    for name in ("tcp", "tcp6"):
+        with open(f"/proc/{pid}/net/{name}") as f:
+            for row in f.read().splitlines()[1:]:
+                local, peer, inode = (row.split()[i] for i in (1, 2, 9))
+                ports = [int(address.rsplit(":", 1)[1], 16) for address in (local, peer)]
+                sockets[f"socket:[{inode}]"] = f"tcp {ports[0]} -> {ports[1]}"
+    table = {}
+    for fd in os.listdir(f"/proc/{pid}/fd"):
+        with contextlib.suppress(OSError):  # closed meanwhile
+            link = os.readlink(f"/proc/{pid}/fd/{fd}")
+            table[int(fd)] = sockets.get(link, link)
+    return table
+
+
+def _print_fd_change(before: dict[int, str], after: dict[int, str], ports: dict[int, str]) -> None:
+    """Print to stderr the fds open only before or only after (peers named by ``ports``)."""
+    def named(description: str) -> str:
+        peer = description.rsplit(" ", 1)[-1]
+        return f"{description} ({ports[int(peer)]})" if description.startswith("tcp") and int(peer) in ports \
+            else description
+
+    for label, mine, other in (("closed", before, after), ("opened", after, before)):
+        for fd in sorted(fd for fd in mine if other.get(fd) != mine[fd]):
+            print(f"gateway fd {fd} {label}: {named(mine[fd])}", file=sys.stderr, flush=True)
+
+
 class Faults:
     """Injects the next fault of the cycle; :meth:`restart_due` starts again, ``restart_after_s``
     later, what it stopped. Call both from the main thread: a worker is started with
@@ -219,7 +251,7 @@ def main(argv: list[str] | None = None) -> int:
         warm = Traffic(stub, args.streams, args.seed - 1000)
         time.sleep(20)
         warm.stop()
-        gateway_before = _process(cluster.gateway.proc.pid)
+        gateway_before, fds_before = _process(cluster.gateway.proc.pid), _fd_table(cluster.gateway.proc.pid)
         traffic, faults = Traffic(stub, args.streams, args.seed), Faults(cluster, redis_server)
         started = time.monotonic()
         next_fault = started + args.fault_every_s
@@ -238,6 +270,9 @@ def main(argv: list[str] | None = None) -> int:
         entries = sum(not key.endswith(b":blocks") for key in client.scan_iter(match="tandem:*:worker:*"))
         client.close()
         gateway_after = _process(cluster.gateway.proc.pid)
+        ports = {int(w.address.rsplit(":", 1)[1]): name for name, w in cluster.workers.items()}
+        ports[redis_server.port] = "redis"
+        _print_fd_change(fds_before, _fd_table(cluster.gateway.proc.pid), ports)
         channel.close()
     finally:
         cluster.stop()
