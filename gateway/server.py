@@ -13,7 +13,6 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
-import ctypes
 import logging
 import signal
 import time
@@ -34,6 +33,7 @@ from engine.model_source import resolve_model
 from engine.tokenizer import Tokenizer
 from gateway import metrics
 from gateway.auth import AuthInterceptor, tenant_var
+from gateway.heap import HeapTrimmer, return_large_buffers_to_the_os
 from gateway.orchestrator import Orchestrator, WorkerClients
 from gateway.outlier import OutlierDetector
 from gateway.prober import HealthProber
@@ -46,7 +46,6 @@ from protos.tandem.v1 import gateway_pb2, gateway_pb2_grpc
 
 logger = logging.getLogger(__name__)
 
-_M_MMAP_THRESHOLD = -3  # mallopt parameter (malloc.h)
 SERVICE_NAME = gateway_pb2.DESCRIPTOR.services_by_name["Gateway"].full_name
 # Worker channels carry the KV-free control plane only; prompts of max_model_len ids fit easily.
 _WORKER_CHANNEL_OPTIONS = [("grpc.max_receive_message_length", 64 << 20),
@@ -98,6 +97,7 @@ class GatewayServicer(gateway_pb2_grpc.GatewayServicer):
         self.max_prompt_bytes = max_prompt_bytes
         self.tokenizer_pool = tokenizer_pool
         self.admission = Admission()
+        self.heap = HeapTrimmer()
 
     def _pool(self) -> WorkerConfig:
         pool = self.view.pool
@@ -107,8 +107,11 @@ class GatewayServicer(gateway_pb2_grpc.GatewayServicer):
 
     async def _tokenize(self, request) -> tuple[str, list[int]]:
         """The request's input form and prompt token ids; sizes are checked before any
-        tokenizer work, which runs on the bounded pool (token ids need none)."""
-        check_request_size(request, self.max_request_bytes)
+        tokenizer work, which runs on the bounded pool (token ids need none). A large request
+        has the heap trimmed after it (:mod:`gateway.heap`)."""
+        size = request.ByteSize()
+        self.heap.request_arrived(size)
+        check_request_size(size, self.max_request_bytes)
         which = check_input(request)
         check_prompt_bytes(request, which, self.max_prompt_bytes)
         if which == "token_ids":
@@ -302,18 +305,6 @@ class Gateway:
         await self._prefill_channels.close()
         if self._redis is not None:
             await self._redis.aclose()
-
-
-def return_large_buffers_to_the_os(threshold_bytes: int = 128 << 10) -> None:
-    """Have glibc's malloc serve every allocation of ``threshold_bytes`` or more with its own
-    mmap, given back to the OS when freed. By default glibc raises that threshold after the
-    first large free (up to 32 MiB), so the buffers of a burst of multi-MB requests stay in the
-    heap: 24 refused 4 MB prompts left the gateway about 60 MB larger than before (1.5x); with
-    the threshold fixed, about 20 MB (1.2x). A no-op where the C library is not glibc."""
-    try:
-        ctypes.CDLL("libc.so.6").mallopt(_M_MMAP_THRESHOLD, threshold_bytes)
-    except (OSError, AttributeError):
-        pass
 
 
 async def serve(settings: GatewaySettings) -> None:

@@ -15,9 +15,8 @@ from protos.tandem.v1 import gateway_pb2
 Request = gateway_pb2.GenerateRequest | gateway_pb2.TokenizeRequest
 
 
-def check_request_size(request: Request, max_request_bytes: int) -> None:
-    """Refuse a request larger than ``max_request_bytes`` (serialized)."""
-    size = request.ByteSize()
+def check_request_size(size: int, max_request_bytes: int) -> None:
+    """Refuse a request of ``size`` serialized bytes when that is more than ``max_request_bytes``."""
     if size > max_request_bytes:
         raise StatusError.invalid_argument("request", f"is {size} bytes, more than the limit of {max_request_bytes}")
 
