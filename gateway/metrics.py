@@ -14,6 +14,8 @@ TPOT = Histogram("tandem_gateway_tpot_seconds", "Time per output token after the
                  buckets=TPOT_BUCKETS)
 E2E = Histogram("tandem_gateway_e2e_latency_seconds", "Generate call duration, start to last message.",
                 buckets=LATENCY_BUCKETS)
+WAITING = Gauge("tandem_gateway_requests_waiting", "Generate calls waiting at the gateway for decode capacity "
+                "(no decode worker had room, or Admit answered RESOURCE_EXHAUSTED; up to admit_wait_s).")
 RETRIES = Counter("tandem_gateway_retries", "Requests retried on other workers before any token was sent.")
 RESUMES = Counter("tandem_gateway_resumes", "Streams resumed on another decode worker after theirs failed mid-stream.")
 REFUSED_WORKERS = Gauge("tandem_gateway_refused_workers",

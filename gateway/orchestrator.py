@@ -534,7 +534,8 @@ class Orchestrator:
 class _Backoff:
     """A budget of ``total_s`` seconds of waiting for capacity, spent in growing sleeps; the
     clock starts at the first wait, not when the request arrived (a long prefill before a
-    retry does not eat it)."""
+    retry does not eat it). While it sleeps, the request counts in the
+    ``tandem_gateway_requests_waiting`` gauge."""
 
     def __init__(self, total_s: float) -> None:
         self.total_s = total_s
@@ -548,7 +549,8 @@ class _Backoff:
         remaining = _timeout(time_left)
         if now + self.delay >= self.deadline or (remaining is not None and remaining < self.delay):
             return False
-        await asyncio.sleep(self.delay)
+        with metrics.WAITING.track_inprogress():
+            await asyncio.sleep(self.delay)
         self.delay = min(self.delay * 2, 0.5)
         return True
 

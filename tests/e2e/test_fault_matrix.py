@@ -5,6 +5,8 @@ One greedy request with a long prompt (prefilled in chunks of 64 tokens, its KV 
 decode worker while it is computed; prefix caching off, so every run prefills it all) meets one
 fault at one phase:
 
+- ``queued``: it waits at the gateway for decode capacity (each decode worker has room for one
+  such request, and two longer ones hold both); the decode victim is one holding such a request;
 - ``prefilling``: the prefill worker computes and transfers, the decode worker waits for the KV;
 - ``decoding``: the client has tokens.
 
@@ -12,8 +14,9 @@ Faults: the client cancels; SIGKILL of the prefill or of the decode worker servi
 SIGSTOP of either for 6 s. After each: the call ended before its deadline (nothing hangs); it
 completed with the fault-free output or ended with a documented status (CANCELLED for the
 client's own cancel, UNAVAILABLE, DEADLINE_EXCEEDED); every worker not killed is back to its
-free blocks within one lease. Then Redis is flushed, killed and restarted empty under traffic:
-requests keep completing and every worker's registry entry comes back. Last, a network partition
+free blocks within one lease. A queued request may also end RESOURCE_EXHAUSTED (decode capacity
+lost with a worker; it waited ``admit_wait_s``). Then Redis is flushed, killed and restarted
+empty under traffic: requests keep completing and every worker's registry entry comes back. Last, a network partition
 in front of a decode worker (a TCP proxy that stops forwarding, connections left open): requests
 fail over or end with a status, never hang, and it is routed to again once the partition heals.
 """
@@ -24,11 +27,14 @@ import asyncio
 import signal
 import threading
 import time
+import urllib.request
 import uuid
+from concurrent.futures import Future, ThreadPoolExecutor
 
 import grpc
 import pytest
 import redis
+from prometheus_client.parser import text_string_to_metric_families
 
 from cli.launcher import free_port
 from cli.redis_server import RedisServer
@@ -44,11 +50,15 @@ SETTINGS = {"TANDEM_LEASE_S": str(LEASE_S), "TANDEM_MAX_NUM_BATCHED_TOKENS": "64
             "TANDEM_KEEPALIVE_TIME_S": "1", "TANDEM_KEEPALIVE_TIMEOUT_S": "1",
             "TANDEM_HEALTH_PROBE_INTERVAL_S": "0.5", "TANDEM_HEALTH_PROBE_TIMEOUT_S": "1",
             "TANDEM_HOP_TIMEOUT_S": "10", "TANDEM_DECODE_STALL_TIMEOUT_S": "3",
-            "TANDEM_OUTLIER_BASE_EJECTION_S": "2",
+            "TANDEM_OUTLIER_BASE_EJECTION_S": "2", "TANDEM_ADMIT_WAIT_S": "30",
             "TANDEM_ENABLE_PREFIX_CACHING": "false"}  # every run of the request prefills it all again
+DECODE_BLOCKS = 140  # of 16 tokens: room for one REQUEST (76 blocks + a margin of 2) or one BLOCKER, not two
 DOCUMENTED = {"UNAVAILABLE", "DEADLINE_EXCEEDED"}
-PROMPT = " ".join(f"Note {i}: the lighthouse keeper counts ships." for i in range(110))  # ~1200 tokens
+PROMPT = " ".join(f"Note {i}: the lighthouse keeper counts ships." for i in range(110))  # 1210 tokens
 REQUEST = gateway_pb2.GenerateRequest(prompt=PROMPT, sampling=SP(max_tokens=32, temperature=0, ignore_eos=True))
+BLOCKER = gateway_pb2.GenerateRequest(  # 1290 prompt tokens (81 blocks), decoding for seconds
+    prompt=" ".join(f"Line {i}: the tide comes in and goes out." for i in range(100)),
+    sampling=SP(max_tokens=160, temperature=0, ignore_eos=True))
 
 
 class PartitionProxy:
@@ -104,7 +114,9 @@ def cluster(tmp_path_factory):
     try:
         cluster = start_cluster(tmp, f"test-matrix-{uuid.uuid4().hex[:8]}", private.url, num_prefill=2,
                                 num_decode=2, kv_transport="grpc", env=SETTINGS,
-                                worker_env={"decode-1": {"TANDEM_ADVERTISE": f"127.0.0.1:{proxy.port}"}})
+                                worker_env={"decode-0": {"TANDEM_NUM_BLOCKS": str(DECODE_BLOCKS)},
+                                            "decode-1": {"TANDEM_NUM_BLOCKS": str(DECODE_BLOCKS),
+                                                         "TANDEM_ADVERTISE": f"127.0.0.1:{proxy.port}"}})
         host, port = cluster.workers["decode-1"].address.rsplit(":", 1)
         proxy.target = (host, int(port))
         cluster.private_redis, cluster.proxy = private, proxy
@@ -137,10 +149,41 @@ def _serving(cluster, role: str, baseline: dict[str, int]) -> str | None:
     return None
 
 
-@pytest.mark.parametrize("phase", ["prefilling", "decoding"])
+def _code(stub, request) -> str:
+    """Run ``request`` to its end; its status name."""
+    try:
+        collect(stub, request, timeout_s=DEADLINE_S)
+        return "OK"
+    except grpc.RpcError as exc:
+        return exc.code().name
+
+
+def _fill_decode_capacity(cluster, baseline: dict[str, int]) -> list[Future]:
+    """Start one BLOCKER per decode worker; return once every decode worker holds blocks for one."""
+    pool = ThreadPoolExecutor(2)
+    blockers = [pool.submit(_code, cluster.stub, BLOCKER) for _ in range(2)]
+    pool.shutdown(wait=False)  # the calls go on; the test waits for their futures
+    deadline = time.monotonic() + 20
+    while any(stats(cluster, w.address, "decode").num_free_blocks >= baseline[name]
+              for name, w in cluster.workers.items() if name.startswith("decode")):
+        assert time.monotonic() < deadline, "the blockers did not reach both decode workers"
+        time.sleep(0.02)
+    return blockers
+
+
+def _waiting_at_gateway(cluster) -> float:
+    """The gateway's ``tandem_gateway_requests_waiting`` gauge."""
+    with urllib.request.urlopen(f"http://127.0.0.1:{cluster.metrics_ports['gateway']}/metrics", timeout=5) as page:
+        text = page.read().decode()
+    return next(sample.value for family in text_string_to_metric_families(text)
+                for sample in family.samples if sample.name == "tandem_gateway_requests_waiting")
+
+
+@pytest.mark.parametrize("phase", ["queued", "prefilling", "decoding"])
 @pytest.mark.parametrize("fault", ["cancel", "sigkill-prefill", "sigkill-decode", "sigstop-prefill", "sigstop-decode"])
 def test_one_fault_at_one_phase(cluster, phase, fault):
     baseline = _heal(cluster)
+    blockers = _fill_decode_capacity(cluster, baseline) if phase == "queued" else []
     call = cluster.stub.Generate(REQUEST, timeout=DEADLINE_S)
     started, tokens, code, victim = time.monotonic(), [], "OK", None
     role = fault.rpartition("-")[2]
@@ -160,12 +203,17 @@ def test_one_fault_at_one_phase(cluster, phase, fault):
             threading.Timer(FREEZE_S, proc.send_signal, args=(signal.SIGCONT,)).start()
 
     deadline = time.monotonic() + 20
-    while (prefill_worker := _serving(cluster, "prefill", baseline)) is None:  # the one that prefills it
-        assert time.monotonic() < deadline, "the prefill never showed"
+    if phase == "queued":
+        prefill_worker = "prefill-0"  # none has it yet: it gets the one left after a kill
+        while _waiting_at_gateway(cluster) < 1:
+            assert time.monotonic() < deadline, "the request never waited for capacity"
+            time.sleep(0.02)
+    while phase != "queued" and (prefill_worker := _serving(cluster, "prefill", baseline)) is None:
+        assert time.monotonic() < deadline, "the prefill never showed"  # the one that prefills it
         time.sleep(0.02)
-    if phase == "prefilling":
+    injected = phase != "decoding"
+    if injected:
         inject()
-    injected = phase == "prefilling"
     try:
         for message in call:
             tokens += message.token_ids
@@ -180,8 +228,12 @@ def test_one_fault_at_one_phase(cluster, phase, fault):
         assert code == "CANCELLED", code
     elif code == "OK":
         assert tokens == cluster.reference, "a completed request must equal the fault-free run"
+    elif phase == "queued":  # also: the capacity it waited for was lost (a decode worker died)
+        assert code in DOCUMENTED | {"RESOURCE_EXHAUSTED"}, code
     else:
         assert code in DOCUMENTED, code
+    assert all(f.result(DEADLINE_S + 5) in {"OK", "RESOURCE_EXHAUSTED"} | DOCUMENTED for f in blockers), \
+        [f.result() for f in blockers]
     if fault.startswith("sigstop"):
         time.sleep(FREEZE_S)  # the frozen worker is back before blocks are counted
     survivors = {k: v for k, v in baseline.items() if k != victim or fault.startswith("sigstop")}
