@@ -58,7 +58,7 @@ PROMPT = " ".join(f"Note {i}: the lighthouse keeper counts ships." for i in rang
 REQUEST = gateway_pb2.GenerateRequest(prompt=PROMPT, sampling=SP(max_tokens=32, temperature=0, ignore_eos=True))
 BLOCKER = gateway_pb2.GenerateRequest(  # 1290 prompt tokens (81 blocks), decoding for seconds
     prompt=" ".join(f"Line {i}: the tide comes in and goes out." for i in range(100)),
-    sampling=SP(max_tokens=160, temperature=0, ignore_eos=True))
+    sampling=SP(max_tokens=64, temperature=0, ignore_eos=True))
 
 
 class PartitionProxy:
@@ -131,10 +131,11 @@ def cluster(tmp_path_factory):
 
 def _heal(cluster) -> dict[str, int]:
     """Every worker running and idle again; their free blocks."""
-    for name, worker in cluster.workers.items():
-        if not worker.alive:
-            cluster.restart(name)
-    time.sleep(2.5)  # the gateway's probe and refresh see a restarted worker; ejections lapse
+    dead = [name for name, worker in cluster.workers.items() if not worker.alive]
+    for name in dead:
+        cluster.restart(name)
+    if dead:
+        time.sleep(2.5)  # the gateway's probe and refresh see a restarted worker; ejections lapse
     return free_blocks(cluster)
 
 
