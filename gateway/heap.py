@@ -13,9 +13,9 @@ up by much of the burst. Two glibc calls bring it back; no library offers them, 
   the free pages of the smaller buffers go back to the OS.
 
 Measured on the 2-core CPU machine (a gateway over TLS, four bursts of 8 concurrent 4 MB
-prompts, each refused before tokenization): RSS 128 MB before, about 200 MB after with the
-threshold alone, about 155 MB once trimmed (``tests/e2e/test_bounded_gateway.py`` holds it to
-1.5x). Where the C library is not glibc both are no-ops.
+prompts, each refused before tokenization): RSS 120-128 MB before; after the bursts 157-207 MB
+with the threshold alone, 118-149 MB with the trim (``tests/e2e/test_bounded_gateway.py`` holds
+it to 1.5x). Where the C library is not glibc both are no-ops.
 """
 
 from __future__ import annotations

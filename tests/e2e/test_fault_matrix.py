@@ -16,9 +16,10 @@ completed with the fault-free output or ended with a documented status (CANCELLE
 client's own cancel, UNAVAILABLE, DEADLINE_EXCEEDED); every worker not killed is back to its
 free blocks within one lease. A queued request may also end RESOURCE_EXHAUSTED (decode capacity
 lost with a worker; it waited ``admit_wait_s``). Then Redis is flushed, killed and restarted
-empty under traffic: requests keep completing and every worker's registry entry comes back. Last, a network partition
-in front of a decode worker (a TCP proxy that stops forwarding, connections left open): requests
-fail over or end with a status, never hang, and it is routed to again once the partition heals.
+empty under traffic: requests keep completing and every worker's registry entry comes back.
+Last, a network partition in front of a decode worker (a TCP proxy that stops forwarding,
+connections left open): requests fail over or end with a status, never hang, and it is routed
+to again once the partition heals.
 """
 
 from __future__ import annotations
