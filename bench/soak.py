@@ -15,7 +15,9 @@ after their deadline), ``leaked_blocks`` (blocks not free on any worker once idl
 ``stale_registry_entries`` (registry entries beyond the live workers after the TTL),
 ``leaked_fds`` / ``leaked_threads`` / ``rss_growth_fraction`` of the gateway (the one process
 never restarted) between the first idle point after warm-up and the end (the fds opened or
-closed between the two are printed, their peers named), ``faults``. The invariant
+closed between the two are printed, their peers named; connections to Redis are not counted
+in ``leaked_fds``: they are its client's pool, which keeps up to ``REDIS_MAX_CONNECTIONS``
+open, ``redis_connections_before`` / ``_after``), ``faults``. The invariant
 ``sent == completed + cancelled + failed_with_status + hung`` is checked.
 
 Usage: ``python bench/soak.py --minutes 60`` (``--help`` lists the knobs).
@@ -133,26 +135,35 @@ def _leaked_blocks(cluster: LocalCluster, within_s: float = 10.0) -> int:
 def _process(pid: int) -> dict[str, float]:
     with open(f"/proc/{pid}/status") as f:
         fields = dict(line.split(":", 1) for line in f)
-    return {"fds": len(os.listdir(f"/proc/{pid}/fd")), "threads": int(fields["Threads"]),
-            "rss_mb": int(fields["VmRSS"].split()[0]) / 1024}
+    return {"threads": int(fields["Threads"]), "rss_mb": int(fields["VmRSS"].split()[0]) / 1024}
 
 
 def _fd_table(pid: int) -> dict[int, str]:
-    """What each open fd of ``pid`` is: a TCP socket as ``tcp <local port> -> <peer port>``
-    (from ``/proc/<pid>/net/tcp*``), anything else as its ``/proc/<pid>/fd`` link."""
+    """What each open fd of ``pid`` is: a TCP or UDP socket as ``tcp <local port> -> <peer
+    port>`` (from ``/proc/<pid>/net/``), a Unix socket as ``unix <path>``, anything else as its
+    ``/proc/<pid>/fd`` link."""
     sockets = {}
-    for name in ("tcp", "tcp6"):
+    for name in ("tcp", "tcp6", "udp", "udp6"):
         with open(f"/proc/{pid}/net/{name}") as f:
             for row in f.read().splitlines()[1:]:
                 local, peer, inode = (row.split()[i] for i in (1, 2, 9))
                 ports = [int(address.rsplit(":", 1)[1], 16) for address in (local, peer)]
-                sockets[f"socket:[{inode}]"] = f"tcp {ports[0]} -> {ports[1]}"
+                sockets[f"socket:[{inode}]"] = f"{name[:3]} {ports[0]} -> {ports[1]}"
+    with open(f"/proc/{pid}/net/unix") as f:
+        for row in f.read().splitlines()[1:]:
+            fields = row.split()
+            sockets[f"socket:[{fields[6]}]"] = f"unix {fields[7] if len(fields) > 7 else '(unnamed)'}"
     table = {}
     for fd in os.listdir(f"/proc/{pid}/fd"):
         with contextlib.suppress(OSError):  # closed meanwhile
             link = os.readlink(f"/proc/{pid}/fd/{fd}")
             table[int(fd)] = sockets.get(link, link)
     return table
+
+
+def _connections_to(table: dict[int, str], port: int) -> int:
+    """TCP connections to ``port`` in an :func:`_fd_table`."""
+    return sum(d.startswith("tcp ") and d.endswith(f" -> {port}") for d in table.values())
 
 
 def _print_fd_change(before: dict[int, str], after: dict[int, str], ports: dict[int, str]) -> None:
@@ -252,6 +263,7 @@ def main(argv: list[str] | None = None) -> int:
         time.sleep(20)
         warm.stop()
         gateway_before, fds_before = _process(cluster.gateway.proc.pid), _fd_table(cluster.gateway.proc.pid)
+        redis_before = _connections_to(fds_before, redis_server.port)
         traffic, faults = Traffic(stub, args.streams, args.seed), Faults(cluster, redis_server)
         started = time.monotonic()
         next_fault = started + args.fault_every_s
@@ -272,7 +284,9 @@ def main(argv: list[str] | None = None) -> int:
         gateway_after = _process(cluster.gateway.proc.pid)
         ports = {int(w.address.rsplit(":", 1)[1]): name for name, w in cluster.workers.items()}
         ports[redis_server.port] = "redis"
-        _print_fd_change(fds_before, _fd_table(cluster.gateway.proc.pid), ports)
+        fds_after = _fd_table(cluster.gateway.proc.pid)
+        redis_after = _connections_to(fds_after, redis_server.port)
+        _print_fd_change(fds_before, fds_after, ports)
         channel.close()
     finally:
         cluster.stop()
@@ -282,7 +296,8 @@ def main(argv: list[str] | None = None) -> int:
     metrics = {"minutes": args.minutes, "sent": counts["sent"], "completed": counts["completed"],
                "cancelled": counts["cancelled"], "failed_with_status": sum(failed.values()), **failed,
                "hung": hung, "leaked_blocks": leaked_blocks, "stale_registry_entries": max(0, entries - 4),
-               "leaked_fds": gateway_after["fds"] - gateway_before["fds"],
+               "leaked_fds": (len(fds_after) - redis_after) - (len(fds_before) - redis_before),
+               "redis_connections_before": redis_before, "redis_connections_after": redis_after,
                "leaked_threads": gateway_after["threads"] - gateway_before["threads"],
                "rss_growth_fraction": round(gateway_after["rss_mb"] / gateway_before["rss_mb"] - 1, 4),
                **{f"faults_{k}": v for k, v in faults.done.items()}}

@@ -29,6 +29,7 @@ logger = logging.getLogger(__name__)
 
 # Everything a lost or slow Redis raises (redis-py wraps socket errors; TimeoutError is an OSError).
 REDIS_ERRORS = (RedisError, OSError)
+REDIS_MAX_CONNECTIONS = 32  # per process: Redis commands in flight at once (each a round trip of ~0.1 ms)
 
 _WORKER_ID = re.compile(r"[A-Za-z0-9._-]+")
 
@@ -181,31 +182,40 @@ class WorkerInfo:
 
 
 def redis_client(url: str, timeout_s: float = 0.5, retries: int = 1, password: str = "",
-                 tls_ca: str = "") -> redis.Redis:
-    """Return a ``redis.asyncio`` client suited to routing: bytes replies, short timeouts.
+                 tls_ca: str = "", max_connections: int = REDIS_MAX_CONNECTIONS) -> redis.Redis:
+    """Return a ``redis.asyncio`` client suited to routing: bytes replies, short timeouts, a
+    bounded pool of connections.
 
     redis-py's defaults (5 s timeouts, 10 retries) would stall every heartbeat and refresh for
     many seconds while Redis is down; here a lost Redis fails within about
-    ``(retries + 1) * timeout_s`` seconds and the callers fall back to last-known state.
+    ``(retries + 1) * timeout_s`` seconds and the callers fall back to last-known state. Its
+    default pool opens a connection for every concurrent command, keeps them all, and fails
+    the command beyond 100 (``MaxConnectionsError``: a burst of requests would put routing in
+    its Redis-lost mode). Here at most ``max_connections`` are open, and a command waits up to
+    ``timeout_s`` for one (then ``redis.exceptions.ConnectionError``, as for a lost Redis).
 
     Args:
         url: e.g. ``redis://127.0.0.1:6379/0``.
-        timeout_s: connect and socket timeout in seconds.
+        timeout_s: connect, socket and pool-wait timeout in seconds.
         retries: extra attempts on connection errors.
         password: Redis AUTH password (empty: the URL's, if any).
         tls_ca: CA file that verifies the server's certificate (a ``rediss://`` URL).
+        max_connections: connections open at most.
     """
     extra = {"password": password} if password else {}
     if tls_ca:
         extra["ssl_ca_certs"] = tls_ca
-    return redis.Redis.from_url(
+    pool = redis.BlockingConnectionPool.from_url(
         url,
         **extra,
+        max_connections=max_connections,
+        timeout=timeout_s,
         decode_responses=False,
         socket_timeout=timeout_s,
         socket_connect_timeout=timeout_s,
         retry=Retry(ExponentialBackoff(cap=timeout_s, base=0.01), retries),
     )
+    return redis.Redis.from_pool(pool)
 
 
 class WorkerRegistry:

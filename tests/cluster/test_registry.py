@@ -214,3 +214,22 @@ def test_a_password_protected_redis_is_used_with_the_password_only(private_redis
         await client.aclose()
 
     asyncio.run(main())
+
+
+
+@pytest.mark.parametrize("max_connections", [1, 4])
+def test_a_burst_of_commands_shares_a_bounded_pool_of_connections(private_redis, max_connections):
+    import redis as redis_sync
+
+    async def main():
+        client = redis_client(private_redis.url, max_connections=max_connections)
+        replies = await asyncio.gather(*(client.echo(str(i)) for i in range(200)))  # all at once
+        await client.aclose()
+        return replies
+
+    observer = redis_sync.Redis.from_url(private_redis.url)
+    before = observer.info("stats")["total_connections_received"]
+    assert asyncio.run(main()) == [str(i).encode() for i in range(200)]
+    opened = observer.info("stats")["total_connections_received"] - before
+    assert opened == max_connections, opened  # redis-py's default pool: 100, then the 101st command fails
+    observer.close()
