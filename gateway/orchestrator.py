@@ -65,8 +65,11 @@ from protos.tandem.v1 import gateway_pb2, worker_pb2, worker_pb2_grpc
 logger = logging.getLogger(__name__)
 
 STOP, LENGTH, ABORT = gateway_pb2.FINISH_REASON_STOP, gateway_pb2.FINISH_REASON_LENGTH, gateway_pb2.FINISH_REASON_ABORT
-# Worker failures worth one transparent retry elsewhere, while the client has seen nothing.
-_RETRYABLE = {grpc.StatusCode.UNAVAILABLE, grpc.StatusCode.NOT_FOUND, grpc.StatusCode.ABORTED}
+# Worker failures worth one transparent retry elsewhere, while the client has seen nothing
+# (PERMISSION_DENIED: a worker refused its peer, e.g. a prefill worker that does not find the
+# decode worker in the registry: the cluster's state, not the client's permission).
+_RETRYABLE = {grpc.StatusCode.UNAVAILABLE, grpc.StatusCode.NOT_FOUND, grpc.StatusCode.ABORTED,
+              grpc.StatusCode.PERMISSION_DENIED}
 _ABORT_TIMEOUT_S = 2.0
 
 
@@ -599,6 +602,6 @@ def _status_from_worker(failure: _WorkerCallError) -> StatusError:
         code = grpc.StatusCode.UNAVAILABLE
     elif code == grpc.StatusCode.UNKNOWN:
         code = grpc.StatusCode.INTERNAL
-    elif code == grpc.StatusCode.NOT_FOUND:
-        code = grpc.StatusCode.UNAVAILABLE  # a lost reservation: the cluster's fault, not the client's
+    elif code in (grpc.StatusCode.NOT_FOUND, grpc.StatusCode.PERMISSION_DENIED):
+        code = grpc.StatusCode.UNAVAILABLE  # a lost reservation, a refused peer: the cluster's fault, not the client's
     return StatusError(code, f"{failure.stage}: {failure.details}")

@@ -19,6 +19,7 @@ import asyncio
 import contextlib
 import dataclasses
 import logging
+import math
 import time
 
 import grpc
@@ -80,7 +81,8 @@ class PrefillServicer(worker_pb2_grpc.PrefillWorkerServicer):
                                                       tls_ca=settings.redis_tls_ca),
                                          ClusterNamespace(settings.redis_key_prefix, settings.registry_ttl_s))
                           if settings.redis_url else None)
-        self._decode_addresses: set[str] = set()
+        self._registry_ttl_s = settings.registry_ttl_s
+        self._decode_seen: dict[str, float] = {}  # decode worker address -> when a registry read last listed it
         self._decode_read_at = -1.0
         transports, self.nixl = kv_transport(settings, settings.resolved_worker_id(str(Role.PREFILL)), engine.engine)
         self.sender = sender or GrpcKVSender(self.channels.get, transports=transports, nixl=self.nixl,
@@ -187,9 +189,12 @@ class PrefillServicer(worker_pb2_grpc.PrefillWorkerServicer):
                                              tuple(dest.kv_transports) or ("grpc",))
 
     async def _check_destination(self, address: str) -> None:
-        """Refuse a KV destination that is not a live decode worker of the registry (re-read on
-        a miss, at most every ``DESTINATION_REREAD_S``). Without Redis there is no registry to
-        ask: the address is used as given (with TLS its certificate is still checked).
+        """Refuse a KV destination that is not a live decode worker of the registry: one listed
+        by a registry read within the last ``registry_ttl_s`` (the life of a registry entry
+        after its heartbeat, so a Redis restarted empty does not refuse a worker before it
+        registers again). The registry is re-read on a miss, at most every
+        ``DESTINATION_REREAD_S``. Without Redis there is no registry to ask: the address is used
+        as given (with TLS its certificate is still checked).
 
         Raises:
             StatusError: ``PERMISSION_DENIED`` naming ``destination.address``; ``UNAVAILABLE``
@@ -198,13 +203,19 @@ class PrefillServicer(worker_pb2_grpc.PrefillWorkerServicer):
         if self._registry is None:
             return
         now = time.monotonic()
-        if address not in self._decode_addresses and now - self._decode_read_at >= DESTINATION_REREAD_S:
+
+        def live() -> bool:
+            return now - self._decode_seen.get(address, -math.inf) < self._registry_ttl_s
+
+        if not live() and now - self._decode_read_at >= DESTINATION_REREAD_S:
             try:
                 workers = await self._registry.live_workers(Role.DECODE)
             except (RedisError, OSError) as exc:
                 raise StatusError(grpc.StatusCode.UNAVAILABLE, f"cannot read the registry: {exc}") from None
-            self._decode_addresses, self._decode_read_at = {w.address for w in workers}, now
-        if address not in self._decode_addresses:
+            self._decode_seen = {a: t for a, t in self._decode_seen.items() if now - t < self._registry_ttl_s}
+            self._decode_seen.update((w.address, now) for w in workers)
+            self._decode_read_at = now
+        if not live():
             raise StatusError(grpc.StatusCode.PERMISSION_DENIED,
                               "destination.address: is not a registered decode worker")
 

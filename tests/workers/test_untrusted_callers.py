@@ -254,3 +254,44 @@ def test_kv_goes_only_to_a_registered_decode_worker_over_mtls(engines, tmp_path,
                 assert err.code() == grpc.StatusCode.PERMISSION_DENIED and "gateway" in err.details()
 
     asyncio.run(main())
+
+
+def test_a_redis_restarted_empty_does_not_make_a_live_decode_worker_an_untrusted_destination(engines, private_redis):
+    """The destination check trusts a decode worker a registry read listed within the registry
+    TTL: right after Redis lost everything (before the next heartbeat) KV still goes to it,
+    while an address never registered stays refused."""
+    import redis as redis_sync
+
+    from cluster.registry import ClusterNamespace, Role, WorkerRegistry, redis_client
+
+    async def prefill_to(p, admit, prompt, address: str, request_id: str):
+        sampling = gateway_pb2.SamplingParams(max_tokens=1, temperature=0, ignore_eos=True)
+        return await p.prefill.stub.Prefill(worker_pb2.PrefillRequest(
+            request_id=request_id, prompt_token_ids=prompt, sampling=sampling,
+            destination=worker_pb2.KVDestination(address=address, reservation_id=admit.reservation_id,
+                                                 layout=admit.layout, kv_transports=admit.kv_transports)))
+
+    async def main():
+        # heartbeats every 2.5 s with a TTL of 3 s: after a flush the registry stays empty a while
+        async with pair(engines, redis_url=private_redis.url, redis_key_prefix="ttl", heartbeat_interval_s=2.5,
+                        registry_ttl_s=3.0) as p:
+            registry = WorkerRegistry(redis_client(private_redis.url), ClusterNamespace("ttl", 3.0))
+            while not await registry.live_workers(Role.DECODE):
+                await asyncio.sleep(0.05)
+            prompt = prompt_ids(40, 6)
+            admit = await p.decode.stub.Admit(worker_pb2.AdmitRequest(request_id="a", prompt_token_ids=prompt))
+            await prefill_to(p, admit, prompt, p.decode.address, "a")  # the prefill worker reads the registry
+            await p.decode.stub.Abort(worker_pb2.AbortRequest(request_id="a"))
+            redis_sync.Redis.from_url(private_redis.url).flushall()
+            assert not await registry.live_workers(Role.DECODE)
+            admit = await p.decode.stub.Admit(worker_pb2.AdmitRequest(request_id="b", prompt_token_ids=prompt))
+            err = await refused(lambda: prefill_to(p, admit, prompt, "127.0.0.1:1", "b"))  # a miss: read again
+            assert err.code() == grpc.StatusCode.PERMISSION_DENIED
+            await asyncio.sleep(0.3)  # past the re-read interval: a miss would read the empty registry
+            assert not await registry.live_workers(Role.DECODE)
+            response = await prefill_to(p, admit, prompt, p.decode.address, "b")
+            assert len(response.first_tokens) == 1
+            await p.decode.stub.Abort(worker_pb2.AbortRequest(request_id="b"))
+            await registry.client.aclose()
+
+    asyncio.run(main())
