@@ -166,6 +166,17 @@ def _connections_to(table: dict[int, str], port: int) -> int:
     return sum(d.startswith("tcp ") and d.endswith(f" -> {port}") for d in table.values())
 
 
+def _settled_fd_table(pid: int, redis_port: int, samples: int = 3) -> dict[int, str]:
+    """The :func:`_fd_table` with the fewest fds besides Redis connections, of ``samples`` taken
+    a second apart: a socket gRPC is connecting or closing at one instant (not yet or no longer
+    in ``/proc/net/tcp``) is not a leak; a leaked fd is in every sample."""
+    tables = []
+    for _ in range(samples):
+        tables.append(_fd_table(pid))
+        time.sleep(1.0)
+    return min(tables, key=lambda table: len(table) - _connections_to(table, redis_port))
+
+
 def _print_fd_change(before: dict[int, str], after: dict[int, str], ports: dict[int, str]) -> None:
     """Print to stderr the fds open only before or only after (peers named by ``ports``)."""
     def named(description: str) -> str:
@@ -284,7 +295,7 @@ def main(argv: list[str] | None = None) -> int:
         gateway_after = _process(cluster.gateway.proc.pid)
         ports = {int(w.address.rsplit(":", 1)[1]): name for name, w in cluster.workers.items()}
         ports[redis_server.port] = "redis"
-        fds_after = _fd_table(cluster.gateway.proc.pid)
+        fds_after = _settled_fd_table(cluster.gateway.proc.pid, redis_server.port)
         redis_after = _connections_to(fds_after, redis_server.port)
         _print_fd_change(fds_before, fds_after, ports)
         channel.close()
