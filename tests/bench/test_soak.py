@@ -1,4 +1,4 @@
-"""The short soak CI runs (the issue's 5-minute form, here 3 minutes of traffic): a local
+"""The short soak CI runs (5 minutes of traffic): a local
 cluster of 2 prefill + 2 decode workers under mixed traffic with a fault every 30 s (SIGKILL,
 SIGSTOP, SIGTERM of workers, a Redis restart). Every request is accounted for, none hangs, and
 once idle no block, registry entry, fd or thread is left behind. ``bench/soak.py --minutes 60``
@@ -15,10 +15,10 @@ pytestmark = pytest.mark.slow
 
 
 def test_a_short_soak_leaves_nothing_hung_or_leaked(tmp_path) -> None:
-    assert main(["--minutes", "3", "--streams", "8", "--fault-every-s", "30", "--out-dir", str(tmp_path)]) == 0
+    assert main(["--minutes", "5", "--streams", "8", "--fault-every-s", "30", "--out-dir", str(tmp_path)]) == 0
     (result,) = tmp_path.glob("soak-*.json")
     metrics = json.loads(result.read_text())["metrics"]
-    assert metrics["completed"] >= 50, metrics
+    assert metrics["completed"] >= 100, metrics
     assert metrics["accounted"] == 1 and metrics["hung"] == 0, metrics
     assert metrics["leaked_blocks"] == 0 and metrics["stale_registry_entries"] == 0, metrics
     assert sum(v for k, v in metrics.items() if k.startswith("faults_")) >= 5, metrics
