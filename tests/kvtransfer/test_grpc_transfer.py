@@ -292,7 +292,9 @@ def test_sender_cancelled_mid_stream_frees_the_reservation() -> None:
     asyncio.run(scenario())
 
 
-def test_receiver_death_fails_the_sender_with_a_status() -> None:
+def test_receiver_death_fails_the_sender_with_unavailable() -> None:
+    """Whatever the write races (grpc.aio reports a stream broken under a write as a local
+    INTERNAL about one time in five), the sender reports an unreachable destination."""
     src, dst = make_cache(torch.float32, True), make_cache(torch.float32, False)
 
     async def scenario() -> None:
@@ -308,13 +310,12 @@ def test_receiver_death_fails_the_sender_with_a_status() -> None:
             with pytest.raises(StatusError) as info:
                 await send_blocks(TamperingStub(peer.stub, kill_receiver_after_first), src.tensor, SRC_IDS,
                                   reservation_id=reservation.reservation_id, request_id="req-1", max_chunk_bytes=1)
-            # The code depends on where the write races the shutdown (UNAVAILABLE, CANCELLED, INTERNAL);
-            # what matters is that the sender fails instead of hanging.
-            assert info.value.code != grpc.StatusCode.OK
+            assert info.value.code == grpc.StatusCode.UNAVAILABLE, info.value
             await wait_for(lambda: len(peer.table) == 0)
             assert sorted(peer.freed) == sorted(DST_IDS)
 
-    asyncio.run(scenario())
+    for _ in range(25):
+        asyncio.run(scenario())
 
 
 def test_open_stream_keeps_the_reservation_past_its_lease() -> None:
