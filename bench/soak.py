@@ -140,8 +140,10 @@ def _process(pid: int) -> dict[str, float]:
 
 def _fd_table(pid: int) -> dict[int, str]:
     """What each open fd of ``pid`` is: a TCP or UDP socket as ``tcp <local port> -> <peer
-    port>`` (from ``/proc/<pid>/net/``), a Unix socket as ``unix <path>``, anything else as its
-    ``/proc/<pid>/fd`` link."""
+    port>`` (from ``/proc/<pid>/net/``), a Unix socket as ``unix <path>``, a netlink socket as
+    ``netlink <protocol>``, anything else as its ``/proc/<pid>/fd`` link (a socket in none of
+    these tables stays ``socket:[inode]``: e.g. a TCP socket not yet connected, or reset by its
+    peer and not yet closed)."""
     sockets = {}
     for name in ("tcp", "tcp6", "udp", "udp6"):
         with open(f"/proc/{pid}/net/{name}") as f:
@@ -153,6 +155,10 @@ def _fd_table(pid: int) -> dict[int, str]:
         for row in f.read().splitlines()[1:]:
             fields = row.split()
             sockets[f"socket:[{fields[6]}]"] = f"unix {fields[7] if len(fields) > 7 else '(unnamed)'}"
+    with open(f"/proc/{pid}/net/netlink") as f:
+        for row in f.read().splitlines()[1:]:
+            fields = row.split()
+            sockets[f"socket:[{fields[9]}]"] = f"netlink {fields[1]}"
     table = {}
     for fd in os.listdir(f"/proc/{pid}/fd"):
         with contextlib.suppress(OSError):  # closed meanwhile
