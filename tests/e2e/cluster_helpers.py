@@ -92,14 +92,18 @@ def log_text(tmp: Path, name: str) -> str:
 
 @dataclass
 class Outcome:
-    """One request of a :class:`ClosedLoop`: its status name, the tokens the client got, and when
-    (``time.monotonic()`` seconds) it started, got its first token (``None``: never) and ended."""
+    """One request of a :class:`ClosedLoop`: its status name, the tokens the client got, when
+    (``time.monotonic()`` seconds) it started, got its first token (``None``: never) and ended, and
+    the longest time (seconds) the client waited with nothing from the server (start → first
+    message, between messages, last message → end): how long the request was stuck, which a
+    retried request's service time elsewhere does not inflate the way ``ended - started`` does."""
 
     code: str
     tokens: int
     started: float
     first_token_at: float | None
     ended: float
+    longest_silence_s: float
 
 
 class ClosedLoop:
@@ -142,12 +146,16 @@ class ClosedLoop:
         while not self._stop.is_set():
             request = self.make_request(next(self._count))
             started, first, tokens, code = time.monotonic(), None, 0, "OK"
+            last, longest = started, 0.0
             try:
                 for message in self.stub.Generate(request, timeout=self.timeout_s):
+                    now = time.monotonic()
+                    longest, last = max(longest, now - last), now
                     if message.token_ids and first is None:
-                        first = time.monotonic()
+                        first = now
                     tokens += len(message.token_ids)
             except grpc.RpcError as exc:
                 code = exc.code().name
+            ended = time.monotonic()
             with self._lock:
-                self.outcomes.append(Outcome(code, tokens, started, first, time.monotonic()))
+                self.outcomes.append(Outcome(code, tokens, started, first, ended, max(longest, ended - last)))
