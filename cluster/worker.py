@@ -6,6 +6,8 @@ Shutdown order (:meth:`WorkerServer.shutdown`): health goes NOT_SERVING and new 
 with UNAVAILABLE; the worker leaves the Redis registry at once (so routers stop picking it while
 it drains); in-flight requests get up to ``drain_timeout_s`` to finish, then whatever is left is
 aborted (streams end with finish reason ABORT); the server stops and the engine thread ends.
+Each close is bounded and a watchdog ends the process if the whole shutdown overruns
+(:mod:`cluster.shutdown`).
 """
 
 from __future__ import annotations
@@ -28,6 +30,7 @@ from cluster.prefix_index import PrefixIndex
 from cluster.registry import ClusterNamespace, Role, WorkerConfig, WorkerInfo, WorkerLoad, WorkerRegistry, redis_client
 from cluster.server import Admission, BindError, ServerScaffold, StartupError
 from cluster.settings import WorkerSettings, advertised_address, setting_name
+from cluster.shutdown import exit_if_shutdown_hangs, shutdown_step
 from cluster.tls import ClientCredentials, PeerRoleInterceptor, server_credentials
 from engine.async_engine import AsyncEngine
 from engine.llm_engine import LLMEngine
@@ -186,10 +189,17 @@ class WorkerServer:
         self._heartbeat.start()
 
     def install_signal_handlers(self) -> None:
-        """SIGTERM and SIGINT start :meth:`shutdown` (once)."""
+        """SIGTERM and SIGINT start :meth:`shutdown` (once) and arm the process's shutdown
+        watchdog (:func:`cluster.shutdown.exit_if_shutdown_hangs`): call only in the worker
+        process."""
         loop = asyncio.get_running_loop()
         for sig in (signal.SIGTERM, signal.SIGINT):
-            loop.add_signal_handler(sig, self.request_shutdown)
+            loop.add_signal_handler(sig, self._on_signal)
+
+    def _on_signal(self) -> None:
+        if self._shutdown_task is None:
+            exit_if_shutdown_hangs(self.settings.drain_timeout_s)
+        self.request_shutdown()
 
     def request_shutdown(self) -> None:
         if self._shutdown_task is None:
@@ -202,22 +212,22 @@ class WorkerServer:
             return
         self.servicer.admission.open = False
         if self._scaffold is not None:
-            await self._scaffold.health.shutdown()
+            await shutdown_step("health NOT_SERVING", self._scaffold.health.shutdown())
         logger.info("shutting down: draining %d in-flight requests (at most %.1f s)",
                     self.servicer.admission.in_flight + self.servicer.pending(), self.settings.drain_timeout_s)
         if self._heartbeat is not None:
-            await self._heartbeat.stop()
+            await shutdown_step("leaving the registry", self._heartbeat.stop())
         drained = await self.servicer.admission.wait_idle(self.settings.drain_timeout_s, self.servicer.pending)
         if not drained:
             aborted = await self.engine.abort_all()
             logger.warning("drain timed out; aborted %d requests", aborted)
             await self.servicer.admission.wait_idle(2.0, self.servicer.pending)
-        await self.servicer.close()
+        await shutdown_step("closing peer channels", self.servicer.close())
         if self._scaffold is not None:
-            await self._scaffold.stop(1.0)
-        await self.engine.shutdown()
+            await shutdown_step("stopping the gRPC server", self._scaffold.stop(1.0))
+        await shutdown_step("stopping the engine", self.engine.shutdown())
         if self._redis is not None:
-            await self._redis.aclose()
+            await shutdown_step("closing the Redis client", self._redis.aclose())
         self.metrics.close()
         logger.info("worker %s stopped", self.worker_id)
         self._stopped.set()

@@ -27,6 +27,7 @@ from cluster.log import request_id_var
 from cluster.registry import ClusterNamespace, Role, WorkerConfig, WorkerRegistry, redis_client
 from cluster.server import Admission, ServerScaffold, StartupError, serve_metrics
 from cluster.settings import RequestLimits, setting_name
+from cluster.shutdown import exit_if_shutdown_hangs, shutdown_step
 from cluster.tls import ClientCredentials, role_name, server_credentials
 from cluster.translate import REQUEST_ID_MAX_CHARS, check_prompt_ids, check_request_id, sampling_params_from_proto
 from engine.model_source import resolve_model
@@ -293,18 +294,18 @@ class Gateway:
         """NOT_SERVING and health watches ended, new calls refused (UNAVAILABLE), in-flight ones
         given ``grace_s`` (default ``drain_timeout_s``) to finish, then everything closed."""
         grace_s = self.settings.drain_timeout_s if grace_s is None else grace_s
-        await self.health.shutdown()
+        await shutdown_step("health NOT_SERVING", self.health.shutdown())
         self.servicer.admission.open = False
         for task in self._tasks:
             task.cancel()
         await self.servicer.admission.wait_idle(grace_s)
-        await self._scaffold.stop(0.5)
-        await self.orchestrator.drain_aborts()
+        await shutdown_step("stopping the gRPC server", self._scaffold.stop(0.5))
+        await shutdown_step("sending the last Aborts", self.orchestrator.drain_aborts())
         self.tokenizer_pool.close()
-        await self._channels.close()
-        await self._prefill_channels.close()
+        await shutdown_step("closing decode channels", self._channels.close())
+        await shutdown_step("closing prefill channels", self._prefill_channels.close())
         if self._redis is not None:
-            await self._redis.aclose()
+            await shutdown_step("closing the Redis client", self._redis.aclose())
 
 
 async def serve(settings: GatewaySettings) -> None:
@@ -327,5 +328,6 @@ async def serve(settings: GatewaySettings) -> None:
         loop.add_signal_handler(sig, stopping.set)
     await stopping.wait()
     logger.info("shutting down: NOT_SERVING, draining in-flight requests (at most %.0f s)", settings.drain_timeout_s)
+    exit_if_shutdown_hangs(settings.drain_timeout_s)
     await gateway.stop()
     logger.info("stopped")
