@@ -4,14 +4,17 @@ calls)."""
 
 from __future__ import annotations
 
+import contextlib
 import itertools
 import threading
 import time
-from collections.abc import Callable
+import uuid
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from pathlib import Path
 
 import grpc
+import redis
 
 from cli.launcher import LocalCluster
 from cluster.tls import TlsFiles, init_certs, role_name
@@ -36,6 +39,28 @@ def start_cluster(tmp: Path, key_prefix: str, redis_url: str, num_prefill: int, 
                            redis=redis_url, sink=lambda name, line: None, log_dir=tmp, tls_dir=str(tmp / "certs"))
     cluster.start(timeout_s=300)
     return cluster
+
+
+@contextlib.contextmanager
+def shared_redis_cluster(tmp: Path, name: str, redis_url: str, **kwargs) -> Iterator[LocalCluster]:
+    """:func:`start_cluster` on the shared Redis at ``redis_url`` under a key prefix of its own
+    (``test-<name>-<random>``), with ``cluster.stub`` a gateway stub and ``cluster.tmp`` its
+    log folder; on exit the stub's channel is closed, the cluster stopped and every key under
+    its prefix deleted. ``kwargs`` go to :func:`start_cluster`."""
+    prefix = f"test-{name}-{uuid.uuid4().hex[:12]}"
+    cluster = start_cluster(tmp, prefix, redis_url, **kwargs)
+    channel, cluster.stub = gateway_stub(cluster)
+    cluster.tmp = tmp
+    try:
+        yield cluster
+    finally:
+        channel.close()
+        cluster.stop()
+        client = redis.Redis.from_url(redis_url)
+        keys = list(client.scan_iter(match=f"tandem:{prefix}:*"))
+        if keys:
+            client.delete(*keys)
+        client.close()
 
 
 def gateway_stub(cluster: LocalCluster) -> tuple[grpc.Channel, gateway_pb2_grpc.GatewayStub]:

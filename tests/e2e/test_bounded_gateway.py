@@ -7,16 +7,14 @@ from __future__ import annotations
 
 import statistics
 import time
-import uuid
 from concurrent.futures import ThreadPoolExecutor
 
 import grpc
 import pytest
-import redis
 
 from protos.tandem.v1 import gateway_pb2
 
-from .cluster_helpers import SP, collect, gateway_stub, start_cluster
+from .cluster_helpers import SP, collect, shared_redis_cluster
 
 pytestmark = pytest.mark.slow
 LARGE_PROMPT = "hello world " * 333_000  # about 4 MB, under max_request_bytes (4 MiB)
@@ -24,17 +22,9 @@ LARGE_PROMPT = "hello world " * 333_000  # about 4 MB, under max_request_bytes (
 
 @pytest.fixture(scope="module")
 def cluster(tmp_path_factory, redis_url):
-    prefix = f"test-bounded-{uuid.uuid4().hex[:12]}"
-    cluster = start_cluster(tmp_path_factory.mktemp("bounded"), prefix, redis_url, num_prefill=0, num_decode=1,
-                            kv_transport="grpc")
-    channel, cluster.stub = gateway_stub(cluster)
-    yield cluster
-    channel.close()
-    cluster.stop()
-    client = redis.Redis.from_url(redis_url)
-    keys = list(client.scan_iter(match=f"tandem:{prefix}:*"))
-    if keys:
-        client.delete(*keys)
+    with shared_redis_cluster(tmp_path_factory.mktemp("bounded"), "bounded", redis_url, num_prefill=0, num_decode=1,
+                              kv_transport="grpc") as cluster:
+        yield cluster
 
 
 def _small(stub) -> float:

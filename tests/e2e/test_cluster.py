@@ -10,17 +10,16 @@ from __future__ import annotations
 
 import threading
 import time
-import uuid
 from concurrent.futures import ThreadPoolExecutor
 
 import grpc
 import pytest
-import redis
 
 from engine import SamplingParams
 from engine.llm import LLM
 from protos.tandem.v1 import gateway_pb2
-from .cluster_helpers import SP, collect, free_blocks, gateway_stub, start_cluster, stats, wait_free_blocks
+
+from .cluster_helpers import SP, collect, free_blocks, shared_redis_cluster, stats, wait_free_blocks
 
 pytestmark = pytest.mark.slow
 PROMPTS = [
@@ -37,23 +36,14 @@ PROMPTS = [
 
 @pytest.fixture(scope="module")
 def cluster(tmp_path_factory, redis_url, kv_transport):
-    prefix = f"test-e2e-{uuid.uuid4().hex[:12]}"
-    tmp = tmp_path_factory.mktemp("cluster")
-    cluster = start_cluster(tmp, prefix, redis_url, num_prefill=2, num_decode=2, kv_transport=kv_transport)
-    cluster.tmp = tmp
-    yield cluster
-    cluster.stop()
-    client = redis.Redis.from_url(redis_url)
-    keys = list(client.scan_iter(match=f"tandem:{prefix}:*"))
-    if keys:
-        client.delete(*keys)
+    with shared_redis_cluster(tmp_path_factory.mktemp("cluster"), "e2e", redis_url, num_prefill=2, num_decode=2,
+                              kv_transport=kv_transport) as cluster:
+        yield cluster
 
 
 @pytest.fixture(scope="module")
 def stub(cluster):
-    channel, stub = gateway_stub(cluster)
-    yield stub
-    channel.close()
+    return cluster.stub
 
 
 @pytest.fixture(scope="module")

@@ -4,14 +4,12 @@ turns reuse what the decode worker holds: the previous turns are neither recompu
 
 from __future__ import annotations
 
-import uuid
-
 import pytest
 
 from engine import LLM, SamplingParams
 from protos.tandem.v1 import gateway_pb2
 
-from .cluster_helpers import SP, collect, free_blocks, gateway_stub, start_cluster, wait_free_blocks
+from .cluster_helpers import SP, collect, free_blocks, shared_redis_cluster, wait_free_blocks
 
 pytestmark = pytest.mark.slow
 
@@ -20,11 +18,10 @@ BLOCK_SIZE = 16  # the workers' default
 
 @pytest.fixture(scope="module")
 def cluster(tmp_path_factory, redis_url):
-    prefix = f"test-colocated-{uuid.uuid4().hex[:8]}"
-    cluster = start_cluster(tmp_path_factory.mktemp("colocated"), prefix, redis_url, num_prefill=0, num_decode=1,
-                            kv_transport="auto", env={"TANDEM_LOCAL_PREFILL_MAX_TOKENS": "256"})
-    yield cluster
-    cluster.stop()
+    with shared_redis_cluster(tmp_path_factory.mktemp("colocated"), "colocated", redis_url, num_prefill=0,
+                              num_decode=1, kv_transport="auto",
+                              env={"TANDEM_LOCAL_PREFILL_MAX_TOKENS": "256"}) as cluster:
+        yield cluster
 
 
 def test_decode_workers_alone_serve_greedy_output_equal_to_the_offline_engine(cluster):
@@ -32,11 +29,9 @@ def test_decode_workers_alone_serve_greedy_output_equal_to_the_offline_engine(cl
     offline = LLM(max_model_len=2048, kv_cache_memory_bytes=64 << 20)
     expected = offline.generate(prompts, SamplingParams(max_tokens=16, temperature=0), use_tqdm=False)
     before = free_blocks(cluster)
-    channel, stub = gateway_stub(cluster)
-    with channel:
-        for prompt, ref in zip(prompts, expected):
-            out = collect(stub, gateway_pb2.GenerateRequest(prompt=prompt, sampling=SP(max_tokens=16, temperature=0)))
-            assert out["samples"][0]["token_ids"] == ref.outputs[0].token_ids, prompt
+    for prompt, ref in zip(prompts, expected):
+        out = collect(cluster.stub, gateway_pb2.GenerateRequest(prompt=prompt, sampling=SP(max_tokens=16, temperature=0)))
+        assert out["samples"][0]["token_ids"] == ref.outputs[0].token_ids, prompt
     assert wait_free_blocks(cluster, before, within_s=3) == before
 
 
@@ -45,20 +40,19 @@ def test_a_chat_s_later_turns_reuse_the_decode_worker_s_blocks(cluster):
     the serving benchmark sends them): from turn 2 on, every full block of the previous turn whose
     KV was computed (its prompt and all but the last answer token, which was sampled and never
     fed back) is reported as cached prompt tokens."""
-    channel, stub = gateway_stub(cluster)
-    with channel:
-        tokenize = lambda text: list(stub.Tokenize(gateway_pb2.TokenizeRequest(prompt=text), timeout=10).token_ids)
-        prompt = tokenize("Tell me about the history of printing, starting with the earliest techniques.")
-        cached, expected = [], []
-        for turn, question in enumerate(["What came next?", "Who improved it?", "Why did it matter?"] + [None]):
-            out = collect(stub, gateway_pb2.GenerateRequest(
-                token_ids=gateway_pb2.TokenIds(ids=prompt), sampling=SP(max_tokens=48, temperature=0,
-                                                                        ignore_eos=True)))
-            if turn:
-                cached.append(out["usage"].cached_prompt_tokens)
-            if question is None:
-                break
-            answer = out["samples"][0]["token_ids"]
-            expected.append((len(prompt) + len(answer) - 1) // BLOCK_SIZE * BLOCK_SIZE)
-            prompt = prompt + answer + tokenize(" " + question)
+    stub = cluster.stub
+    tokenize = lambda text: list(stub.Tokenize(gateway_pb2.TokenizeRequest(prompt=text), timeout=10).token_ids)
+    prompt = tokenize("Tell me about the history of printing, starting with the earliest techniques.")
+    cached, expected = [], []
+    for turn, question in enumerate(["What came next?", "Who improved it?", "Why did it matter?"] + [None]):
+        out = collect(stub, gateway_pb2.GenerateRequest(
+            token_ids=gateway_pb2.TokenIds(ids=prompt), sampling=SP(max_tokens=48, temperature=0,
+                                                                    ignore_eos=True)))
+        if turn:
+            cached.append(out["usage"].cached_prompt_tokens)
+        if question is None:
+            break
+        answer = out["samples"][0]["token_ids"]
+        expected.append((len(prompt) + len(answer) - 1) // BLOCK_SIZE * BLOCK_SIZE)
+        prompt = prompt + answer + tokenize(" " + question)
     assert cached == expected

@@ -15,17 +15,13 @@ from __future__ import annotations
 
 import signal
 import time
-import uuid
 
 import grpc
 import pytest
-import redis
 
 from protos.tandem.v1 import gateway_pb2
 
-from .cluster_helpers import (
-    SP, ClosedLoop, collect, free_blocks, gateway_stub, start_cluster, stats, wait_free_blocks,
-)
+from .cluster_helpers import SP, ClosedLoop, collect, free_blocks, shared_redis_cluster, stats, wait_free_blocks
 
 pytestmark = pytest.mark.slow
 HOP_TIMEOUT_S = 8.0
@@ -39,17 +35,9 @@ LIVENESS = {"TANDEM_KEEPALIVE_TIME_S": "1", "TANDEM_KEEPALIVE_TIMEOUT_S": "1",
 
 @pytest.fixture(scope="module")
 def cluster(tmp_path_factory, redis_url):
-    prefix = f"test-failover-{uuid.uuid4().hex[:12]}"
-    tmp = tmp_path_factory.mktemp("failover")
-    cluster = start_cluster(tmp, prefix, redis_url, num_prefill=2, num_decode=2, kv_transport="grpc", env=LIVENESS)
-    channel, cluster.stub = gateway_stub(cluster)
-    yield cluster
-    channel.close()
-    cluster.stop()
-    client = redis.Redis.from_url(redis_url)
-    keys = list(client.scan_iter(match=f"tandem:{prefix}:*"))
-    if keys:
-        client.delete(*keys)
+    with shared_redis_cluster(tmp_path_factory.mktemp("failover"), "failover", redis_url, num_prefill=2, num_decode=2,
+                              kv_transport="grpc", env=LIVENESS) as cluster:
+        yield cluster
 
 
 @pytest.fixture

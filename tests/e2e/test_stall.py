@@ -11,14 +11,12 @@ from __future__ import annotations
 
 import signal
 import time
-import uuid
 
 import pytest
-import redis
 
 from protos.tandem.v1 import gateway_pb2
 
-from .cluster_helpers import SP, ClosedLoop, gateway_stub, start_cluster, stats
+from .cluster_helpers import SP, ClosedLoop, shared_redis_cluster, stats
 
 pytestmark = pytest.mark.slow
 STALL_S = 2.0
@@ -31,17 +29,9 @@ SETTINGS = {"TANDEM_KEEPALIVE_TIME_S": "30", "TANDEM_KEEPALIVE_TIMEOUT_S": "30",
 
 @pytest.fixture(scope="module")
 def cluster(tmp_path_factory, redis_url):
-    prefix = f"test-stall-{uuid.uuid4().hex[:12]}"
-    cluster = start_cluster(tmp_path_factory.mktemp("stall"), prefix, redis_url, num_prefill=0, num_decode=2,
-                            kv_transport="grpc", env=SETTINGS)
-    channel, cluster.stub = gateway_stub(cluster)
-    yield cluster
-    channel.close()
-    cluster.stop()
-    client = redis.Redis.from_url(redis_url)
-    keys = list(client.scan_iter(match=f"tandem:{prefix}:*"))
-    if keys:
-        client.delete(*keys)
+    with shared_redis_cluster(tmp_path_factory.mktemp("stall"), "stall", redis_url, num_prefill=0, num_decode=2,
+                              kv_transport="grpc", env=SETTINGS) as cluster:
+        yield cluster
 
 
 def test_a_stalled_decode_stream_fails_over_before_its_first_token_and_is_unavailable_after(cluster):
