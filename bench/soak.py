@@ -11,13 +11,17 @@ drained worker is started again 5 s later.
 
 Metrics: ``minutes``, ``sent``, ``completed``, ``cancelled`` (by the client, on purpose),
 ``failed_with_status`` (with ``failed_<CODE>`` per status), ``hung`` (calls still open 30 s
-after their deadline), ``leaked_blocks`` (blocks not free on any worker once idle),
+after their deadline), ``workers_not_exiting`` (a killed or drained worker still running 30 s
+after its restart was due), ``unclean_drains`` (a worker that exited non-zero after SIGTERM: its
+shutdown watchdog ended it, ``cluster.shutdown``), ``leaked_blocks`` (blocks not free on any worker once idle),
 ``stale_registry_entries`` (registry entries beyond the live workers after the TTL),
 ``leaked_fds`` / ``leaked_threads`` / ``rss_growth_fraction`` of the gateway (the one process
-never restarted) between the first idle point after warm-up and the end (the fds opened or
-closed between the two are printed, their peers named; connections to Redis are not counted
-in ``leaked_fds``: they are its client's pool, which keeps up to ``REDIS_MAX_CONNECTIONS``
-open, ``redis_connections_before`` / ``_after``), ``faults``. The invariant
+never restarted) between the first idle point after warm-up and the end (fds are counted once
+settled: a channel retired when its worker re-registered holds its socket for
+``cluster.channels.RETIRE_GRACE_S``, so the end waits up to that long for the count to come
+back; the fds opened or closed between the two are printed, their peers named; connections to
+Redis are not counted in ``leaked_fds``: they are its client's pool, which keeps up to
+``REDIS_MAX_CONNECTIONS`` open, ``redis_connections_before`` / ``_after``), ``faults``. The invariant
 ``sent == completed + cancelled + failed_with_status + hung`` is checked.
 
 Usage: ``python bench/soak.py --minutes 60`` (``--help`` lists the knobs).
@@ -31,6 +35,7 @@ import contextlib
 import os
 import random
 import signal
+import subprocess
 import sys
 import tempfile
 import threading
@@ -50,6 +55,7 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 from bench.common import RESULTS_DIR, machine, write_result  # noqa: E402
 from cli.launcher import ClusterError, LocalCluster  # noqa: E402
 from cli.redis_server import RedisServer  # noqa: E402
+from cluster.channels import RETIRE_GRACE_S  # noqa: E402
 from protos.tandem.v1 import gateway_pb2, gateway_pb2_grpc, worker_pb2, worker_pb2_grpc  # noqa: E402
 
 DEADLINE_S = 60.0
@@ -172,15 +178,22 @@ def _connections_to(table: dict[int, str], port: int) -> int:
     return sum(d.startswith("tcp ") and d.endswith(f" -> {port}") for d in table.values())
 
 
-def _settled_fd_table(pid: int, redis_port: int, samples: int = 3) -> dict[int, str]:
-    """The :func:`_fd_table` with the fewest fds besides Redis connections, of ``samples`` taken
-    a second apart: a socket gRPC is connecting or closing at one instant (not yet or no longer
-    in ``/proc/net/tcp``) is not a leak; a leaked fd is in every sample."""
-    tables = []
-    for _ in range(samples):
-        tables.append(_fd_table(pid))
+def _settled_fd_table(pid: int, redis_port: int, baseline: int, within_s: float) -> dict[int, str]:
+    """The :func:`_fd_table` with the fewest fds besides Redis connections, sampled every second
+    until that count is back to ``baseline`` or ``within_s`` seconds have passed: a socket gRPC
+    is connecting or closing at one instant (not yet or no longer in ``/proc/net/tcp``), or one
+    held by a channel retired within the last ``RETIRE_GRACE_S`` seconds (``cluster.channels``:
+    a worker that re-registered gets a fresh channel, the old one is closed after that grace),
+    is not a leak; a leaked fd is in every sample."""
+    deadline, best = time.monotonic() + within_s, None
+    while True:
+        table = _fd_table(pid)
+        count = len(table) - _connections_to(table, redis_port)
+        if best is None or count < best[0]:
+            best = (count, table)
+        if best[0] <= baseline or time.monotonic() >= deadline:
+            return best[1]
         time.sleep(1.0)
-    return min(tables, key=lambda table: len(table) - _connections_to(table, redis_port))
 
 
 def _print_fd_change(before: dict[int, str], after: dict[int, str], ports: dict[int, str]) -> None:
@@ -208,6 +221,8 @@ class Faults:
                        self._drain("prefill-1"), self._redis_restart]
         self._next = 0
         self._restarts: list[tuple[float, str]] = []
+        self.not_exiting, self.unclean_drains = 0, 0
+        self._draining: set[str] = set()
 
     def inject(self) -> None:
         fault = self._cycle[self._next % len(self._cycle)]
@@ -220,7 +235,18 @@ class Faults:
         due = [name for at, name in self._restarts if everything or at <= now]
         self._restarts = [(at, name) for at, name in self._restarts if name not in due]
         for name in due:
-            self.cluster.workers[name].proc.wait(30)
+            proc = self.cluster.workers[name].proc
+            try:
+                proc.wait(30)
+            except subprocess.TimeoutExpired:  # a worker that did not exit: counted, then killed
+                self.not_exiting += 1
+                print(f"{name} did not exit within 30 s of its fault", file=sys.stderr, flush=True)
+                proc.kill()
+                proc.wait()
+            if name in self._draining and proc.returncode != 0:
+                self.unclean_drains += 1
+                print(f"{name} exited {proc.returncode} after SIGTERM", file=sys.stderr, flush=True)
+            self._draining.discard(name)
             try:
                 self.cluster.restart(name)
             except ClusterError as exc:  # counted, and tried again at the next call
@@ -241,6 +267,7 @@ class Faults:
     def _drain(self, name: str):
         def fault() -> None:
             self.cluster.workers[name].proc.send_signal(signal.SIGTERM)
+            self._draining.add(name)
             self.done[f"sigterm_{name.split('-')[0]}"] += 1
             self._restart_later(name)
         return fault
@@ -301,7 +328,10 @@ def main(argv: list[str] | None = None) -> int:
         gateway_after = _process(cluster.gateway.proc.pid)
         ports = {int(w.address.rsplit(":", 1)[1]): name for name, w in cluster.workers.items()}
         ports[redis_server.port] = "redis"
-        fds_after = _settled_fd_table(cluster.gateway.proc.pid, redis_server.port)
+        settle_started = time.monotonic()
+        fds_after = _settled_fd_table(cluster.gateway.proc.pid, redis_server.port,
+                                      baseline=len(fds_before) - redis_before, within_s=RETIRE_GRACE_S + 5)
+        print(f"gateway fds settled in {time.monotonic() - settle_started:.0f} s", file=sys.stderr, flush=True)
         redis_after = _connections_to(fds_after, redis_server.port)
         _print_fd_change(fds_before, fds_after, ports)
         channel.close()
@@ -312,7 +342,8 @@ def main(argv: list[str] | None = None) -> int:
     failed = {k: v for k, v in counts.items() if k.startswith("failed_")}
     metrics = {"minutes": args.minutes, "sent": counts["sent"], "completed": counts["completed"],
                "cancelled": counts["cancelled"], "failed_with_status": sum(failed.values()), **failed,
-               "hung": hung, "leaked_blocks": leaked_blocks, "stale_registry_entries": max(0, entries - 4),
+               "hung": hung, "workers_not_exiting": faults.not_exiting, "unclean_drains": faults.unclean_drains,
+               "leaked_blocks": leaked_blocks, "stale_registry_entries": max(0, entries - 4),
                "leaked_fds": (len(fds_after) - redis_after) - (len(fds_before) - redis_before),
                "redis_connections_before": redis_before, "redis_connections_after": redis_after,
                "leaked_threads": gateway_after["threads"] - gateway_before["threads"],

@@ -19,7 +19,7 @@ def test_a_short_soak_leaves_nothing_hung_or_leaked(tmp_path) -> None:
     (result,) = tmp_path.glob("soak-*.json")
     metrics = json.loads(result.read_text())["metrics"]
     assert metrics["completed"] >= 100, metrics
-    assert metrics["accounted"] == 1 and metrics["hung"] == 0, metrics
+    assert metrics["accounted"] == 1 and metrics["hung"] == 0 and metrics["workers_not_exiting"] == 0, metrics
     assert metrics["leaked_blocks"] == 0 and metrics["stale_registry_entries"] == 0, metrics
     assert sum(v for k, v in metrics.items() if k.startswith("faults_")) >= 5, metrics
     # The gateway's fds (its Redis pool aside) and threads: a channel reconnecting at the moment
