@@ -12,8 +12,9 @@ drained worker is started again 5 s later.
 Metrics: ``minutes``, ``sent``, ``completed``, ``cancelled`` (by the client, on purpose),
 ``failed_with_status`` (with ``failed_<CODE>`` per status), ``hung`` (calls still open 30 s
 after their deadline), ``workers_not_exiting`` (a killed or drained worker still running 30 s
-after its restart was due), ``unclean_drains`` (a worker that exited non-zero after SIGTERM: its
-shutdown watchdog ended it, ``cluster.shutdown``), ``leaked_blocks`` (blocks not free on any worker once idle),
+after its restart was due), ``unclean_drains`` (a worker that exited non-zero after SIGTERM:
+its shutdown watchdog ended it, ``cluster.shutdown``), ``leaked_blocks`` (blocks not free on
+any worker once idle),
 ``stale_registry_entries`` (registry entries beyond the live workers after the TTL),
 ``leaked_fds`` / ``leaked_threads`` / ``rss_growth_fraction`` of the gateway (the one process
 never restarted) between the first idle point after warm-up and the end (fds are counted once
@@ -21,8 +22,8 @@ settled: a channel retired when its worker re-registered holds its socket for
 ``cluster.channels.RETIRE_GRACE_S``, so the end waits up to that long for the count to come
 back; the fds opened or closed between the two are printed, their peers named; connections to
 Redis are not counted in ``leaked_fds``: they are its client's pool, which keeps up to
-``REDIS_MAX_CONNECTIONS`` open, ``redis_connections_before`` / ``_after``), ``faults``. The invariant
-``sent == completed + cancelled + failed_with_status + hung`` is checked.
+``REDIS_MAX_CONNECTIONS`` open, ``redis_connections_before`` / ``_after``), ``faults``. The
+invariant ``sent == completed + cancelled + failed_with_status + hung`` is checked.
 
 Usage: ``python bench/soak.py --minutes 60`` (``--help`` lists the knobs).
 """
