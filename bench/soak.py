@@ -14,9 +14,8 @@ Metrics: ``minutes``, ``sent``, ``completed``, ``cancelled`` (by the client, on 
 after their deadline), ``workers_not_exiting`` (a killed or drained worker still running 30 s
 after its restart was due), ``unclean_drains`` (a worker that exited non-zero after SIGTERM:
 its shutdown watchdog ended it, ``cluster.shutdown``), ``leaked_blocks`` (blocks not free on
-any worker once idle),
-``stale_registry_entries`` (registry entries beyond the live workers after the TTL),
-``leaked_fds`` / ``leaked_threads`` / ``rss_growth_fraction`` of the gateway (the one process
+any worker once idle), ``stale_registry_entries`` (registry entries beyond the live workers
+after the TTL), ``leaked_fds`` / ``leaked_threads`` / ``rss_growth_fraction`` of the gateway (the one process
 never restarted) between the first idle point after warm-up and the end (fds are counted once
 settled: a channel retired when its worker re-registered holds its socket for
 ``cluster.channels.RETIRE_GRACE_S``, so the end waits up to that long for the count to come
