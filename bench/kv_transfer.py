@@ -11,8 +11,14 @@ peer-to-peer on GPUs, ``memcpy`` on the CPU) is the ceiling. The sending pool si
 ``--device``, the receiving one on ``--peer-device`` (default: the same GPU, shared by both
 processes, or host memory; ``--device cuda:0 --peer-device cuda:1`` measures GPU to GPU).
 
+Heterogeneous tensor parallelism: a comma-separated list of devices makes a pool of one
+tensor-parallel rank per device, each holding its share of the 8 KV heads (all allocated by its
+process, as a worker's rank 0 allocates them): ``--device cuda:0,cuda:1 --peer-device cuda:0``
+moves KV from a TP=2 prefill worker to a TP=1 decode worker (each decode rank reads its heads
+from the prefill ranks that hold them; the gRPC stream carries whole blocks).
+
 Metrics (``kv_transfer``): ``nixl_gbps_{16,256,2048}_blocks``, ``grpc_gbps_...``, ``copy_gbps``
-(GB/s = 1e9 bytes/s of KV moved).
+(GB/s = 1e9 bytes/s of KV moved); the workload names both sides' devices (their TP sizes).
 
 Usage: ``python bench/kv_transfer.py [--device cuda|cpu] [--peer-device cuda:1] [--repeats 5]``
 """
@@ -36,8 +42,9 @@ from bench.common import machine, write_result  # noqa: E402
 from engine.kv_cache import KVCache  # noqa: E402
 from engine.model_config import ModelConfig  # noqa: E402
 from engine.presets import PRESETS  # noqa: E402
+from engine.tensor_parallel import shard_config  # noqa: E402
 from kvtransfer import (  # noqa: E402
-    GRPC_MESSAGE_OPTIONS, GrpcKVReceiver, GrpcKVSender, KVDestination, KVReceiver, ReservationTable,
+    GRPC_MESSAGE_OPTIONS, GrpcKVReceiver, GrpcKVSender, KVDestination, KVPool, KVReceiver, ReservationTable,
 )
 from kvtransfer.nixl import NixlAgent  # noqa: E402
 from protos.tandem.v1 import worker_pb2, worker_pb2_grpc  # noqa: E402
@@ -46,22 +53,25 @@ BLOCK_COUNTS = (16, 256, 2048)
 BLOCK_SIZE = 16
 
 
-def make_pool(device: str, num_blocks: int) -> KVCache:
-    """A pool of Llama-3-8B-shaped blocks, filled with random bytes."""
-    cache = KVCache(ModelConfig.from_hf_dict(PRESETS["llama-3-8b"]), num_blocks, BLOCK_SIZE, torch.bfloat16, device)
-    cache.tensor.view(torch.int16).random_(-(1 << 15), (1 << 15) - 1)
-    return cache
+def make_pool(devices: str, num_blocks: int) -> KVPool:
+    """A pool of Llama-3-8B-shaped blocks, one tensor-parallel rank per device of the
+    comma-separated ``devices``, filled with random bytes."""
+    ranks = devices.split(",")
+    shard = shard_config(ModelConfig.from_hf_dict(PRESETS["llama-3-8b"]), len(ranks))
+    tensors = [KVCache(shard, num_blocks, BLOCK_SIZE, torch.bfloat16, device).tensor for device in ranks]
+    for tensor in tensors:
+        tensor.view(torch.int16).random_(-(1 << 15), (1 << 15) - 1)
+    return KVPool(tensors)
 
 
 class ReceiverServicer(worker_pb2_grpc.DecodeWorkerServicer):
     """The decode side of the data plane, without an engine: Admit reserves blocks from a free
     list in id order (as a fresh pool allocates), TransferKV receives."""
 
-    def __init__(self, cache: KVCache, nixl: NixlAgent, verify_checksums: bool = False) -> None:
-        self.free = list(range(cache.num_blocks))
+    def __init__(self, pool: KVPool, nixl: NixlAgent, verify_checksums: bool = False) -> None:
+        self.free = list(range(pool.num_blocks))
         self.table = ReservationTable(self.free.extend)
-        self.receiver = GrpcKVReceiver(KVReceiver(cache.tensor, self.table, nixl=nixl,
-                                                  verify_checksums=verify_checksums))
+        self.receiver = GrpcKVReceiver(KVReceiver(pool, self.table, nixl=nixl, verify_checksums=verify_checksums))
 
     async def Admit(self, request, context):  # noqa: N802
         count = len(request.prompt_token_ids) // BLOCK_SIZE
@@ -81,11 +91,11 @@ class ReceiverServicer(worker_pb2_grpc.DecodeWorkerServicer):
         return worker_pb2.AbortResponse(found=True)
 
 
-async def serve(device: str, num_blocks: int, verify_checksums: bool) -> None:
-    cache = make_pool(device, num_blocks)
+async def serve(devices: str, num_blocks: int, verify_checksums: bool) -> None:
+    pool = make_pool(devices, num_blocks)
     server = grpc.aio.server(options=GRPC_MESSAGE_OPTIONS)
-    nixl = NixlAgent(f"bench-rx-{os.getpid()}", cache.tensor)
-    worker_pb2_grpc.add_DecodeWorkerServicer_to_server(ReceiverServicer(cache, nixl, verify_checksums), server)
+    nixl = NixlAgent(f"bench-rx-{os.getpid()}", pool)
+    worker_pb2_grpc.add_DecodeWorkerServicer_to_server(ReceiverServicer(pool, nixl, verify_checksums), server)
     port = server.add_insecure_port("127.0.0.1:0")
     await server.start()
     print(f"PORT {port}", flush=True)
@@ -109,11 +119,11 @@ def copy_gbps(device: str, peer_device: str, nbytes: int) -> float:
     return nbytes / statistics.median(times[1:]) / 1e9
 
 
-async def measure(address: str, cache: KVCache, nixl: NixlAgent, repeats: int,
+async def measure(address: str, pool: KVPool, nixl: NixlAgent, repeats: int,
                   block_counts: tuple[int, ...], verify_checksums: bool) -> dict[str, float]:
     channel = grpc.aio.insecure_channel(address, options=GRPC_MESSAGE_OPTIONS)
     stub = worker_pb2_grpc.DecodeWorkerStub(channel)
-    block_nbytes = cache.tensor[0].numel() * cache.tensor.element_size()
+    block_nbytes = pool.layout.block_nbytes
     metrics = {}
     for transport in ("nixl", "grpc"):
         sender = GrpcKVSender(lambda _: channel, transports=[transport], nixl=nixl, verify_checksums=verify_checksums)
@@ -125,7 +135,7 @@ async def measure(address: str, cache: KVCache, nixl: NixlAgent, repeats: int,
                 destination = KVDestination(address, admit.reservation_id, kv_transports=tuple(admit.kv_transports))
                 start = time.perf_counter()
                 async with sender.open(destination, rid) as transfer:
-                    await transfer.send(cache.tensor, 0, list(range(count)))
+                    await transfer.send(pool, 0, list(range(count)))
                     await transfer.finish()
                 times.append(time.perf_counter() - start)
                 await stub.Abort(worker_pb2.AbortRequest(request_id=rid))
@@ -160,16 +170,17 @@ def transfer_metrics(device: str, peer_device: str, repeats: int = 5,
         if not line:
             raise SystemExit("the receiving process did not start")
         address = f"127.0.0.1:{line.split()[1]}"
-        cache = make_pool(device, num_blocks)
-        nixl = NixlAgent(f"bench-tx-{os.getpid()}", cache.tensor)
-        metrics = asyncio.run(measure(address, cache, nixl, repeats, block_counts, verify_checksums))
+        pool = make_pool(device, num_blocks)
+        nixl = NixlAgent(f"bench-tx-{os.getpid()}", pool)
+        metrics = asyncio.run(measure(address, pool, nixl, repeats, block_counts, verify_checksums))
         nixl.close()
     finally:
         receiver.terminate()
         receiver.wait(30)
-    block_nbytes = cache.tensor[0].numel() * cache.tensor.element_size()
-    del cache
-    metrics["copy_gbps"] = round(copy_gbps(device, peer_device, max(block_counts) * block_nbytes), 3)
+    block_nbytes = pool.layout.block_nbytes
+    del pool
+    metrics["copy_gbps"] = round(copy_gbps(device.split(",")[0], peer_device.split(",")[0],
+                                           max(block_counts) * block_nbytes), 3)
     if 256 in block_counts:
         metrics["nixl_over_grpc_256_blocks"] = round(metrics["nixl_gbps_256_blocks"] / metrics["grpc_gbps_256_blocks"], 3)
     return metrics
@@ -177,8 +188,9 @@ def transfer_metrics(device: str, peer_device: str, repeats: int = 5,
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
-    parser.add_argument("--peer-device", default=None, help="the receiving pool's device (default: --device)")
+    parser.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu",
+                        help="the sending pool's device, or one per tensor-parallel rank, comma-separated")
+    parser.add_argument("--peer-device", default=None, help="the receiving pool's device(s) (default: --device)")
     parser.add_argument("--repeats", type=int, default=5)
     parser.add_argument("--block-counts", default=",".join(map(str, BLOCK_COUNTS)),
                         help="blocks per transfer, comma-separated (each pool holds the largest)")
@@ -195,12 +207,15 @@ def main() -> None:
     if args.verify:
         return
     gpu = torch.cuda.get_device_name() if args.device.startswith("cuda") else None
-    block = make_pool("cpu", 1).tensor
-    workload = {"block_shape": list(block.shape[1:]), "dtype": "bfloat16",
-                "block_bytes": block.numel() * block.element_size(), "block_counts": list(block_counts), "repeats": args.repeats,
-                "device": args.device, "peer_device": peer_device, "processes": 2}
+    layout = make_pool("cpu", 1).layout
+    sender_tp, receiver_tp = len(args.device.split(",")), len(peer_device.split(","))
+    workload = {"block_shape": list(layout.block_shape), "dtype": "bfloat16", "block_bytes": layout.block_nbytes,
+                "block_counts": list(block_counts), "repeats": args.repeats, "device": args.device,
+                "peer_device": peer_device, "sender_tensor_parallel_size": sender_tp,
+                "receiver_tensor_parallel_size": receiver_tp, "processes": 2}
     keys = {"gpu": gpu} if gpu else {"machine": machine()}
-    tag = gpu.lower().replace(" ", "-") if gpu else "cpu"
+    tag = (gpu.lower().replace(" ", "-") if gpu else "cpu") + (f"-tp{sender_tp}to{receiver_tp}"
+                                                               if (sender_tp, receiver_tp) != (1, 1) else "")
     write_result("kv_transfer", metrics, workload, tag=tag, model="llama-3-8b", **keys)
 
 

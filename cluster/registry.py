@@ -18,7 +18,7 @@ from __future__ import annotations
 import enum
 import logging
 import re
-from dataclasses import dataclass, fields
+from dataclasses import dataclass, fields, replace
 
 import redis.asyncio as redis
 from redis.asyncio.retry import Retry
@@ -122,6 +122,9 @@ class WorkerConfig:
         kv_cache_dtype: the KV cache's dtype name (``"bfloat16"``, ...).
         hash_seed: the seed of the chained block hashes (``engine.block_hash.hash_seed``), 16 bytes.
         vocab_size: every token id is below it.
+        tensor_parallel_size: the worker's ranks; rank ``r`` holds KV heads ``[r H/T, (r+1) H/T)``
+            of every block (the worker's KV layout: :mod:`kvtransfer.pool`).
+        kv_transports: the KV transports the worker moves blocks with, preferred first.
     """
 
     model_id: str
@@ -130,13 +133,38 @@ class WorkerConfig:
     kv_cache_dtype: str
     hash_seed: bytes
     vocab_size: int
+    tensor_parallel_size: int = 1
+    kv_transports: tuple[str, ...] = ("grpc",)
 
     def differences(self, other: WorkerConfig) -> list[str]:
         """Names of the fields where ``other`` differs and may not: every field but
         ``max_model_len`` (workers with less KV memory may hold shorter sequences; a pool serves
-        the shortest of its workers' lengths)."""
+        the shortest of its workers' lengths) and the worker's own KV layout (tensor-parallel
+        size, transports: :func:`kv_pairing_problem` says which pairs can exchange KV)."""
         return [f.name for f in fields(self)
-                if f.name != "max_model_len" and getattr(self, f.name) != getattr(other, f.name)]
+                if f.name not in _PER_WORKER and getattr(self, f.name) != getattr(other, f.name)]
+
+    def pool_key(self) -> WorkerConfig:
+        """This config with the fields a pool's workers may differ in cleared: equal for every
+        worker that can join the same pool."""
+        return replace(self, max_model_len=0, tensor_parallel_size=0, kv_transports=())
+
+
+# WorkerConfig fields in which the workers of a pool may differ.
+_PER_WORKER = ("max_model_len", "tensor_parallel_size", "kv_transports")
+
+
+def kv_pairing_problem(prefill: WorkerConfig, decode: WorkerConfig) -> str | None:
+    """Why a prefill worker cannot send its KV to a decode worker (``None``: it can).
+
+    Any two tensor-parallel sizes pair up (each decode rank reads the head slices it owns from
+    the prefill ranks that hold them, or whole blocks cross in the gRPC stream); what cannot be
+    mapped is a pair without a KV transport in common.
+    """
+    if not set(prefill.kv_transports) & set(decode.kv_transports):
+        return (f"no KV transport in common (prefill sends by {list(prefill.kv_transports)}, decode takes "
+                f"{list(decode.kv_transports)})")
+    return None
 
 
 @dataclass(frozen=True)
@@ -163,6 +191,7 @@ class WorkerInfo:
             "worker_id": self.worker_id, "role": self.role.value, "address": self.address,
             "model_id": c.model_id, "block_size": c.block_size, "max_model_len": c.max_model_len,
             "kv_cache_dtype": c.kv_cache_dtype, "hash_seed": c.hash_seed.hex(), "vocab_size": c.vocab_size,
+            "tensor_parallel_size": c.tensor_parallel_size, "kv_transports": ",".join(c.kv_transports),
             "running": load.running, "waiting": load.waiting, "free_blocks": load.free_blocks,
             "total_blocks": load.total_blocks,
         }
@@ -176,7 +205,8 @@ class WorkerInfo:
         """
         f = {k.decode(): v.decode() for k, v in zip(flat[::2], flat[1::2])}
         config = WorkerConfig(f["model_id"], int(f["block_size"]), int(f["max_model_len"]), f["kv_cache_dtype"],
-                              bytes.fromhex(f["hash_seed"]), int(f["vocab_size"]))
+                              bytes.fromhex(f["hash_seed"]), int(f["vocab_size"]), int(f["tensor_parallel_size"]),
+                              tuple(f["kv_transports"].split(",")))
         load = WorkerLoad(int(f["running"]), int(f["waiting"]), int(f["free_blocks"]), int(f["total_blocks"]))
         return cls(f["worker_id"], Role(f["role"]), f["address"], config, load)
 

@@ -166,7 +166,11 @@ class WorkerSettings(TandemSettings):
     enforce_eager: bool = Field(False, description="CUDA: capture no decode CUDA graphs (less start-up, slower decode)")
     cuda_graph_batch_sizes: Annotated[list[int] | None, NoDecode] = Field(
         None, description="CUDA: decode batch sizes captured as graphs; unset: 1, 2, 4, then every multiple of 8 up to max_num_seqs")
-    device: str = Field("auto", description="auto (CUDA when available), cpu or cuda[:N]")
+    device: str = Field("auto", description="auto (CUDA when available), cpu or cuda[:N]; with tensor parallelism, "
+                                            "rank 0's GPU (rank r runs on the GPU r after it)")
+    tensor_parallel_size: int = Field(1, ge=1, description="ranks the model is sharded over (Megatron-LM tensor "
+                                                           "parallelism), one process and one GPU each; it must "
+                                                           "divide the model's attention and KV heads")
     dtype: typing.Literal["auto", *DTYPE_NAMES] = Field(
         "auto", description="model and KV cache dtype; auto: bfloat16 on CUDA, float32 on CPU")
     seed: int = Field(0, ge=0, description="seed of the engine's shared randomness")
@@ -203,6 +207,7 @@ class WorkerSettings(TandemSettings):
             gpu_memory_utilization=self.gpu_memory_utilization,
             enable_prefix_caching=self.enable_prefix_caching, dtype=self.dtype, device=self.device,
             seed=self.seed, enforce_eager=self.enforce_eager, cuda_graph_batch_sizes=self.cuda_graph_batch_sizes,
+            tensor_parallel_size=self.tensor_parallel_size,
         )
 
     def resolved_worker_id(self, role: str) -> str:

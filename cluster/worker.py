@@ -33,13 +33,14 @@ from cluster.settings import WorkerSettings, advertised_address, setting_name
 from cluster.shutdown import exit_if_shutdown_hangs, shutdown_step
 from cluster.tls import ClientCredentials, PeerRoleInterceptor, server_credentials
 from engine.async_engine import AsyncEngine
+from engine.devices import resolve_device, use_device
 from engine.llm_engine import LLMEngine
-from kvtransfer import GRPC_MESSAGE_OPTIONS
+from kvtransfer import GRPC_MESSAGE_OPTIONS, KVPool
 from kvtransfer.nixl import NixlAgent
 
 logger = logging.getLogger(__name__)
 
-def kv_transport(settings: WorkerSettings, worker_id: str, llm: LLMEngine) -> tuple[list[str], NixlAgent | None]:
+def kv_transport(settings: WorkerSettings, worker_id: str, pool: KVPool) -> tuple[list[str], NixlAgent | None]:
     """The KV transports this worker uses, preferred first, and its NIXL agent (its KV pool
     registered) when NIXL is one of them.
 
@@ -49,7 +50,7 @@ def kv_transport(settings: WorkerSettings, worker_id: str, llm: LLMEngine) -> tu
     if settings.kv_transport == "grpc":
         return ["grpc"], None
     try:
-        agent = NixlAgent(f"{worker_id}-{uuid.uuid4().hex[:8]}", llm.kv_cache.tensor)
+        agent = NixlAgent(f"{worker_id}-{uuid.uuid4().hex[:8]}", pool)
     except (ImportError, RuntimeError) as exc:
         if settings.kv_transport == "nixl":
             raise StartupError(f"{setting_name(WorkerSettings, 'kv_transport')} is nixl, but NIXL cannot start "
@@ -75,16 +76,18 @@ def worker_tls(settings: WorkerSettings, role: Role) -> ClientCredentials | None
         raise StartupError(str(exc)) from None
 
 
-def published_config(llm: LLMEngine) -> WorkerConfig:
-    """The cache settings a worker owns, as it publishes them (registry entry, ``GetStats``)."""
+def published_config(llm: LLMEngine, kv_transports: list[str]) -> WorkerConfig:
+    """The cache settings a worker owns, as it publishes them (registry entry, ``GetStats``), with
+    the KV transports it moves blocks with."""
     return WorkerConfig(llm.model_id, llm.config.block_size, llm.max_model_len, llm.kv_cache_dtype,
-                        llm.hash_seed, llm.vocab_size)
+                        llm.hash_seed, llm.vocab_size, llm.config.tensor_parallel_size, tuple(kv_transports))
 
 
 class WorkerServicer(Protocol):
     """What :class:`WorkerServer` needs from a worker's servicer."""
 
     service_name: str  # full gRPC service name, e.g. "tandem.v1.DecodeWorker"
+    config: WorkerConfig  # what the worker publishes
     # Under mTLS, method name -> the roles whose certificates may call it (cluster.tls).
     peer_roles: dict[str, tuple[str, ...]]
     admission: Admission
@@ -129,6 +132,8 @@ class WorkerServer:
         self._redis = None
         self._shutdown_task: asyncio.Task[None] | None = None
         self._stopped = asyncio.Event()
+        self._drain = True
+        self.exit_code = 0
 
     async def start(self) -> str:
         """Bind, start serving, register in Redis; returns the advertised address.
@@ -183,7 +188,7 @@ class WorkerServer:
                               st.num_total_blocks)
 
         index, blocks = PrefixIndex(self._redis, ns), self.engine.block_events
-        info = WorkerInfo(self.worker_id, self.role, self.address, published_config(self.engine.engine))
+        info = WorkerInfo(self.worker_id, self.role, self.address, self.servicer.config)
         self._heartbeat = Heartbeat(WorkerRegistry(self._redis, ns), info, load, index=index, blocks=blocks,
                                     interval_s=s.heartbeat_interval_s)
         self._heartbeat.start()
@@ -205,6 +210,19 @@ class WorkerServer:
         if self._shutdown_task is None:
             self._shutdown_task = asyncio.get_running_loop().create_task(self.shutdown())
 
+    def fail(self, reason: str) -> None:
+        """The engine is gone (a tensor-parallel rank died, ``reason``): stop at once, without
+        draining (nothing can finish), and exit with status 1. Requests in flight have failed
+        with UNAVAILABLE, which the gateway retries or resumes elsewhere; the watchdog ends the
+        process if a close hangs on the dead rank."""
+        if self.exit_code:
+            return
+        logger.error("%s: stopping the worker", reason)
+        self.exit_code, self._drain = 1, False
+        if self._shutdown_task is None:
+            exit_if_shutdown_hangs(0.0)
+        self.request_shutdown()
+
     async def shutdown(self) -> None:
         """Drain and stop (idempotent; see the module docstring for the order)."""
         if not self.servicer.admission.open:
@@ -217,7 +235,8 @@ class WorkerServer:
                     self.servicer.admission.in_flight + self.servicer.pending(), self.settings.drain_timeout_s)
         if self._heartbeat is not None:
             await shutdown_step("leaving the registry", self._heartbeat.stop())
-        drained = await self.servicer.admission.wait_idle(self.settings.drain_timeout_s, self.servicer.pending)
+        drained = await self.servicer.admission.wait_idle(self.settings.drain_timeout_s if self._drain else 0.0,
+                                                          self.servicer.pending)
         if not drained:
             aborted = await self.engine.abort_all()
             logger.warning("drain timed out; aborted %d requests", aborted)
@@ -241,12 +260,17 @@ class WorkerServer:
 def run_worker(settings: WorkerSettings, role: Role,
                make: Callable[[AsyncEngine, WorkerSettings, WorkerMetrics], WorkerServicer]) -> int:
     """Load the engine, serve until SIGTERM/SIGINT, drain; returns the exit code (0; 1 when an
-    address cannot be bound or a setting cannot work here, after one line on stderr naming it)."""
+    address cannot be bound or a setting cannot work here, after one line on stderr naming it,
+    or when a tensor-parallel rank died)."""
     configure_logging(settings.log_level)
 
-    async def main() -> None:
-        llm = await asyncio.to_thread(LLMEngine, settings.model or None, settings.engine_config(),
-                                      settings.load_format)
+    async def main() -> int:
+        use_device(resolve_device(settings.device))  # this thread's GPU work (KV transfers) is on the worker's GPU
+        try:
+            llm = await asyncio.to_thread(LLMEngine, settings.model or None, settings.engine_config(),
+                                          settings.load_format)
+        except ValueError as exc:
+            raise StartupError(str(exc)) from None
         engine = AsyncEngine(llm, name=f"{role}-engine")
         engine.start()
         metrics = WorkerMetrics(str(role), engine.stats)
@@ -257,11 +281,14 @@ def run_worker(settings: WorkerSettings, role: Role,
             await engine.shutdown()
             raise
         server.install_signal_handlers()
+        if llm.ranks is not None:
+            loop = asyncio.get_running_loop()
+            llm.ranks.on_failure(lambda reason: loop.call_soon_threadsafe(server.fail, reason))
         await server.wait()
+        return server.exit_code
 
     try:
-        asyncio.run(main())
+        return asyncio.run(main())
     except (BindError, StartupError) as exc:
         logger.error("%s", exc)
         return 1
-    return 0

@@ -29,12 +29,12 @@ from cluster.translate import (
     token_logprobs, worker_config_to_proto,
 )
 from cluster.worker import Admission, kv_transport, published_config
-from engine.async_engine import AsyncEngine, EngineError
+from engine.async_engine import AsyncEngine, EngineDeadError, EngineError
 from engine.block_hash import prompt_key
 from engine.block_pool import NoFreeBlocksError
 from engine.outputs import RequestOutput
 from engine.sampling_params import SamplingParams
-from kvtransfer import GrpcKVReceiver, KVReceiver, ReservationTable
+from kvtransfer import GrpcKVReceiver, KVPool, KVReceiver, ReservationTable
 from protos.status import StatusError
 from protos.tandem.v1 import worker_pb2, worker_pb2_grpc
 
@@ -65,12 +65,13 @@ class DecodeServicer(worker_pb2_grpc.DecodeWorkerServicer):
         self.engine = engine
         self.metrics = metrics
         self.limits = settings.limits()
-        self.config = published_config(engine.engine)
         self.table = ReservationTable(engine.free_blocks, lease_s=settings.lease_s)
-        _, self.nixl = kv_transport(settings, settings.resolved_worker_id(str(Role.DECODE)), engine.engine)
-        self.kv_receiver = GrpcKVReceiver(KVReceiver(engine.kv_cache, self.table, nixl=self.nixl,
+        pool = KVPool(engine.kv_pools)
+        _, self.nixl = kv_transport(settings, settings.resolved_worker_id(str(Role.DECODE)), pool)
+        self.kv_receiver = GrpcKVReceiver(KVReceiver(pool, self.table, nixl=self.nixl,
                                                      verify_checksums=settings.kv_verify_checksums))
-        self.layout = self.kv_receiver.receiver.layout
+        self.layout = pool.layout
+        self.config = published_config(engine.engine, self.kv_receiver.receiver.transports)
         self.admission = Admission()
         self._decoding: set[str] = set()
         self._expiry: asyncio.Task[None] | None = None
@@ -159,9 +160,10 @@ class DecodeServicer(worker_pb2_grpc.DecodeWorkerServicer):
                 status = exc.code.name
                 logger.info("decode failed: %s", exc)
                 await context.abort(exc.code, exc.message)
-            except EngineError as exc:
-                status = "INTERNAL"
-                await context.abort(grpc.StatusCode.INTERNAL, str(exc))
+            except EngineError as exc:  # a dead engine (its worker is going away) is resumed elsewhere
+                code = grpc.StatusCode.UNAVAILABLE if isinstance(exc, EngineDeadError) else grpc.StatusCode.INTERNAL
+                status = code.name
+                await context.abort(code, str(exc))
             except (asyncio.CancelledError, GeneratorExit):
                 status = "CANCELLED"
                 raise

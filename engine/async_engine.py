@@ -23,6 +23,8 @@ from dataclasses import replace
 from typing import TypeVar
 
 from engine.block_pool import BlockEvents
+from engine.devices import use_device
+from engine.distributed import RankFailedError
 from engine.llm_engine import LLMEngine
 from engine.outputs import CompletionOutput, EngineStats, RequestOutput, StepOutput
 from engine.sampling_params import SamplingParams
@@ -34,6 +36,11 @@ T = TypeVar("T")
 
 class EngineError(RuntimeError):
     """The engine failed while running a request (a step raised); the request was aborted."""
+
+
+class EngineDeadError(EngineError):
+    """The engine cannot step any more (a tensor-parallel rank died): the request was aborted,
+    and so is every other; the worker is going away."""
 
 
 class EngineStoppedError(RuntimeError):
@@ -139,7 +146,7 @@ class AsyncEngine:
 
     async def shutdown(self) -> None:
         """Abort every request (their streams end with ``finish_reason="abort"``), release pinned
-        blocks, and stop the thread."""
+        blocks, stop the thread, and shut the engine down (``LLMEngine.shutdown``)."""
         if not self._thread.is_alive():
             return
         await self.abort_all()
@@ -294,10 +301,10 @@ class AsyncEngine:
         return self._submit(lambda: self.engine.free_blocks(ids))
 
     @property
-    def kv_cache(self):
-        """The KV cache tensor ``[num_blocks, L, 2, bs, kvh, d]``. Only read or write blocks that
+    def kv_pools(self) -> list:
+        """Every rank's KV cache tensor (``LLMEngine.kv_pools``). Only read or write blocks that
         no request of the engine uses (pinned or reserved ones)."""
-        return self.engine.kv_cache.tensor
+        return self.engine.kv_pools
 
     # ---------------------------------------------------------------- stats
     def stats(self) -> EngineStats:
@@ -337,6 +344,7 @@ class AsyncEngine:
         return await asyncio.wrap_future(self._submit(fn))
 
     def _run(self) -> None:
+        use_device(self.engine.device)
         stalled = False
         while True:
             with self._cv:
@@ -349,15 +357,19 @@ class AsyncEngine:
                 command()
             if stopping and not commands:
                 self._publish()
+                self.engine.shutdown()
                 return
             if commands:
                 stalled = False
             if self.engine.has_unfinished_requests and not stalled:
                 try:
                     step = self.engine.step()
+                except RankFailedError as exc:
+                    logger.error("engine step failed (%s); aborting %d requests", exc, len(self.engine.requests))
+                    self._fail_all(EngineDeadError(f"the engine is down: {exc}"))
                 except Exception as exc:  # noqa: BLE001 (fails the requests, not the thread)
                     logger.exception("engine step failed; aborting %d requests", len(self.engine.requests))
-                    self._fail_all(exc)
+                    self._fail_all(EngineError(f"engine step failed: {type(exc).__name__}: {exc}"))
                     step = StepOutput([], True)
                 for out in step.outputs:
                     stream = self._streams.get(out.request_id)
@@ -370,8 +382,7 @@ class AsyncEngine:
                 stalled = not step.model_executed
             self._publish()
 
-    def _fail_all(self, exc: Exception) -> None:
-        error = EngineError(f"engine step failed: {type(exc).__name__}: {exc}")
+    def _fail_all(self, error: EngineError) -> None:
         for request_id in list(self.engine.requests):
             try:
                 self.engine.abort_request(request_id)

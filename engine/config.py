@@ -5,7 +5,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 SUPPORTED_BLOCK_SIZES = (8, 16, 32, 64, 128)
-# Model / KV cache dtypes by name (``engine.loader.DTYPES`` maps them to torch dtypes).
+# Model / KV cache dtypes by name (``engine.devices.DTYPES`` maps them to torch dtypes).
 DTYPE_NAMES = ("float32", "bfloat16", "float16")
 
 
@@ -33,6 +33,9 @@ class EngineConfig:
             run eagerly); ``None``: 1, 2, 4, 8, 16, ... every multiple of 8, up to
             ``max_num_seqs``. Each must be in ``[1, max_num_batched_tokens]``. Ignored on CPU.
         enforce_eager: on CUDA, capture no graphs and run every step eagerly.
+        tensor_parallel_size: ranks the model is sharded over (Megatron-LM tensor parallelism,
+            :mod:`engine.tensor_parallel`), one process each; on CUDA rank ``r`` runs on the GPU
+            ``device``'s index + ``r``. It must divide the model's attention and KV head counts.
 
     Raises:
         ValueError: a field is out of range; the message names it.
@@ -51,6 +54,7 @@ class EngineConfig:
     seed: int = 0
     cuda_graph_batch_sizes: list[int] | None = None
     enforce_eager: bool = False
+    tensor_parallel_size: int = 1
 
     def __post_init__(self) -> None:
         if self.cuda_graph_batch_sizes is not None:
@@ -59,6 +63,7 @@ class EngineConfig:
             ("block_size", self.block_size in SUPPORTED_BLOCK_SIZES, f"must be one of {SUPPORTED_BLOCK_SIZES}"),
             ("max_num_seqs", self.max_num_seqs >= 1, "must be >= 1"),
             ("max_num_batched_tokens", self.max_num_batched_tokens >= 1, "must be >= 1"),
+            ("tensor_parallel_size", self.tensor_parallel_size >= 1, "must be >= 1"),
             ("max_model_len", self.max_model_len is None or self.max_model_len >= 1, "must be >= 1"),
             ("num_blocks", self.num_blocks is None or self.num_blocks >= 1, "must be >= 1"),
             ("kv_cache_memory_bytes", self.kv_cache_memory_bytes >= 1, "must be >= 1"),

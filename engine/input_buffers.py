@@ -10,12 +10,14 @@ and a row whose table did not change since the last step is not written again.
 
 from __future__ import annotations
 
+import dataclasses
 from dataclasses import dataclass
 
 import numpy as np
 import torch
 
 from engine.attention import AttentionMetadata
+from engine.block_pool import cdiv
 from engine.scheduler import SchedulerOutput
 from engine.sequence import Sequence
 
@@ -43,6 +45,19 @@ class StepInputs:
     sample_positions: torch.Tensor
     num_kv_slots_used: int
     num_kv_slots_allocated: int
+
+
+@dataclass
+class _StepShape:
+    """The sizes and bounds of a prepared step (what :meth:`InputBuffers.pack` sends first)."""
+
+    num_tokens: int  # padding included
+    num_rows: int  # sequences, padding rows included
+    num_sampled: int
+    num_decodes: int  # leading single-token rows, padding rows included
+    max_query_len: int
+    max_seq_len: int
+    max_decode_seq_len: int
 
 
 @dataclass
@@ -178,26 +193,72 @@ class InputBuffers:
         sample_rows_np = np.asarray(sample_rows, dtype=np.int64)
         self.logits_indices.host[:num_sampled] = qsl[sample_rows_np + 1] - 1
         self.sample_positions.host[:num_sampled] = seq_lens[sample_rows_np]
-
-        metadata = AttentionMetadata(
-            slot_mapping=self._upload(self.slot_mapping, num_tokens),
-            block_tables=self._upload(self.block_tables, num_rows),
-            seq_lens=self._upload(self.seq_lens, num_rows),
-            query_start_loc=self._upload(self.query_start_loc, num_rows + 1),
-            num_decodes=nd + num_rows - num_seqs,
+        self._shape = _StepShape(
+            num_tokens=num_tokens, num_rows=num_rows, num_sampled=num_sampled, num_decodes=nd + num_rows - num_seqs,
             max_query_len=int(query_lens[nd:].max()) if num_seqs > nd else 0,
             max_seq_len=int(seq_lens.max()) if num_rows else 0,
-            max_decode_seq_len=max_decode_seq_len or (int(seq_lens[:nd].max()) if nd else 0),
+            max_decode_seq_len=max_decode_seq_len or (int(seq_lens[:nd].max()) if nd else 0))
+        return self._upload_all(sampled, int(seq_lens[:num_seqs].sum()), num_blocks * bs)
+
+    def pack(self) -> np.ndarray:
+        """The last prepared step's inputs as one int64 array, for :meth:`load` in another rank."""
+        shape = self._shape
+        t, r, n = shape.num_tokens, shape.num_rows, shape.num_sampled
+        width = cdiv(int(self.seq_lens.host[:r].max()), self.block_size) if r else 0
+        return np.concatenate([
+            np.array([*dataclasses.astuple(shape), width], dtype=np.int64),
+            self.input_ids.host[:t], self.positions.host[:t], self.slot_mapping.host[:t],
+            self.seq_lens.host[:r], self.query_start_loc.host[:r + 1], self.block_tables.host[:r, :width].ravel(),
+            self.logits_indices.host[:n],
+        ], dtype=np.int64)
+
+    def load(self, packed: np.ndarray) -> StepInputs:
+        """Fill the buffers from :meth:`pack`'s array and copy them to the device: the same step
+        as the rank that packed it, for its forward and logits only (``sampled`` is empty and
+        ``sample_positions`` unset: another rank samples)."""
+        fields = len(dataclasses.fields(_StepShape))
+        shape = _StepShape(*(int(v) for v in packed[:fields]))
+        width = int(packed[fields])
+        t, r, n = shape.num_tokens, shape.num_rows, shape.num_sampled
+        if r > self.max_num_seqs or max(t, n) > self.max_num_tokens:
+            self._allocate(max(self.max_num_tokens, t, n), max(self.max_num_seqs, r))
+        if self._uploaded is not None:
+            self._uploaded.synchronize()
+        self._rows = [None] * self.max_num_seqs  # rows written here, not from sequences' tables
+        offset = fields + 1
+        for buffer, count in ((self.input_ids, t), (self.positions, t), (self.slot_mapping, t), (self.seq_lens, r),
+                              (self.query_start_loc, r + 1)):
+            buffer.host[:count] = packed[offset:offset + count]
+            offset += count
+        self.block_tables.host[:r, :width] = packed[offset:offset + r * width].reshape(r, width)
+        offset += r * width
+        self.logits_indices.host[:n] = packed[offset:offset + n]
+        self._shape = shape
+        return self._upload_all([], 0, 0)
+
+    def _upload_all(self, sampled: list[Sequence], num_kv_slots_used: int, num_kv_slots_allocated: int) -> StepInputs:
+        """Copy the host arrays of the step described by ``self._shape`` to the device."""
+        shape = self._shape
+        t, r, n = shape.num_tokens, shape.num_rows, shape.num_sampled
+        metadata = AttentionMetadata(
+            slot_mapping=self._upload(self.slot_mapping, t),
+            block_tables=self._upload(self.block_tables, r),
+            seq_lens=self._upload(self.seq_lens, r),
+            query_start_loc=self._upload(self.query_start_loc, r + 1),
+            num_decodes=shape.num_decodes,
+            max_query_len=shape.max_query_len,
+            max_seq_len=shape.max_seq_len,
+            max_decode_seq_len=shape.max_decode_seq_len,
         )
         inputs = StepInputs(
-            input_ids=self._upload(self.input_ids, num_tokens),
-            positions=self._upload(self.positions, num_tokens),
+            input_ids=self._upload(self.input_ids, t),
+            positions=self._upload(self.positions, t),
             metadata=metadata,
             sampled=sampled,
-            logits_indices=self._upload(self.logits_indices, num_sampled),
-            sample_positions=self._upload(self.sample_positions, num_sampled),
-            num_kv_slots_used=int(seq_lens[:num_seqs].sum()),
-            num_kv_slots_allocated=num_blocks * bs,
+            logits_indices=self._upload(self.logits_indices, n),
+            sample_positions=self._upload(self.sample_positions, n),
+            num_kv_slots_used=num_kv_slots_used,
+            num_kv_slots_allocated=num_kv_slots_allocated,
         )
         if self.device.type == "cuda":
             self._uploaded = self._uploaded or torch.cuda.Event()

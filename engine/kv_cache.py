@@ -1,8 +1,11 @@
-"""The KV cache memory: one block-major tensor per worker.
+"""The KV cache memory: one block-major tensor per worker (per rank under tensor parallelism).
 
-Layout ``[num_blocks, num_layers, 2, block_size, num_kv_heads, head_dim]`` (docs/architecture.md, "KV cache
-layout"): one physical block holds K and V of ``block_size`` tokens for every layer in one
-contiguous span of bytes, which makes a block the unit of transfer, hashing and freeing.
+Layout ``[num_blocks, num_kv_heads, num_layers, 2, block_size, head_dim]`` (docs/architecture.md,
+"KV cache layout"): one physical block holds K and V of ``block_size`` tokens for every layer in
+one contiguous span of bytes, which makes a block the unit of transfer, hashing and freeing. The
+KV heads are the block's outermost dimension, so any range of heads is one contiguous span of it
+too: a rank of a tensor-parallel worker holds its heads' slice of every block, and a KV transfer
+between workers of different TP sizes moves each rank's head range of a block as one piece.
 Kernels see per-layer strided views ``[num_blocks, block_size, num_kv_heads, head_dim]``.
 """
 
@@ -14,30 +17,44 @@ from engine.model_config import ModelConfig
 
 
 class KVCache:
-    """Owns the KV cache tensor of one worker.
+    """Owns (or views) the KV cache tensor of one worker rank.
 
     Args:
-        config: the model (layers, KV heads, head_dim).
+        config: the model as this rank holds it (layers, this rank's KV heads, head_dim).
         num_blocks: physical blocks in the pool.
         block_size: tokens per block.
         dtype: cache dtype.
         device: where the cache lives.
+        tensor: memory to use instead of allocating it, of :meth:`shape` and ``dtype`` on
+            ``device`` (a pool another process allocated and shares, :mod:`engine.shared_memory`).
 
-    The tensor is zero-filled so that never-written slots hold finite values (masked
-    attention multiplies them by zero, and 0 * NaN would poison the output).
+    A tensor allocated here is zero-filled so that never-written slots hold finite values (masked
+    attention multiplies them by zero, and 0 * NaN would poison the output); a given one must be
+    zero-filled too.
+
+    Raises:
+        ValueError: ``tensor`` has another shape, dtype or device.
     """
 
     def __init__(
         self, config: ModelConfig, num_blocks: int, block_size: int,
-        dtype: torch.dtype, device: torch.device | str,
+        dtype: torch.dtype, device: torch.device | str, tensor: torch.Tensor | None = None,
     ) -> None:
         self.num_blocks = num_blocks
         self.block_size = block_size
         self.num_layers = config.num_hidden_layers
-        self.tensor = torch.zeros(
-            num_blocks, config.num_hidden_layers, 2, block_size,
-            config.num_key_value_heads, config.head_dim, dtype=dtype, device=device,
-        )
+        shape = self.shape(config, num_blocks, block_size)
+        if tensor is None:
+            tensor = torch.zeros(shape, dtype=dtype, device=device)
+        elif tuple(tensor.shape) != shape or tensor.dtype != dtype or tensor.device != torch.device(device):
+            raise ValueError(f"KV cache tensor {tuple(tensor.shape)} {tensor.dtype} on {tensor.device} is not "
+                             f"{shape} {dtype} on {device}")
+        self.tensor = tensor
+
+    @staticmethod
+    def shape(config: ModelConfig, num_blocks: int, block_size: int) -> tuple[int, ...]:
+        """``(num_blocks, num_kv_heads, num_layers, 2, block_size, head_dim)``."""
+        return (num_blocks, config.num_key_value_heads, config.num_hidden_layers, 2, block_size, config.head_dim)
 
     @staticmethod
     def bytes_per_block(config: ModelConfig, block_size: int, dtype: torch.dtype) -> int:
@@ -47,9 +64,10 @@ class KVCache:
 
     def layer(self, index: int) -> tuple[torch.Tensor, torch.Tensor]:
         """Return layer ``index``'s ``(k_cache, v_cache)`` views, each
-        ``[num_blocks, block_size, num_kv_heads, head_dim]`` (block stride = one whole block)."""
-        return self.tensor[:, index, 0], self.tensor[:, index, 1]
+        ``[num_blocks, block_size, num_kv_heads, head_dim]`` (block stride = one whole block,
+        head stride = one head's slice of the block)."""
+        return self.tensor[:, :, index, 0].transpose(1, 2), self.tensor[:, :, index, 1].transpose(1, 2)
 
     def block(self, block_id: int) -> torch.Tensor:
-        """Return block ``block_id``: ``[num_layers, 2, block_size, num_kv_heads, head_dim]``, contiguous."""
+        """Return block ``block_id``: ``[num_kv_heads, num_layers, 2, block_size, head_dim]``, contiguous."""
         return self.tensor[block_id]

@@ -13,27 +13,24 @@ import dataclasses
 import itertools
 import logging
 import time
+import weakref
 from dataclasses import dataclass, field
 
 import torch
 
-from engine.attention import get_attention_backend
 from engine.block_hash import hash_seed
 from engine.block_pool import BlockPool, cdiv
 from engine.config import EngineConfig
-from engine.cuda_graphs import cuda_graph_sizes
-from engine.kv_cache import KVCache
+from engine.devices import resolve_device, resolve_dtype, use_device
+from engine.distributed import RankFailedError
 from engine.kv_cache_manager import KVCacheManager
-from engine.layers.linear import packed_linear_available
-from engine.loader import DTYPES, load_model
-from engine.model_runner import ModelRunner
+from engine.model_shard import build_shard
 from engine.outputs import CompletionOutput, EngineStats, RequestOutput, StepOutput
-from engine.profiling import MemoryProfile, device_used_bytes, profile_memory
 from engine.sampling_params import SamplingParams
 from engine.scheduler import Scheduler
 from engine.sequence import Sequence
+from engine.tp_ranks import FollowerRanks
 from engine.validation import check_prompt
-from engine.warmup import start_up
 
 logger = logging.getLogger(__name__)
 
@@ -59,20 +56,6 @@ class _Request:
                              self.finished, list(self.pinned))
 
 
-def resolve_device(name: str) -> torch.device:
-    """``"auto"`` → CUDA when available, else CPU."""
-    if name == "auto":
-        return torch.device("cuda" if torch.cuda.is_available() else "cpu")
-    return torch.device(name)
-
-
-def resolve_dtype(name: str, device: torch.device) -> torch.dtype:
-    """``"auto"`` → bfloat16 on CUDA, float32 elsewhere."""
-    if name == "auto":
-        return torch.bfloat16 if device.type == "cuda" else torch.float32
-    return DTYPES[name]
-
-
 class LLMEngine:
     """A paged-KV, continuously batched engine over one model.
 
@@ -83,19 +66,29 @@ class LLMEngine:
         config: cache and scheduler settings.
         load_format: ``"auto"`` or ``"dummy"`` (random weights of the model's real shapes).
 
+    With ``config.tensor_parallel_size`` > 1 this process is rank 0: it starts the other ranks
+    (:mod:`engine.tp_ranks`), schedules, broadcasts each step to them and samples; call
+    :meth:`shutdown` when done (it also runs when the engine is garbage-collected, or at exit).
+
     Attributes:
         model_id, tokenizer: the model's id and :class:`engine.tokenizer.Tokenizer` (``None``
             for presets and config dicts).
         max_model_len: tokens per sequence at most (the setting, lowered to what the KV cache
             holds).
         kv_cache_dtype: the KV cache's dtype name (``"bfloat16"``, ...).
+        kv_pools: every rank's KV cache tensor, in rank order (one without tensor parallelism):
+            ``[num_blocks, kv_heads_per_rank, num_layers, 2, block_size, head_dim]`` each, rank
+            ``r`` holding KV heads ``[r * kv_heads_per_rank, (r + 1) * kv_heads_per_rank)``.
         hash_seed: the seed of the prefix cache's chained block hashes (``engine.block_hash``).
         memory_profile: on CUDA with the KV cache sized from memory, the measured
-            :class:`engine.profiling.MemoryProfile`; else ``None``.
+            :class:`engine.profiling.MemoryProfile` (rank 0's); else ``None``.
         startup: how long start-up took, by phase (:class:`engine.outputs.StartupStats`).
+        ranks: rank 0's handle on the other ranks (``None`` without tensor parallelism).
 
     Raises:
-        ValueError: unknown model, or a setting that cannot work (e.g. too little KV memory).
+        ValueError: unknown model, or a setting that cannot work (e.g. too little KV memory, a
+            tensor-parallel size that does not divide the model's heads).
+        RuntimeError: a tensor-parallel rank failed to start.
     """
 
     def __init__(self, model: str | dict | None = None, config: EngineConfig | None = None,
@@ -103,64 +96,51 @@ class LLMEngine:
         started = time.perf_counter()
         self.config = config = config or EngineConfig()
         self.device = resolve_device(config.device)
+        use_device(self.device)
         self.dtype = resolve_dtype(config.dtype, self.device)
         torch.manual_seed(config.seed)
-        others_bytes = device_used_bytes(self.device) if self.device.type == "cuda" else 0
-        loaded = load_model(model, dtype=self.dtype, device=self.device,
-                            attn_backend=get_attention_backend(self.device), load_format=load_format)
+        self.ranks = FollowerRanks(model, config, load_format, self.device) if config.tensor_parallel_size > 1 else None
+        try:
+            shard = build_shard(model, config, load_format, self.device, self.dtype,
+                                self.ranks.group if self.ranks else None, self.ranks.store if self.ranks else None,
+                                started)
+        except BaseException:
+            if self.ranks is not None:
+                self.ranks.close()
+            raise
+        loaded = shard.loaded
         self.model, self.model_config = loaded.model, loaded.config
-        if packed_linear_available(self.device, self.dtype):
-            self.model.pack_for_cpu()
         self.model_id, self.tokenizer = loaded.model_id, loaded.tokenizer
         self.eos_token_ids = set(loaded.config.eos_token_id)
         self.vocab_size = loaded.config.vocab_size
-        load_s = time.perf_counter() - started
+        self.num_blocks, self.max_model_len = shard.num_blocks, shard.max_model_len
+        self.memory_profile, self.startup = shard.memory_profile, shard.startup
+        self.kv_cache, self.kv_pools, self.runner = shard.kv_cache, shard.kv_pools, shard.runner
 
         bs = config.block_size
-        graph_sizes = cuda_graph_sizes(config, self.device)
-        self.memory_profile: MemoryProfile | None = None
-        if self.device.type == "cuda" and not config.num_blocks:
-            self.memory_profile = profile_memory(self.model, config, self.dtype, self.device, graph_sizes,
-                                                 others_bytes)
-        self.num_blocks = config.num_blocks or self._num_blocks_from_budget()
-        profile_s = time.perf_counter() - started - load_s
-        max_len = min(config.max_model_len or self.model_config.max_position_embeddings,
-                      self.num_blocks * bs)
-        if config.max_model_len and max_len < config.max_model_len:
-            logger.warning("max_model_len lowered to %d: the KV cache holds %d blocks of %d tokens",
-                           max_len, self.num_blocks, bs)
-        self.max_model_len = max_len
-        self.kv_cache = KVCache(self.model_config, self.num_blocks, bs, self.dtype, self.device)
         self.block_pool = BlockPool(self.num_blocks)
         self.kv_cache_dtype = str(self.dtype).removeprefix("torch.")
         self.hash_seed = hash_seed(self.model_id, bs, self.kv_cache_dtype)
         self.kv_manager = KVCacheManager(self.block_pool, bs, self.hash_seed, config.enable_prefix_caching)
         self.scheduler = Scheduler(self.kv_manager, config.max_num_seqs,
                                    config.max_num_batched_tokens, self.max_model_len)
-        self.runner = ModelRunner(self.model, self.kv_cache, config.max_num_batched_tokens, config.max_num_seqs,
-                                  self.max_model_len, config.seed)
         self.requests: dict[str, _Request] = {}
         self.pinned: dict[str, list[int]] = {}  # finished requests whose pinned blocks await release
         self._arrivals = itertools.count()
-
-        self.startup = start_up(self.runner, config, graph_sizes, started, load_s, profile_s)
+        if self.ranks is not None:
+            self.runner.broadcast = self.ranks.group.broadcast_step
+            self._close_ranks = weakref.finalize(self, self.ranks.close)
+        num_graphs = len(self.runner.graphs.graphs) if self.runner.graphs is not None else 0
         logger.info("engine ready: %s on %s (%s), %d KV blocks of %d tokens (%d tokens), max_model_len %d, "
-                    "%d CUDA graphs, start-up %.1f s", self.model_id, self.device, self.dtype, self.num_blocks, bs,
-                    self.num_blocks * bs, self.max_model_len, len(graph_sizes), self.startup.total_s)
+                    "tensor parallel size %d, %d CUDA graphs, start-up %.1f s", self.model_id, self.device, self.dtype,
+                    self.num_blocks, bs, self.num_blocks * bs, self.max_model_len, config.tensor_parallel_size,
+                    num_graphs, self.startup.total_s)
 
-    def _num_blocks_from_budget(self) -> int:
-        per_block = KVCache.bytes_per_block(self.model_config, self.config.block_size, self.dtype)
-        if self.memory_profile is not None:
-            budget = self.memory_profile.kv_cache_bytes
-        else:
-            budget = self.config.kv_cache_memory_bytes
-        num_blocks = budget // per_block
-        if num_blocks < 1:
-            raise ValueError(
-                f"no room for KV blocks ({per_block} bytes each) in a budget of {budget} bytes: "
-                "raise gpu_memory_utilization or kv_cache_memory_bytes"
-            )
-        return num_blocks
+    def shutdown(self) -> None:
+        """Stop the other tensor-parallel ranks (nothing to do without them); the engine cannot
+        step afterwards. Call it after the last step, from the thread that stepped."""
+        if self.ranks is not None:
+            self._close_ranks()
 
     # ----------------------------------------------------------------- requests
     def tokenize(self, prompt: str | list[int]) -> list[int]:
@@ -384,12 +364,24 @@ class LLMEngine:
             blocks in this step (cumulative: each ``CompletionOutput`` holds all tokens so far),
             and whether the model ran. Finished requests leave the engine and their blocks are
             freed (pinned ones stay until :meth:`release`).
+
+        Raises:
+            RankFailedError: a tensor-parallel rank died or a step's collective failed: this and
+                every later step fail (abort the requests and shut the engine down).
         """
         started = time.perf_counter()
+        if self.ranks is not None and self.ranks.failure is not None:
+            raise RankFailedError(self.ranks.failure)
         step = self.scheduler.schedule()
         if step.is_empty:
             return StepOutput([], False)
-        result = self.runner.execute(step)
+        try:
+            result = self.runner.execute(step)
+        except Exception as exc:
+            if self.ranks is None:
+                raise
+            # Any failure of a tensor-parallel step leaves the ranks out of step with each other.
+            raise RankFailedError(self.ranks.explain(exc)) from exc
         touched: dict[str, _Request] = {}
         for s in step.scheduled:
             s.seq.num_computed_tokens += s.num_new_tokens

@@ -11,6 +11,7 @@ device-to-host copy of the sampled tokens with their log-probabilities.
 from __future__ import annotations
 
 import time
+from collections.abc import Callable
 from dataclasses import dataclass
 
 import numpy as np
@@ -69,6 +70,9 @@ class ModelRunner:
         self.graphs: CUDAGraphRunner | None = None
         self._rng = np.random.default_rng(seed)
         self._sampling: tuple[list[Sequence], SamplingBatch] | None = None
+        # Rank 0 of a tensor-parallel engine: sends each step's inputs to the other ranks
+        # (engine.distributed.TPGroup.broadcast_step), set once start-up is over.
+        self.broadcast: Callable[[np.ndarray], object] | None = None
 
     def capture_cuda_graphs(self, batch_sizes: list[int]) -> None:
         """Capture decode-only steps at ``batch_sizes`` (CUDA only); later decode-only steps of
@@ -93,24 +97,24 @@ class ModelRunner:
         """Run one step and sample every sequence whose last token was computed.
 
         A sequence completing its prompt with unforked samples (``n > 1``) also samples one
-        token for each fork child from the same logits row.
+        token for each fork child from the same logits row. With :attr:`broadcast` set (rank 0
+        of a tensor-parallel engine), the step's inputs go to the other ranks before the forward.
 
         Returns:
             The sampled tokens, one per sequence in ``StepResult.sequences``.
         """
         start = time.perf_counter()
-        for src, dst in step.block_copies:
-            self.kv_cache.tensor[dst].copy_(self.kv_cache.tensor[src])
         graph_size = self.graphs.batch_size_for(step) if self.graphs is not None else None
         if graph_size is not None:
             inputs = self.graphs.prepare(step, graph_size)
-            prepared = time.perf_counter()
-            # Decode-only without forks: row i samples sequence i.
-            logits = self.model.compute_logits(self.graphs.replay(graph_size)[:len(inputs.sampled)])
         else:
             inputs = self.buffers.prepare(step)
-            prepared = time.perf_counter()
-            logits = self._forward(inputs)
+        if self.broadcast is not None:
+            buffers = self.buffers if graph_size is None else self.graphs.buffers
+            copies = np.asarray(step.block_copies, dtype=np.int64).reshape(-1)
+            self.broadcast(np.concatenate([[graph_size or 0, len(step.block_copies)], copies, buffers.pack()]))
+        prepared = time.perf_counter()
+        logits = self._run(inputs, graph_size, step.block_copies)
         sampling_start = time.perf_counter()
         seqs = inputs.sampled
         batch = self._sampling_batch(seqs, inputs.sample_positions) if seqs else None
@@ -127,11 +131,28 @@ class ModelRunner:
         )
         return StepResult(seqs, token_ids, logprobs, stats)
 
-    def _forward(self, inputs: StepInputs) -> torch.Tensor | None:
-        """Eager forward; returns ``[len(inputs.sampled), vocab]`` float32 logits (``None`` when
+    @torch.inference_mode()
+    def follow(self, packed: np.ndarray) -> None:
+        """Run the step that rank 0's :meth:`execute` broadcast (``packed``), on another rank of a
+        tensor-parallel engine: the same forward and logits (their collectives pair up), no
+        sampling."""
+        graph_size, num_copies = int(packed[0]), int(packed[1])
+        copies = packed[2:2 + 2 * num_copies].reshape(-1, 2).tolist()
+        buffers = self.buffers if graph_size == 0 else self.graphs.buffers
+        self._run(buffers.load(packed[2 + 2 * num_copies:]), graph_size or None, copies)
+
+    def _run(self, inputs: StepInputs, graph_size: int | None, block_copies) -> torch.Tensor | None:
+        """Copy blocks (copy-on-write), run the forward (a graph's replay, or eagerly) and the
+        logits head; returns ``[len(logits_indices), vocab]`` float32 logits (``None`` when
         nothing samples)."""
+        for src, dst in block_copies:
+            self.kv_cache.tensor[dst].copy_(self.kv_cache.tensor[src])
+        num_sampled = inputs.logits_indices.shape[0]
+        if graph_size is not None:
+            # Decode-only without forks: row i samples sequence i.
+            return self.model.compute_logits(self.graphs.replay(graph_size)[:num_sampled])
         hidden = self.model(inputs.input_ids, inputs.positions, self.kv_cache, inputs.metadata)
-        if not inputs.sampled:
+        if not num_sampled:
             return None
         return self.model.compute_logits(hidden.index_select(0, inputs.logits_indices))
 

@@ -30,7 +30,9 @@ whenever that worker ran one more sequence than another (measured: 67% of multi-
 blocks reused with two decode workers at 128 streams, against 91% with one). Ties go to the
 less loaded worker, then to a random one, so equal workers share the traffic. A decode worker must also have room for
 the blocks it does not hold. Prefill workers are optional: without one (or when few tokens are
-left after the decode worker's prefix hit) the decode worker prefills itself.
+left after the decode worker's prefix hit) the decode worker prefills itself. A prefill worker is
+paired only with a decode worker it can send KV to (a transport in common: any tensor-parallel
+sizes pair up); the decode worker is picked first, then the best prefill worker of those.
 """
 
 from __future__ import annotations
@@ -45,7 +47,9 @@ from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
 from typing import Protocol
 
-from cluster.registry import REDIS_ERRORS, ClusterNamespace, Role, WorkerConfig, WorkerInfo, WorkerLoad
+from cluster.registry import (
+    REDIS_ERRORS, ClusterNamespace, Role, WorkerConfig, WorkerInfo, WorkerLoad, kv_pairing_problem,
+)
 from engine.block_pool import cdiv
 from gateway import metrics
 from gateway.outlier import OutlierDetector
@@ -236,20 +240,16 @@ class _InFlight:
             del self.seqs[worker_id], self.blocks[worker_id]
 
 
-def _pool_key(config: WorkerConfig) -> WorkerConfig:
-    """``config`` with the field a pool's workers may differ in (``max_model_len``) zeroed."""
-    return dataclasses.replace(config, max_model_len=0)
-
-
 def choose_pool(workers: Sequence[WorkerInfo], current: WorkerConfig | None) -> WorkerConfig | None:
-    """The settings the pool runs with (``max_model_len`` aside): ``current`` while a worker
+    """The settings the pool runs with (the per-worker fields aside, ``WorkerConfig.pool_key``):
+    ``current`` while a worker
     still has them or none is seen (an emptied registry keeps its last-known workers a while),
     else the most common among ``workers`` (ties: those of the smallest worker id)."""
-    keys = Counter(_pool_key(w.config) for w in workers)
-    if not keys or (current is not None and _pool_key(current) in keys):
+    keys = Counter(w.config.pool_key() for w in workers)
+    if not keys or (current is not None and current.pool_key() in keys):
         return current
     best = max(keys.values())
-    return min((w for w in workers if keys[_pool_key(w.config)] == best), key=lambda w: w.worker_id).config
+    return min((w for w in workers if keys[w.config.pool_key()] == best), key=lambda w: w.worker_id).config
 
 
 def refusal(worker: WorkerInfo, model_id: str, pool: WorkerConfig | None) -> str | None:
@@ -300,6 +300,7 @@ class ClusterView:
         self._degraded = False
         self._pool: WorkerConfig | None = None
         self._refused: dict[str, str] = {}
+        self._unpaired: set[tuple[str, str]] = set()  # (prefill, decode) worker ids logged as unpairable
 
     @property
     def degraded(self) -> bool:
@@ -405,7 +406,7 @@ class ClusterView:
                 f"no decode worker has {prompt_blocks + self.policy.decode_margin_blocks} free blocks "
                 f"(most free: {max(w.load.free_blocks for w in decodes)})"
             )
-        prefill = pick_prefill(prefills, cached, pool.block_size, self.policy, self._rng)
+        prefill = pick_prefill(self._paired(prefills, decode), cached, pool.block_size, self.policy, self._rng)
         for worker in (prefill, decode):
             if worker is not None:
                 self.index.note_routed(worker.worker_id, block_hashes)
@@ -414,6 +415,20 @@ class ClusterView:
         self._in_flight.add(decode.worker_id, 1, prompt_blocks)
         return Route(prefill, decode, cached.get(prefill.worker_id, 0) if prefill else 0,
                      cached.get(decode.worker_id, 0), prompt_blocks)
+
+    def _paired(self, prefills: list[WorkerInfo], decode: WorkerInfo) -> list[WorkerInfo]:
+        """The prefill workers that can send their KV to ``decode``; logs each pair that cannot,
+        once (:func:`cluster.registry.kv_pairing_problem`)."""
+        paired = []
+        for prefill in prefills:
+            problem = kv_pairing_problem(prefill.config, decode.config)
+            if problem is None:
+                paired.append(prefill)
+            elif (prefill.worker_id, decode.worker_id) not in self._unpaired:
+                self._unpaired.add((prefill.worker_id, decode.worker_id))
+                logger.warning("not pairing prefill worker %s with decode worker %s: %s", prefill.worker_id,
+                               decode.worker_id, problem)
+        return paired
 
     def prefill_done(self, route: Route) -> None:
         """The request's prefill ended (first token sent, it failed, or the decode worker

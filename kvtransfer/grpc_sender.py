@@ -17,11 +17,11 @@ import asyncio
 from collections.abc import Callable, Iterator, Sequence
 
 import grpc
-import torch
 
 from kvtransfer.nixl import NixlAgent
+from kvtransfer.pool import KVPool
 from kvtransfer.transport import KVDestination
-from kvtransfer.wire import BlockLayout, blocks_crc32, encode_chunk
+from kvtransfer.wire import blocks_crc32, encode_chunk
 from protos.status import StatusError
 from protos.tandem.v1 import kvtransfer_pb2, worker_pb2_grpc
 
@@ -45,14 +45,14 @@ _BROKEN_STREAM = {grpc.StatusCode.INTERNAL, grpc.StatusCode.CANCELLED}
 
 
 def iter_chunks(
-    kv_cache: torch.Tensor, first_index: int, block_ids: Sequence[int], *, reservation_id: str, request_id: str,
+    pool: KVPool, first_index: int, block_ids: Sequence[int], *, reservation_id: str, request_id: str,
     max_chunk_bytes: int = DEFAULT_MAX_CHUNK_BYTES,
 ) -> Iterator[kvtransfer_pb2.KVChunk]:
     """Yield blocks as chunks of as many whole blocks as fit in ``max_chunk_bytes`` (at least
     one), in position order, built lazily.
 
     Args:
-        kv_cache: ``[num_blocks, *block_shape]``, any device.
+        pool: the sender's KV pool (every rank's heads of a block go in the chunk).
         first_index: the request's block position of ``block_ids[0]``.
         block_ids: physical blocks on the sender, for positions ``first_index, first_index + 1, ...``.
         reservation_id, request_id: stamped on every chunk.
@@ -61,18 +61,13 @@ def iter_chunks(
     Raises:
         ValueError: one block is larger than ``MAX_MESSAGE_BYTES``.
     """
-    block_nbytes = BlockLayout.of_cache(kv_cache).block_nbytes
+    block_nbytes = pool.layout.block_nbytes
     if block_nbytes > MAX_MESSAGE_BYTES:
         raise ValueError(f"a block is {block_nbytes} bytes, over MAX_MESSAGE_BYTES={MAX_MESSAGE_BYTES}")
     per_chunk = max(1, max_chunk_bytes // block_nbytes)
     for start in range(0, len(block_ids), per_chunk):
-        ids = list(block_ids[start : start + per_chunk])
-        if ids == list(range(ids[0], ids[0] + len(ids))):
-            blocks = kv_cache[ids[0] : ids[0] + len(ids)]  # a contiguous run: no gather
-        else:
-            blocks = kv_cache[torch.tensor(ids, device=kv_cache.device)]
-        yield encode_chunk(blocks, reservation_id=reservation_id, request_id=request_id,
-                           first_block_index=first_index + start)
+        yield encode_chunk(pool.gather(block_ids[start : start + per_chunk]), reservation_id=reservation_id,
+                           request_id=request_id, first_block_index=first_index + start)
 
 
 class GrpcKVTransfer:
@@ -120,12 +115,11 @@ class GrpcKVTransfer:
         if not self._finished:
             self._call.cancel()
 
-    async def send(self, kv_cache: torch.Tensor, first_index: int, block_ids: Sequence[int]) -> None:
-        """Send ``kv_cache[block_ids[i]]`` as the request's block ``first_index + i``.
+    async def send(self, pool: KVPool, first_index: int, block_ids: Sequence[int]) -> None:
+        """Send ``pool``'s blocks ``block_ids[i]`` as the request's block ``first_index + i``.
 
         Args:
-            kv_cache: the sender's cache, ``[num_blocks, *block_shape]``; the blocks must not
-                change until this returns.
+            pool: the sender's KV pool; the blocks must not change until this returns.
 
         Raises:
             StatusError: the call failed (the receiver refused a chunk, the peer died, ...),
@@ -136,10 +130,10 @@ class GrpcKVTransfer:
                                            first_block_index=first_index, num_blocks=len(block_ids),
                                            source_block_ids=block_ids)
             if self.verify_checksums:
-                chunk.crc32, chunk.has_crc32 = blocks_crc32(kv_cache, list(block_ids)), True
+                chunk.crc32, chunk.has_crc32 = blocks_crc32(pool.gather(block_ids)), True
             await self._write(chunk)
         else:
-            for chunk in iter_chunks(kv_cache, first_index, block_ids, reservation_id=self.reservation_id,
+            for chunk in iter_chunks(pool, first_index, block_ids, reservation_id=self.reservation_id,
                                      request_id=self.request_id, max_chunk_bytes=self.max_chunk_bytes):
                 await self._write(chunk)
         self.num_sent += len(block_ids)

@@ -1,10 +1,13 @@
 """KV blocks moved by NIXL: GPU to GPU (CUDA IPC / NVLink on one host), shared memory or RDMA.
 
-Every worker registers its whole KV pool with its NIXL agent once (:class:`NixlAgent`). The
-**decode worker reads**: the prefill worker announces, on the ``TransferKV`` stream, which of
-its blocks hold which positions of the request (``KVChunk.source_block_ids``, its pool's
-address and agent metadata in the stream's opening message), and the decode worker pulls them
-with a NIXL READ straight into its reserved slots. Reading rather than having the prefill
+Every worker registers its whole KV pool (every tensor-parallel rank's part, all allocated by
+the worker's process: :mod:`engine.shared_memory`) with its NIXL agent once (:class:`NixlAgent`).
+The **decode worker reads**: the prefill worker announces, on the ``TransferKV`` stream, which of
+its blocks hold which positions of the request (``KVChunk.source_block_ids``; its ranks' pool
+addresses and head ranges, and its agent metadata, in the stream's opening message), and the
+decode worker pulls them with a NIXL READ straight into its reserved slots: each of its ranks'
+head range from the prefill ranks that hold it, so workers of different tensor-parallel sizes
+pair up (heterogeneous TP, as vLLM's NIXL connector does it for dense models). Reading rather than having the prefill
 worker write is the safer and simpler choice: the receiver checks every position against its
 reservation before any byte lands (as on the gRPC path), only the receiver knows where its
 slots are, and a faulty or hostile sender cannot write anywhere into the decode worker's pool
@@ -12,13 +15,15 @@ slots are, and a faulty or hostile sender cannot write anywhere into the decode 
 are announced as soon as the chunk that fills them is computed, and read while the prefill
 goes on.
 
-Runs of blocks adjacent on both sides travel as one descriptor (a block-major pool makes a run
-one span of bytes; the block pool allocates in runs where it can).
+Each rank's part of a block is one span (heads are the block's outermost dimension), and so is
+the overlap of two ranks' head ranges: a read is one descriptor per block and pair of
+overlapping ranks, and runs of blocks adjacent on both sides merge into one.
 """
 
 from __future__ import annotations
 
 import asyncio
+import itertools
 import logging
 import os
 from collections.abc import Sequence
@@ -28,6 +33,7 @@ import grpc
 import numpy as np
 import torch
 
+from kvtransfer.pool import KVPool
 from protos.status import StatusError
 from protos.tandem.v1 import kvtransfer_pb2
 
@@ -55,79 +61,86 @@ def nixl_importable() -> bool:
 
 @dataclass(frozen=True)
 class _Peer:
-    """A sender's pool as the receiver's agent knows it."""
+    """A sender's pool as the receiver's agent knows it: per rank, ``(base_address, device_id,
+    first_head, num_heads)``."""
 
     name: str
     metadata: bytes
-    base_address: int
     num_blocks: int
     memory_type: str
-    device_id: int
+    ranks: tuple[tuple[int, int, int, int], ...]
 
 
-def coalesce(src: Sequence[int], dst: Sequence[int]) -> list[tuple[int, int, int]]:
-    """Group ``src[i] -> dst[i]`` block copies into runs adjacent on both sides.
+def coalesce(local: Sequence[int], remote: Sequence[int], lengths: Sequence[int]) -> list[tuple[int, int, int]]:
+    """Merge byte-range copies ``remote[i] -> local[i]`` of ``lengths[i]`` bytes into runs
+    adjacent on both sides (a block-major pool makes runs of blocks adjacent in both pools one
+    span; the block pool allocates in runs where it can).
 
     Returns:
-        ``(first_src, first_dst, length)`` per run, in order.
+        ``(local, remote, length)`` per run, in order.
     """
-    runs: list[tuple[int, int, int]] = []
-    for s, d in zip(src, dst):
-        if runs and s == runs[-1][0] + runs[-1][2] and d == runs[-1][1] + runs[-1][2]:
-            runs[-1] = (runs[-1][0], runs[-1][1], runs[-1][2] + 1)
+    runs: list[list[int]] = []
+    for dst, src, n in zip(local, remote, lengths):
+        if runs and dst == runs[-1][0] + runs[-1][2] and src == runs[-1][1] + runs[-1][2]:
+            runs[-1][2] += n
         else:
-            runs.append((s, d, 1))
-    return runs
+            runs.append([dst, src, n])
+    return [tuple(run) for run in runs]
 
 
 class NixlAgent:
-    """This worker's NIXL agent, its KV pool registered once.
+    """This worker's NIXL agent, its KV pool (every rank's part) registered once.
 
     Args:
         name: the agent's name, unique in the cluster (a worker's id and a random suffix).
-        kv_cache: the pool, ``[num_blocks, *block_shape]``, contiguous, on the GPU or in host
-            memory.
+        pool: the worker's pool: its ranks' tensors, on GPUs or in host memory (all alike).
 
     Raises:
         RuntimeError: NIXL is not importable, or its UCX backend could not start.
     """
 
-    def __init__(self, name: str, kv_cache: torch.Tensor) -> None:
+    def __init__(self, name: str, pool: KVPool) -> None:
         from nixl._api import nixl_agent, nixl_agent_config
 
-        if not kv_cache.is_contiguous():
-            raise RuntimeError("the KV pool must be contiguous to register with NIXL")
-        if kv_cache.is_cuda:  # (UCX warns of a CUDA setting where it has no CUDA transport)
+        cuda = pool.ranks[0].tensor.is_cuda
+        if cuda:  # (UCX warns of a CUDA setting where it has no CUDA transport)
             for key, value in UCX_DEFAULTS.items():
                 os.environ.setdefault(key, value)  # read by UCX when the agent's backend starts
         self.agent = nixl_agent(name, nixl_agent_config(backends=["UCX"]))
         if "UCX" not in self.agent.backends:
             raise RuntimeError("NIXL's UCX backend is not available")
         self.name = name
-        self.kv_cache = kv_cache
-        self.block_nbytes = kv_cache[0].numel() * kv_cache.element_size()
-        self.memory_type = "VRAM" if kv_cache.is_cuda else "DRAM"
-        self.device_id = kv_cache.get_device() if kv_cache.is_cuda else 0
-        self._registration = self.agent.register_memory(kv_cache)
+        self.pool = pool
+        self.memory_type = "VRAM" if cuda else "DRAM"
+        self._registrations = [self.agent.register_memory(part.tensor) for part in pool.ranks]
         self._metadata = self.agent.get_agent_metadata()  # fixed once the pool is registered
         self._peers: dict[str, _Peer] = {}
 
     def source(self) -> kvtransfer_pb2.NixlSource:
         """What a receiver needs to read from this worker's pool."""
         return kvtransfer_pb2.NixlSource(
-            agent_metadata=self._metadata, agent_name=self.name,
-            base_address=self.kv_cache.data_ptr(), num_blocks=self.kv_cache.shape[0],
-            memory_type=self.memory_type, device_id=self.device_id)
+            agent_metadata=self._metadata, agent_name=self.name, num_blocks=self.pool.num_blocks,
+            memory_type=self.memory_type,
+            ranks=[kvtransfer_pb2.NixlRankPool(base_address=part.tensor.data_ptr(), device_id=_device_id(part.tensor),
+                                               first_head=part.first_head, num_heads=part.num_heads)
+                   for part in self.pool.ranks])
 
     def add_peer(self, source: kvtransfer_pb2.NixlSource) -> _Peer:
         """Know a sender's agent (once per agent; its metadata is checked on every stream).
 
         Raises:
-            StatusError: ``INVALID_ARGUMENT``, malformed source or a memory type NIXL lacks.
+            StatusError: ``INVALID_ARGUMENT``, malformed source (its ranks must cover this pool's
+                KV heads in order) or a memory type NIXL lacks.
         """
         if source.memory_type not in ("VRAM", "DRAM") or not source.agent_name or not source.num_blocks:
             raise StatusError.invalid_argument("nixl_source", "agent_name, num_blocks and memory_type VRAM or DRAM "
                                                               "are required")
+        heads = [(r.first_head, r.num_heads) for r in source.ranks]
+        expected = list(itertools.accumulate((n for _, n in heads), initial=0))[:-1]
+        if not heads or [first for first, _ in heads] != expected or min(n for _, n in heads) < 1 \
+                or sum(n for _, n in heads) != self.pool.layout.block_shape[0]:
+            raise StatusError.invalid_argument("nixl_source.ranks", f"head ranges {heads} do not cover the "
+                                               f"{self.pool.layout.block_shape[0]} KV heads in order")
         peer = self._peers.get(source.agent_name)
         if peer is None or peer.metadata != source.agent_metadata:
             if peer is not None:
@@ -140,13 +153,40 @@ class NixlAgent:
             if name != source.agent_name:
                 raise StatusError.invalid_argument("nixl_source.agent_name", f"is {source.agent_name!r} but the "
                                                    f"metadata names {name!r}")
-            peer = _Peer(name, source.agent_metadata, source.base_address, source.num_blocks,
-                         source.memory_type, source.device_id)
+            peer = _Peer(name, source.agent_metadata, source.num_blocks, source.memory_type,
+                         tuple((r.base_address, r.device_id, r.first_head, r.num_heads) for r in source.ranks))
             self._peers[name] = peer
         return peer
 
+    def read_plan(self, peer: _Peer, src_blocks: Sequence[int], dst_blocks: Sequence[int]) -> tuple[np.ndarray, np.ndarray]:
+        """The copies that move ``peer``'s blocks ``src_blocks[i]`` into this pool's
+        ``dst_blocks[i]``: for each of this pool's ranks and each of the peer's ranks whose head
+        ranges overlap, the overlap of each block, one span on both sides; runs merged.
+
+        Returns:
+            ``(local, remote)`` NIXL descriptor arrays ``[n, 3]`` uint64 of ``(address, bytes,
+            device id)``, pairwise.
+        """
+        head = self.pool.head_nbytes
+        src, dst = np.asarray(src_blocks, dtype=np.uint64), np.asarray(dst_blocks, dtype=np.uint64)
+        local, remote = [], []
+        for part in self.pool.ranks:
+            first, last = part.first_head, part.first_head + part.num_heads
+            for base, device_id, src_first, src_heads in peer.ranks:
+                low, high = max(first, src_first), min(last, src_first + src_heads)
+                if low >= high:
+                    continue
+                dst_addr = part.tensor.data_ptr() + dst * (part.num_heads * head) + (low - first) * head
+                src_addr = base + src * (src_heads * head) + (low - src_first) * head
+                for d, s, n in coalesce(dst_addr.tolist(), src_addr.tolist(), [(high - low) * head] * len(src)):
+                    local.append((d, n, _device_id(part.tensor)))
+                    remote.append((s, n, device_id))
+        return np.array(local, dtype=np.uint64), np.array(remote, dtype=np.uint64)
+
     async def read(self, peer: _Peer, src_blocks: Sequence[int], dst_blocks: Sequence[int]) -> None:
-        """Copy ``peer``'s blocks ``src_blocks[i]`` into this pool's ``dst_blocks[i]``.
+        """Copy ``peer``'s blocks ``src_blocks[i]`` into this pool's ``dst_blocks[i]``, each of
+        this pool's ranks reading its KV heads from the peer's ranks that hold them
+        (:meth:`read_plan`).
 
         Runs to completion even if the caller is cancelled meanwhile only when shielded: callers
         hold the destination blocks until this returns.
@@ -159,12 +199,7 @@ class NixlAgent:
         if bad:
             raise StatusError.invalid_argument("source_block_ids", f"{bad[:4]} outside the sender's pool of "
                                                                    f"{peer.num_blocks} blocks")
-        runs = coalesce(src_blocks, dst_blocks)
-        nb = self.block_nbytes
-        local = np.array([[self.kv_cache.data_ptr() + d * nb, n * nb, self.device_id] for _, d, n in runs],
-                         dtype=np.uint64)
-        remote = np.array([[peer.base_address + s * nb, n * nb, peer.device_id] for s, _, n in runs],
-                          dtype=np.uint64)
+        local, remote = self.read_plan(peer, src_blocks, dst_blocks)
         handle = self.agent.initialize_xfer(
             "READ", self.agent.get_xfer_descs(local, self.memory_type),
             self.agent.get_xfer_descs(remote, peer.memory_type), peer.name)
@@ -184,4 +219,10 @@ class NixlAgent:
         for name in list(self._peers):
             self.agent.remove_remote_agent(name)
         self._peers.clear()
-        self.agent.deregister_memory(self._registration)
+        for registration in self._registrations:
+            self.agent.deregister_memory(registration)
+
+
+def _device_id(tensor: torch.Tensor) -> int:
+    """The GPU index of ``tensor`` for NIXL (0 for host memory)."""
+    return tensor.get_device() if tensor.is_cuda else 0

@@ -6,8 +6,9 @@ import grpc
 import torch
 
 from kvtransfer.nixl import NixlAgent
+from kvtransfer.pool import KVPool
 from kvtransfer.reservations import Reservation, ReservationTable
-from kvtransfer.wire import BlockLayout, blocks_crc32
+from kvtransfer.wire import blocks_crc32
 from protos.status import StatusError
 
 
@@ -16,18 +17,18 @@ class KVReceiver:
     a chunk (gRPC), or read from the sender's pool (NIXL).
 
     Args:
-        kv_cache: the worker's cache tensor, ``[num_blocks, *block_shape]`` (``KVCache.tensor``).
-        table: the worker's reservations of blocks in that cache.
+        pool: the worker's KV pool (every rank's part).
+        table: the worker's reservations of blocks in that pool.
         nixl: the worker's NIXL agent (``None``: gRPC transfers only).
         verify_checksums: on the NIXL path, compare a CRC-32 of the blocks read with the
             sender's (a debug setting: it copies every block to the host on both sides).
     """
 
-    def __init__(self, kv_cache: torch.Tensor, table: ReservationTable, nixl: NixlAgent | None = None,
+    def __init__(self, pool: KVPool, table: ReservationTable, nixl: NixlAgent | None = None,
                  verify_checksums: bool = False) -> None:
-        self.kv_cache = kv_cache
+        self.pool = pool
         self.table = table
-        self.layout = BlockLayout.of_cache(kv_cache)
+        self.layout = pool.layout
         self.nixl = nixl
         self.verify_checksums = verify_checksums
 
@@ -63,8 +64,7 @@ class KVReceiver:
                 f"{self.layout.dtype} {list(self.layout.block_shape)}")
         reservation, block_ids = self.table.begin_write(reservation_id, request_id, first_index, blocks.shape[0])
         try:
-            index = torch.tensor(block_ids, dtype=torch.long, device=self.kv_cache.device)
-            self.kv_cache.index_copy_(0, index, blocks.to(self.kv_cache.device))
+            self.pool.scatter(block_ids, blocks)
         finally:
             self.table.end_write(reservation)
         return reservation
@@ -91,7 +91,7 @@ class KVReceiver:
         try:
             await self.nixl.read(peer, source_block_ids, block_ids)
             if self.verify_checksums and crc is not None:
-                got = blocks_crc32(self.kv_cache, block_ids)
+                got = blocks_crc32(self.pool.gather(block_ids))
                 if got != crc:
                     raise StatusError(grpc.StatusCode.DATA_LOSS,
                                       f"blocks [{first_index}, {first_index + len(block_ids)}) of reservation "

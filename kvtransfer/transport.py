@@ -13,7 +13,7 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Protocol
 
-import torch
+from kvtransfer.pool import KVPool
 
 
 @dataclass(frozen=True)
@@ -45,12 +45,12 @@ class KVTransfer(Protocol):
 
     async def __aexit__(self, *exc) -> None: ...
 
-    async def send(self, kv_cache: torch.Tensor, first_index: int, block_ids: Sequence[int]) -> None:
-        """Send ``kv_cache[block_ids[i]]`` as the request's block ``first_index + i``.
+    async def send(self, pool: KVPool, first_index: int, block_ids: Sequence[int]) -> None:
+        """Send ``pool``'s blocks ``block_ids[i]`` as the request's block ``first_index + i``.
 
         Args:
-            kv_cache: the sender's cache, ``[num_blocks, num_layers, 2, block_size, num_kv_heads,
-                head_dim]``; the blocks must stay unchanged (pinned) until this returns.
+            pool: the sender's KV pool (every tensor-parallel rank's part); the blocks must stay
+                unchanged (pinned) until this returns.
             first_index: position of ``block_ids[0]`` among the request's blocks.
             block_ids: the sender's physical blocks, in position order.
 

@@ -1,7 +1,7 @@
 """KV blocks as protobuf chunks: raw tensor bytes with dtype, shape and a CRC-32, nothing pickled.
 
-A block is ``kv_cache[block_id]``: ``[num_layers, 2, block_size, num_kv_heads, head_dim]``,
-C-contiguous. A chunk (``tandem.v1.KVChunk``) carries ``num_blocks >= 1`` blocks of one request at
+A block is ``[num_kv_heads, num_layers, 2, block_size, head_dim]``, C-contiguous: every KV head of
+the model, whatever the tensor-parallel sizes of the workers (:mod:`kvtransfer.pool`). A chunk (``tandem.v1.KVChunk``) carries ``num_blocks >= 1`` blocks of one request at
 consecutive positions. Bytes are the tensor's own, read through a ``uint8`` view, so every dtype
 (bfloat16 and float8 included, which numpy lacks) round-trips bit-exact. Byte order is the
 host's; every supported host (x86-64, aarch64) is little-endian, as the wire format states.
@@ -37,7 +37,7 @@ class BlockLayout:
 
     Attributes:
         dtype: element type, one of ``KV_DTYPES``.
-        block_shape: ``(num_layers, 2, block_size, num_kv_heads, head_dim)``.
+        block_shape: ``(num_kv_heads, num_layers, 2, block_size, head_dim)``.
 
     Raises:
         ValueError: ``dtype`` is not a supported KV dtype, or a dimension is < 1.
@@ -51,11 +51,6 @@ class BlockLayout:
             raise ValueError(f"dtype {self.dtype} is not one of {sorted(KV_DTYPES)}")
         if not self.block_shape or min(self.block_shape) < 1:
             raise ValueError(f"block_shape must have dimensions >= 1, got {self.block_shape}")
-
-    @classmethod
-    def of_cache(cls, kv_cache: torch.Tensor) -> BlockLayout:
-        """The layout of the blocks of ``kv_cache`` (``[num_blocks, *block_shape]``)."""
-        return cls(kv_cache.dtype, tuple(kv_cache.shape[1:]))
 
     @property
     def dtype_name(self) -> str:
@@ -91,11 +86,10 @@ def crc32(data: bytes) -> int:
     return zlib.crc32(data) & 0xFFFFFFFF
 
 
-def blocks_crc32(kv_cache: torch.Tensor, block_ids: list[int]) -> int:
-    """CRC-32 of blocks ``kv_cache[block_ids[i]]`` one after the other, as their raw bytes (what
-    a chunk of them carries as ``data``); copies them to the host."""
-    blocks = kv_cache[torch.tensor(block_ids, device=kv_cache.device)].to("cpu").contiguous()
-    return crc32(blocks.view(torch.uint8).numpy().tobytes())
+def blocks_crc32(blocks: torch.Tensor) -> int:
+    """CRC-32 of ``blocks`` ``[n, *block_shape]`` one after the other, as their raw bytes (what a
+    chunk of them carries as ``data``); copies them to the host."""
+    return crc32(blocks.to("cpu").contiguous().view(torch.uint8).numpy().tobytes())
 
 
 def encode_chunk(

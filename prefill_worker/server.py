@@ -36,9 +36,9 @@ from cluster.translate import (
 )
 from cluster.tls import role_name
 from cluster.worker import Admission, kv_transport, published_config, worker_tls
-from engine.async_engine import AsyncEngine, EngineError
+from engine.async_engine import AsyncEngine, EngineDeadError, EngineError
 from engine.sampling_params import SamplingParams
-from kvtransfer import GRPC_MESSAGE_OPTIONS, BlockLayout, GrpcKVSender, KVDestination, KVSender
+from kvtransfer import GRPC_MESSAGE_OPTIONS, BlockLayout, GrpcKVSender, KVDestination, KVPool, KVSender
 from protos.status import StatusError
 from protos.tandem.v1 import worker_pb2, worker_pb2_grpc
 
@@ -84,11 +84,12 @@ class PrefillServicer(worker_pb2_grpc.PrefillWorkerServicer):
         self._registry_ttl_s = settings.registry_ttl_s
         self._decode_seen: dict[str, float] = {}  # decode worker address -> when a registry read last listed it
         self._decode_read_at = -1.0
-        transports, self.nixl = kv_transport(settings, settings.resolved_worker_id(str(Role.PREFILL)), engine.engine)
+        self.pool = KVPool(engine.kv_pools)
+        transports, self.nixl = kv_transport(settings, settings.resolved_worker_id(str(Role.PREFILL)), self.pool)
         self.sender = sender or GrpcKVSender(self.channels.get, transports=transports, nixl=self.nixl,
                                              verify_checksums=settings.kv_verify_checksums)
-        self.layout = BlockLayout.of_cache(engine.kv_cache)
-        self.config = published_config(engine.engine)
+        self.layout = self.pool.layout
+        self.config = published_config(engine.engine, transports)
         self.admission = Admission()
         self._tasks: dict[str, asyncio.Task[worker_pb2.PrefillResponse]] = {}
 
@@ -135,9 +136,10 @@ class PrefillServicer(worker_pb2_grpc.PrefillWorkerServicer):
             status = exc.code.name
             logger.info("prefill failed: %s", exc)
             await context.abort(exc.code, exc.message)
-        except EngineError as exc:
-            status = "INTERNAL"
-            await context.abort(grpc.StatusCode.INTERNAL, str(exc))
+        except EngineError as exc:  # a dead engine (its worker is going away) is retried elsewhere
+            code = grpc.StatusCode.UNAVAILABLE if isinstance(exc, EngineDeadError) else grpc.StatusCode.INTERNAL
+            status = code.name
+            await context.abort(code, str(exc))
         except asyncio.CancelledError:
             status = "CANCELLED"
             raise
@@ -235,7 +237,7 @@ class PrefillServicer(worker_pb2_grpc.PrefillWorkerServicer):
                         async for out in outputs:
                             final, ready = out, out.pinned_block_ids[sent:]
                             if ready:  # blocks the last chunk completed: on their way at once
-                                await transfer.send(self.engine.kv_cache, sent, ready)
+                                await transfer.send(self.pool, sent, ready)
                                 sent += len(ready)
                 except ValueError as exc:  # e.g. a duplicate request id in the engine
                     raise StatusError(grpc.StatusCode.INVALID_ARGUMENT, str(exc)) from None

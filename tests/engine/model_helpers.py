@@ -94,3 +94,10 @@ class PagedRunner:
             self.kv_cache, metadata,
         )
         return list(self.model.compute_logits(hidden).split(q_lens))
+
+
+def save_tiny_llama(path, **overrides) -> str:
+    """A tiny random Llama (:func:`make_hf_model`, GQA 4/2 heads, so 1, 2 and 4 ranks split it)
+    saved as an HF directory with safetensors weights, as a checkpoint on disk is; returns its path."""
+    make_hf_model(transformers.LlamaConfig, overrides).save_pretrained(path)
+    return str(path)

@@ -73,13 +73,13 @@ def triton_ops(monkeypatch):
     """Run the engine's layers, attention and sampler through the Triton kernels (on the CPU under
     TRITON_INTERPRET=1) instead of the references."""
     import kernels
-    from engine import llm_engine, sampler
+    from engine import model_shard, sampler
     from engine.attention import PagedAttentionBackend
     from engine.layers import activation, norm, rotary
 
     for module in (activation, norm, rotary, sampler):
         monkeypatch.setattr(module, "ops_for", lambda device: kernels)
-    monkeypatch.setattr(llm_engine, "get_attention_backend", lambda device: PagedAttentionBackend(kernels))
+    monkeypatch.setattr(model_shard, "get_attention_backend", lambda device: PagedAttentionBackend(kernels))
     return monkeypatch
 
 

@@ -13,31 +13,45 @@ import torch
 
 from engine.kv_cache import KVCache
 from engine.model_config import ModelConfig
+from engine.tensor_parallel import shard_config
 from kvtransfer import (
     DEFAULT_MAX_CHUNK_BYTES, GRPC_MESSAGE_OPTIONS, GrpcKVReceiver, GrpcKVSender, GrpcKVTransfer, KVDestination,
-    KVReceiver, ReservationTable, encode_chunk,
+    KVPool, KVReceiver, ReservationTable, encode_chunk,
 )
 from kvtransfer.nixl import NixlAgent, coalesce
 from protos.status import StatusError
 from protos.tandem.v1 import kvtransfer_pb2, worker_pb2_grpc
 
-CONFIG = ModelConfig(vocab_size=32, hidden_size=32, intermediate_size=64, num_hidden_layers=2,
-                     num_attention_heads=4, num_key_value_heads=2)  # head_dim 8
+CONFIG = ModelConfig(vocab_size=32, hidden_size=64, intermediate_size=64, num_hidden_layers=2,
+                     num_attention_heads=8, num_key_value_heads=4)  # head_dim 8
 BLOCK_SIZE = 4
+NUM_BLOCKS = 8
 SRC_IDS = [5, 1, 2, 7]  # the request's blocks on the prefill worker, position order
 DST_IDS = [3, 0, 6, 4]  # the reservation's blocks on the decode worker
 
 
-def make_cache(dtype: torch.dtype, fill_random: bool) -> KVCache:
-    cache = KVCache(CONFIG, num_blocks=8, block_size=BLOCK_SIZE, dtype=dtype, device="cpu")
+def make_pool(dtype: torch.dtype, fill_random: bool, num_ranks: int = 1) -> KVPool:
+    """The KV pool of a worker of ``num_ranks`` tensor-parallel ranks (each its KV heads' part)."""
+    shard = shard_config(CONFIG, num_ranks)
+    tensors = [KVCache(shard, NUM_BLOCKS, BLOCK_SIZE, dtype, "cpu").tensor for _ in range(num_ranks)]
     if fill_random:  # random bit patterns: bit-exactness covers NaN payloads and signed zeros
-        raw = cache.tensor.view(torch.uint8)
-        raw.copy_(torch.randint(0, 256, raw.shape, dtype=torch.uint8))
-    return cache
+        for tensor in tensors:
+            raw = tensor.view(torch.uint8)
+            raw.copy_(torch.randint(0, 256, raw.shape, dtype=torch.uint8))
+    return KVPool(tensors)
+
+
+def blocks(pool: KVPool, block_ids) -> torch.Tensor:
+    """Whole blocks (every rank's heads) as bytes."""
+    return as_bytes(pool.gather(list(block_ids)))
 
 
 def as_bytes(t: torch.Tensor) -> torch.Tensor:
     return t.contiguous().view(torch.uint8)
+
+
+def untouched(pool: KVPool, written) -> list[int]:
+    return sorted(set(range(NUM_BLOCKS)) - set(written))
 
 
 class TransferOnlyDecodeWorker(worker_pb2_grpc.DecodeWorkerServicer):
@@ -61,12 +75,12 @@ class DecodePeer:
 
 
 @contextlib.asynccontextmanager
-async def decode_worker(cache: KVCache, lease_s: float = 30.0, nixl: NixlAgent | None = None,
+async def decode_worker(pool: KVPool, lease_s: float = 30.0, nixl: NixlAgent | None = None,
                         verify_checksums: bool = False) -> AsyncIterator[DecodePeer]:
     freed: list[int] = []
     table = ReservationTable(freed.extend, lease_s=lease_s)
     server = grpc.aio.server(options=GRPC_MESSAGE_OPTIONS)
-    receiver = KVReceiver(cache.tensor, table, nixl=nixl, verify_checksums=verify_checksums)
+    receiver = KVReceiver(pool, table, nixl=nixl, verify_checksums=verify_checksums)
     worker_pb2_grpc.add_DecodeWorkerServicer_to_server(TransferOnlyDecodeWorker(receiver), server)
     port = server.add_insecure_port("127.0.0.1:0")
     await server.start()
@@ -82,11 +96,11 @@ async def decode_worker(cache: KVCache, lease_s: float = 30.0, nixl: NixlAgent |
 Tamper = Callable[[int, kvtransfer_pb2.KVChunk], Awaitable[kvtransfer_pb2.KVChunk | None]]
 
 
-async def send_blocks(stub, cache: torch.Tensor, block_ids: list[int], *, reservation_id: str, request_id: str,
+async def send_blocks(stub, pool: KVPool, block_ids: list[int], *, reservation_id: str, request_id: str,
                       max_chunk_bytes: int = DEFAULT_MAX_CHUNK_BYTES) -> int:
     """Open a transfer, send every block, wait for the acknowledgement (what a prefill worker does)."""
     async with GrpcKVTransfer(stub, reservation_id, request_id, max_chunk_bytes=max_chunk_bytes) as transfer:
-        await transfer.send(cache, 0, block_ids)
+        await transfer.send(pool, 0, block_ids)
         return await transfer.finish()
 
 
@@ -131,8 +145,12 @@ async def wait_for(condition: Callable[[], bool], timeout_s: float = 5.0) -> Non
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["fp32", "bf16"])
 @pytest.mark.parametrize("blocks_per_chunk", [1, 3])
-def test_blocks_arrive_bit_exact_in_reserved_slots(dtype: torch.dtype, blocks_per_chunk: int) -> None:
-    src, dst = make_cache(dtype, True), make_cache(dtype, False)
+@pytest.mark.parametrize("ranks", [(1, 1), (2, 1), (1, 4)], ids=["tp1-tp1", "tp2-tp1", "tp1-tp4"])
+def test_blocks_arrive_bit_exact_in_reserved_slots(dtype: torch.dtype, blocks_per_chunk: int,
+                                                   ranks: tuple[int, int]) -> None:
+    """Whole blocks cross the stream whatever the two sides' tensor-parallel sizes; each
+    receiving rank gets its own heads."""
+    src, dst = make_pool(dtype, True, ranks[0]), make_pool(dtype, False, ranks[1])
     block_nbytes = KVCache.bytes_per_block(CONFIG, BLOCK_SIZE, dtype)
 
     async def scenario() -> None:
@@ -142,8 +160,8 @@ def test_blocks_arrive_bit_exact_in_reserved_slots(dtype: torch.dtype, blocks_pe
             sender = GrpcKVSender(lambda address: channel, max_chunk_bytes=blocks_per_chunk * block_nbytes)
             try:
                 async with sender.open(KVDestination(peer.address, reservation.reservation_id), "req-1") as transfer:
-                    await transfer.send(src.tensor, 0, SRC_IDS[:1])  # as blocks become ready
-                    await transfer.send(src.tensor, 1, SRC_IDS[1:])
+                    await transfer.send(src, 0, SRC_IDS[:1])  # as blocks become ready
+                    await transfer.send(src, 1, SRC_IDS[1:])
                     acked = await transfer.finish()
             finally:
                 await channel.close()
@@ -152,14 +170,12 @@ def test_blocks_arrive_bit_exact_in_reserved_slots(dtype: torch.dtype, blocks_pe
             assert peer.freed == []
 
     asyncio.run(scenario())
-    for src_id, dst_id in zip(SRC_IDS, DST_IDS):
-        assert torch.equal(as_bytes(dst.block(dst_id)), as_bytes(src.block(src_id)))
-    untouched = sorted(set(range(8)) - set(DST_IDS))
-    assert not as_bytes(dst.tensor[untouched]).any()
+    assert torch.equal(blocks(dst, DST_IDS), blocks(src, SRC_IDS))
+    assert not blocks(dst, untouched(dst, DST_IDS)).any()
 
 
 def test_corrupted_chunk_is_data_loss_and_frees_the_reservation() -> None:
-    src, dst = make_cache(torch.bfloat16, True), make_cache(torch.bfloat16, False)
+    src, dst = make_pool(torch.bfloat16, True), make_pool(torch.bfloat16, False)
 
     async def flip_a_byte_of_second_chunk(i: int, chunk: kvtransfer_pb2.KVChunk) -> kvtransfer_pb2.KVChunk:
         if i == 1:
@@ -173,29 +189,29 @@ def test_corrupted_chunk_is_data_loss_and_frees_the_reservation() -> None:
             reservation = peer.table.reserve("req-1", DST_IDS)
             stub = TamperingStub(peer.stub, flip_a_byte_of_second_chunk)
             with pytest.raises(StatusError) as info:
-                await send_blocks(stub, src.tensor, SRC_IDS, reservation_id=reservation.reservation_id,
+                await send_blocks(stub, src, SRC_IDS, reservation_id=reservation.reservation_id,
                                   request_id="req-1", max_chunk_bytes=1)
             assert info.value.code == grpc.StatusCode.DATA_LOSS and "CRC-32" in info.value.message
             assert sorted(peer.freed) == sorted(DST_IDS) and len(peer.table) == 0
 
     asyncio.run(scenario())
     # Block 0 arrived intact before the bad one; the corrupted block never reached the cache.
-    assert torch.equal(as_bytes(dst.block(DST_IDS[0])), as_bytes(src.block(SRC_IDS[0])))
-    assert not as_bytes(dst.tensor[DST_IDS[1:]]).any()
+    assert torch.equal(blocks(dst, DST_IDS[:1]), blocks(src, SRC_IDS[:1]))
+    assert not blocks(dst, DST_IDS[1:]).any()
 
 
-def _bad_chunks(reservation_id: str, src: KVCache) -> dict[str, tuple[list[kvtransfer_pb2.KVChunk], str]]:
+def _bad_chunks(reservation_id: str, src: KVPool) -> dict[str, tuple[list[kvtransfer_pb2.KVChunk], str]]:
     def chunk(blocks: torch.Tensor, first: int, request_id: str = "req-1") -> kvtransfer_pb2.KVChunk:
         return encode_chunk(blocks, reservation_id=reservation_id, request_id=request_id, first_block_index=first)
 
-    good = src.tensor[SRC_IDS[0]: SRC_IDS[0] + 1]
-    other = src.tensor[SRC_IDS[1]: SRC_IDS[1] + 1]
+    good = src.gather(SRC_IDS[:1])
+    other = src.gather(SRC_IDS[1:2])
     small = KVCache(CONFIG, num_blocks=1, block_size=2, dtype=torch.float32, device="cpu").tensor
     return {
         "dtype": ([chunk(good.to(torch.float16), 0)], "dtype 'float16' != expected 'float32'"),
-        "shape": ([chunk(small, 0)], "block_shape [2, 2, 2, 2, 8] != expected [2, 2, 4, 2, 8]"),
+        "shape": ([chunk(small, 0)], "block_shape [4, 2, 2, 2, 8] != expected [4, 2, 2, 4, 8]"),
         "index": ([chunk(good, len(DST_IDS))], f"blocks [4, 5) outside [0, {len(DST_IDS)})"),
-        "overrun": ([chunk(src.tensor[0:2], len(DST_IDS) - 1)], "blocks [3, 5) outside"),
+        "overrun": ([chunk(src.gather([0, 1]), len(DST_IDS) - 1)], "blocks [3, 5) outside"),
         "duplicate": ([chunk(good, 0), chunk(other, 0)], "blocks [0] of reservation"),
         "request": ([chunk(good, 0, request_id="someone-else")], "belongs to request 'req-1'"),
         "reservation": ([chunk(good, 0), encode_chunk(other, reservation_id="x", request_id="req-1",
@@ -205,7 +221,7 @@ def _bad_chunks(reservation_id: str, src: KVCache) -> dict[str, tuple[list[kvtra
 
 @pytest.mark.parametrize("case", ["dtype", "shape", "index", "overrun", "duplicate", "request", "reservation"])
 def test_bad_chunk_is_refused_before_any_write(case: str) -> None:
-    src, dst = make_cache(torch.float32, True), make_cache(torch.float32, False)
+    src, dst = make_pool(torch.float32, True), make_pool(torch.float32, False)
 
     async def scenario() -> None:
         async with decode_worker(dst) as peer:
@@ -221,15 +237,15 @@ def test_bad_chunk_is_refused_before_any_write(case: str) -> None:
             assert sorted(peer.freed) == sorted(DST_IDS) and len(peer.table) == 0
 
     asyncio.run(scenario())
-    written = as_bytes(dst.tensor)
+    written = blocks(dst, range(NUM_BLOCKS))
     if case in ("duplicate", "reservation"):  # the first, valid chunk landed; the bad one did not
-        assert torch.equal(as_bytes(dst.block(DST_IDS[0])), as_bytes(src.block(SRC_IDS[0])))
-        written = as_bytes(dst.tensor[[i for i in range(8) if i != DST_IDS[0]]])
+        assert torch.equal(blocks(dst, DST_IDS[:1]), blocks(src, SRC_IDS[:1]))
+        written = blocks(dst, untouched(dst, DST_IDS[:1]))
     assert not written.any()
 
 
 def test_stream_ending_early_is_refused_and_frees() -> None:
-    src, dst = make_cache(torch.float32, True), make_cache(torch.float32, False)
+    src, dst = make_pool(torch.float32, True), make_pool(torch.float32, False)
 
     async def drop_last(i: int, chunk: kvtransfer_pb2.KVChunk) -> kvtransfer_pb2.KVChunk | None:
         return None if i == len(SRC_IDS) - 1 else chunk
@@ -238,7 +254,7 @@ def test_stream_ending_early_is_refused_and_frees() -> None:
         async with decode_worker(dst) as peer:
             reservation = peer.table.reserve("req-1", DST_IDS)
             with pytest.raises(StatusError) as info:
-                await send_blocks(TamperingStub(peer.stub, drop_last), src.tensor, SRC_IDS,
+                await send_blocks(TamperingStub(peer.stub, drop_last), src, SRC_IDS,
                                   reservation_id=reservation.reservation_id, request_id="req-1", max_chunk_bytes=1)
             assert info.value.code == grpc.StatusCode.INVALID_ARGUMENT
             assert "stream ended after 3 of 4 blocks" in info.value.message
@@ -248,7 +264,7 @@ def test_stream_ending_early_is_refused_and_frees() -> None:
 
 
 def test_expired_lease_frees_blocks_and_refuses_the_late_transfer() -> None:
-    src, dst = make_cache(torch.float32, True), make_cache(torch.float32, False)
+    src, dst = make_pool(torch.float32, True), make_pool(torch.float32, False)
 
     async def scenario() -> None:
         async with decode_worker(dst, lease_s=0.1) as peer:
@@ -258,16 +274,16 @@ def test_expired_lease_frees_blocks_and_refuses_the_late_transfer() -> None:
             reaper.cancel()
             assert sorted(peer.freed) == sorted(DST_IDS)
             with pytest.raises(StatusError) as info:
-                await send_blocks(peer.stub, src.tensor, SRC_IDS, reservation_id=reservation.reservation_id,
+                await send_blocks(peer.stub, src, SRC_IDS, reservation_id=reservation.reservation_id,
                                   request_id="req-1")
             assert info.value.code == grpc.StatusCode.NOT_FOUND and "expired" in info.value.message
 
     asyncio.run(scenario())
-    assert not as_bytes(dst.tensor).any()
+    assert not blocks(dst, range(NUM_BLOCKS)).any()
 
 
 def test_sender_cancelled_mid_stream_frees_the_reservation() -> None:
-    src, dst = make_cache(torch.float32, True), make_cache(torch.float32, False)
+    src, dst = make_pool(torch.float32, True), make_pool(torch.float32, False)
 
     async def scenario() -> None:
         stall = asyncio.Event()  # never set: the sender hangs after its first chunk
@@ -280,7 +296,7 @@ def test_sender_cancelled_mid_stream_frees_the_reservation() -> None:
         async with decode_worker(dst) as peer:
             reservation = peer.table.reserve("req-1", DST_IDS)
             send = asyncio.create_task(send_blocks(
-                TamperingStub(peer.stub, stall_after_first), src.tensor, SRC_IDS,
+                TamperingStub(peer.stub, stall_after_first), src, SRC_IDS,
                 reservation_id=reservation.reservation_id, request_id="req-1", max_chunk_bytes=1))
             await wait_for(lambda: reservation.num_arrived == 1)
             send.cancel()  # e.g. the prefill worker aborts the request
@@ -295,7 +311,7 @@ def test_sender_cancelled_mid_stream_frees_the_reservation() -> None:
 def test_receiver_death_fails_the_sender_with_unavailable() -> None:
     """Whatever the write races (grpc.aio reports a stream broken under a write as a local
     INTERNAL about one time in five), the sender reports an unreachable destination."""
-    src, dst = make_cache(torch.float32, True), make_cache(torch.float32, False)
+    src, dst = make_pool(torch.float32, True), make_pool(torch.float32, False)
 
     async def scenario() -> None:
         async with decode_worker(dst) as peer:
@@ -308,7 +324,7 @@ def test_receiver_death_fails_the_sender_with_unavailable() -> None:
                 return chunk
 
             with pytest.raises(StatusError) as info:
-                await send_blocks(TamperingStub(peer.stub, kill_receiver_after_first), src.tensor, SRC_IDS,
+                await send_blocks(TamperingStub(peer.stub, kill_receiver_after_first), src, SRC_IDS,
                                   reservation_id=reservation.reservation_id, request_id="req-1", max_chunk_bytes=1)
             assert info.value.code == grpc.StatusCode.UNAVAILABLE, info.value
             await wait_for(lambda: len(peer.table) == 0)
@@ -321,7 +337,7 @@ def test_receiver_death_fails_the_sender_with_unavailable() -> None:
 def test_open_stream_keeps_the_reservation_past_its_lease() -> None:
     """A prefill slower than the lease keeps its reservation: the open stream suspends the lease;
     once the stream ends the lease runs again, for the Decode claim."""
-    src, dst = make_cache(torch.float32, True), make_cache(torch.float32, False)
+    src, dst = make_pool(torch.float32, True), make_pool(torch.float32, False)
 
     async def scenario() -> None:
         async with decode_worker(dst, lease_s=0.1) as peer:
@@ -331,7 +347,7 @@ def test_open_stream_keeps_the_reservation_past_its_lease() -> None:
                 await wait_for(lambda: reservation.attached)
                 await asyncio.sleep(0.4)  # four leases with nothing sent: the prefill computes
                 assert len(peer.table) == 1
-                await transfer.send(src.tensor, 0, SRC_IDS)
+                await transfer.send(src, 0, SRC_IDS)
                 assert await transfer.finish() == len(DST_IDS)
             assert not reservation.attached and len(peer.table) == 1
             await wait_for(lambda: len(peer.table) == 0)  # nobody claimed it: the lease ends it
@@ -345,21 +361,48 @@ def test_open_stream_keeps_the_reservation_past_its_lease() -> None:
 _agents = iter(range(1_000_000))
 
 
-def agent(cache: KVCache) -> NixlAgent:
-    """A NIXL agent over ``cache`` with a name unique in this process."""
-    return NixlAgent(f"test-agent-{next(_agents)}", cache.tensor)
+def agent(pool: KVPool) -> NixlAgent:
+    """A NIXL agent over ``pool`` with a name unique in this process."""
+    return NixlAgent(f"test-agent-{next(_agents)}", pool)
 
 
 def test_runs_adjacent_on_both_sides_coalesce() -> None:
-    assert coalesce([5, 6, 7, 1, 2], [3, 4, 5, 9, 0]) == [(5, 3, 3), (1, 9, 1), (2, 0, 1)]
-    assert coalesce([], []) == []
+    assert coalesce([50, 60, 70, 10, 20], [30, 40, 50, 90, 0], [10] * 5) == [(50, 30, 30), (10, 90, 10), (20, 0, 10)]
+    assert coalesce([], [], []) == []
+
+
+@pytest.mark.parametrize("ranks", [(1, 1), (2, 1), (1, 2), (2, 4), (4, 2)])
+def test_nixl_read_plan_takes_each_head_range_from_the_rank_that_holds_it(ranks: tuple[int, int]) -> None:
+    """Heterogeneous tensor parallelism: each receiving rank reads exactly its heads' span of
+    each block, from each sending rank whose heads overlap them; runs adjacent on both sides merge."""
+    src, dst = make_pool(torch.float32, True, ranks[0]), make_pool(torch.float32, False, ranks[1])
+    sender_agent, receiver_agent = agent(src), agent(dst)
+    peer = receiver_agent.add_peer(sender_agent.source())
+    local, remote = receiver_agent.read_plan(peer, [2, 3, 7], [4, 5, 0])
+    for (dst_addr, n, _), (src_addr, m, _) in zip(local.tolist(), remote.tolist()):
+        assert n == m
+        # copy the span as NIXL would: the byte ranges lie inside the two pools' tensors
+        src_part = next(p for p in src.ranks if p.tensor.data_ptr() <= src_addr < p.tensor.data_ptr() + p.tensor.nbytes)
+        dst_part = next(p for p in dst.ranks if p.tensor.data_ptr() <= dst_addr < p.tensor.data_ptr() + p.tensor.nbytes)
+        src_bytes, dst_bytes = src_part.tensor.view(-1).view(torch.uint8), dst_part.tensor.view(-1).view(torch.uint8)
+        so, do = src_addr - src_part.tensor.data_ptr(), dst_addr - dst_part.tensor.data_ptr()
+        dst_bytes[do:do + n] = src_bytes[so:so + n]
+    assert torch.equal(blocks(dst, [4, 5, 0]), blocks(src, [2, 3, 7]))
+    assert not blocks(dst, untouched(dst, [4, 5, 0])).any()
+    # one span per block and overlapping rank pair; where both spans are whole rank blocks (the
+    # same partition), blocks 2 -> 4 and 3 -> 5 merge into one
+    pairs = len({(head * ranks[0] // 4, head * ranks[1] // 4) for head in range(4)})
+    assert len(local) == pairs * (2 if ranks[0] == ranks[1] else 3)
+    sender_agent.close()
+    receiver_agent.close()
 
 
 @pytest.mark.parametrize("verify", [False, True], ids=["plain", "checksummed"])
-def test_nixl_reads_blocks_bit_exact_into_the_reserved_slots(verify: bool) -> None:
+@pytest.mark.parametrize("ranks", [(1, 1), (2, 1)], ids=["tp1-tp1", "tp2-tp1"])
+def test_nixl_reads_blocks_bit_exact_into_the_reserved_slots(verify: bool, ranks: tuple[int, int]) -> None:
     """The decode side reads the prefill side's blocks with NIXL (here UCX over host memory, as
     on a CPU machine); positions arrive in two announcements, as a prefill streams them."""
-    src, dst = make_cache(torch.bfloat16, True), make_cache(torch.bfloat16, False)
+    src, dst = make_pool(torch.bfloat16, True, ranks[0]), make_pool(torch.bfloat16, False, ranks[1])
     sender_agent, receiver_agent = agent(src), agent(dst)
 
     async def scenario() -> None:
@@ -372,24 +415,23 @@ def test_nixl_reads_blocks_bit_exact_into_the_reserved_slots(verify: bool) -> No
             try:
                 async with sender.open(destination, "req-1") as transfer:
                     assert transfer.transport == "nixl"
-                    await transfer.send(src.tensor, 0, SRC_IDS[:2])
-                    await transfer.send(src.tensor, 2, SRC_IDS[2:])
+                    await transfer.send(src, 0, SRC_IDS[:2])
+                    await transfer.send(src, 2, SRC_IDS[2:])
                     assert await transfer.finish() == len(DST_IDS)
             finally:
                 await channel.close()
             assert peer.table.claim(reservation.reservation_id, "req-1") == DST_IDS and peer.freed == []
 
     asyncio.run(scenario())
-    for src_id, dst_id in zip(SRC_IDS, DST_IDS):
-        assert torch.equal(as_bytes(dst.block(dst_id)), as_bytes(src.block(src_id)))
-    assert not as_bytes(dst.tensor[sorted(set(range(8)) - set(DST_IDS))]).any()
+    assert torch.equal(blocks(dst, DST_IDS), blocks(src, SRC_IDS))
+    assert not blocks(dst, untouched(dst, DST_IDS)).any()
     sender_agent.close()
     receiver_agent.close()
 
 
 @pytest.mark.parametrize("case", ["checksum", "outside the pool", "no nixl here"])
 def test_nixl_refusals_free_the_reservation(case: str) -> None:
-    src, dst = make_cache(torch.float32, True), make_cache(torch.float32, False)
+    src, dst = make_pool(torch.float32, True), make_pool(torch.float32, False)
     sender_agent, receiver_agent = agent(src), agent(dst)
     expected = {"checksum": grpc.StatusCode.DATA_LOSS, "outside the pool": grpc.StatusCode.INVALID_ARGUMENT,
                 "no nixl here": grpc.StatusCode.FAILED_PRECONDITION}[case]

@@ -14,21 +14,31 @@ class KVBlockLayout(_message.Message):
     block_shape: _containers.RepeatedScalarFieldContainer[int]
     def __init__(self, dtype: _Optional[str] = ..., block_shape: _Optional[_Iterable[int]] = ...) -> None: ...
 
+class NixlRankPool(_message.Message):
+    __slots__ = ("base_address", "device_id", "first_head", "num_heads")
+    BASE_ADDRESS_FIELD_NUMBER: _ClassVar[int]
+    DEVICE_ID_FIELD_NUMBER: _ClassVar[int]
+    FIRST_HEAD_FIELD_NUMBER: _ClassVar[int]
+    NUM_HEADS_FIELD_NUMBER: _ClassVar[int]
+    base_address: int
+    device_id: int
+    first_head: int
+    num_heads: int
+    def __init__(self, base_address: _Optional[int] = ..., device_id: _Optional[int] = ..., first_head: _Optional[int] = ..., num_heads: _Optional[int] = ...) -> None: ...
+
 class NixlSource(_message.Message):
-    __slots__ = ("agent_metadata", "agent_name", "base_address", "num_blocks", "memory_type", "device_id")
+    __slots__ = ("agent_metadata", "agent_name", "num_blocks", "memory_type", "ranks")
     AGENT_METADATA_FIELD_NUMBER: _ClassVar[int]
     AGENT_NAME_FIELD_NUMBER: _ClassVar[int]
-    BASE_ADDRESS_FIELD_NUMBER: _ClassVar[int]
     NUM_BLOCKS_FIELD_NUMBER: _ClassVar[int]
     MEMORY_TYPE_FIELD_NUMBER: _ClassVar[int]
-    DEVICE_ID_FIELD_NUMBER: _ClassVar[int]
+    RANKS_FIELD_NUMBER: _ClassVar[int]
     agent_metadata: bytes
     agent_name: str
-    base_address: int
     num_blocks: int
     memory_type: str
-    device_id: int
-    def __init__(self, agent_metadata: _Optional[bytes] = ..., agent_name: _Optional[str] = ..., base_address: _Optional[int] = ..., num_blocks: _Optional[int] = ..., memory_type: _Optional[str] = ..., device_id: _Optional[int] = ...) -> None: ...
+    ranks: _containers.RepeatedCompositeFieldContainer[NixlRankPool]
+    def __init__(self, agent_metadata: _Optional[bytes] = ..., agent_name: _Optional[str] = ..., num_blocks: _Optional[int] = ..., memory_type: _Optional[str] = ..., ranks: _Optional[_Iterable[_Union[NixlRankPool, _Mapping]]] = ...) -> None: ...
 
 class KVChunk(_message.Message):
     __slots__ = ("reservation_id", "request_id", "first_block_index", "num_blocks", "layout", "data", "crc32", "source_block_ids", "nixl_source", "has_crc32")

@@ -1,0 +1,52 @@
+"""Which device and dtype an engine runs on, and binding a thread to that device.
+
+CUDA's current device is per thread, and Triton kernels, CUDA events, streams and graph capture
+all use it: a worker on ``cuda:1`` whose step loop ran in a thread still on device 0 failed at
+its first kernel. Every thread that touches a worker's GPU calls :func:`use_device` first.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from engine.config import DTYPE_NAMES
+
+DTYPES = {name: getattr(torch, name) for name in DTYPE_NAMES}  # names from engine.config, a fixed list
+
+
+def resolve_device(name: str) -> torch.device:
+    """``"auto"`` → the first visible GPU when there is one, else the CPU; ``"cuda"`` → the
+    first visible GPU; any other name as it is (``"cpu"``, ``"cuda:N"``)."""
+    if name == "auto":
+        name = "cuda" if torch.cuda.is_available() else "cpu"
+    device = torch.device(name)
+    return torch.device("cuda", 0) if device.type == "cuda" and device.index is None else device
+
+
+def resolve_dtype(name: str, device: torch.device) -> torch.dtype:
+    """``"auto"`` → bfloat16 on CUDA, float32 elsewhere."""
+    if name == "auto":
+        return torch.bfloat16 if device.type == "cuda" else torch.float32
+    return DTYPES[name]
+
+
+def rank_device(device: torch.device, rank: int) -> torch.device:
+    """The device of tensor-parallel rank ``rank`` of a worker whose rank 0 runs on ``device``:
+    the GPU ``rank`` places after it (one GPU per rank), or the CPU.
+
+    Raises:
+        ValueError: that GPU does not exist here.
+    """
+    if device.type != "cuda":
+        return device
+    index = device.index + rank
+    if index >= torch.cuda.device_count():
+        raise ValueError(f"tensor_parallel_size: rank {rank} needs GPU {index} after {device}, but "
+                         f"{torch.cuda.device_count()} GPUs are visible")
+    return torch.device("cuda", index)
+
+
+def use_device(device: torch.device) -> None:
+    """Make ``device`` the calling thread's current CUDA device (nothing to do off CUDA)."""
+    if device.type == "cuda":
+        torch.cuda.set_device(device)

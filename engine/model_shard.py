@@ -1,0 +1,135 @@
+"""What every rank of an engine builds, in the same order on every rank: the model (its shard
+under tensor parallelism), the KV cache sized from memory, the model runner, warmed up.
+
+Under tensor parallelism the ranks run this in lockstep, each in its own process: the memory
+profile's and the warm-up's dummy steps run the model's collectives on every rank alike, the
+KV cache gets the block count every rank has room for (the smallest), and rank 0 allocates each
+rank's KV pool (:mod:`engine.shared_memory`), so that it can move any rank's blocks to and from
+other workers.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import time
+from dataclasses import dataclass
+
+import torch
+import torch.distributed as dist
+
+from engine.attention import get_attention_backend
+from engine.config import EngineConfig
+from engine.cuda_graphs import cuda_graph_sizes
+from engine.devices import rank_device
+from engine.distributed import TPGroup
+from engine.kv_cache import KVCache
+from engine.layers.linear import packed_linear_available
+from engine.loader import LoadedModel, load_model
+from engine.model_runner import ModelRunner
+from engine.outputs import StartupStats
+from engine.profiling import MemoryProfile, device_used_bytes, profile_memory
+from engine.shared_memory import allocate_shared, open_shared, release_handle
+from engine.warmup import start_up
+
+logger = logging.getLogger(__name__)
+
+
+@dataclass
+class ModelShard:
+    """One rank's model, KV cache and runner.
+
+    Attributes:
+        loaded: the model (this rank's shard) and what came with it (config, id, tokenizer).
+        kv_cache: this rank's KV cache.
+        kv_pools: rank 0: every rank's KV cache tensor, in rank order, each
+            ``[num_blocks, kv_heads_per_rank, num_layers, 2, block_size, head_dim]`` (the other
+            ranks map theirs from it); another rank: its own only.
+        runner: runs this rank's steps.
+        num_blocks: KV blocks per rank (the same on every rank).
+        max_model_len: tokens per sequence at most (the setting, lowered to what the KV cache holds).
+        memory_profile: on CUDA with the KV cache sized from memory, this rank's measured profile.
+        startup: how long start-up took, by phase.
+    """
+
+    loaded: LoadedModel
+    kv_cache: KVCache
+    kv_pools: list[torch.Tensor]
+    runner: ModelRunner
+    num_blocks: int
+    max_model_len: int
+    memory_profile: MemoryProfile | None
+    startup: StartupStats
+
+
+def build_shard(model: str | dict | None, config: EngineConfig, load_format: str, device: torch.device,
+                dtype: torch.dtype, tp: TPGroup | None = None, store: dist.Store | None = None,
+                started: float | None = None) -> ModelShard:
+    """Load, size, allocate and warm up one rank (call it on every rank with the same arguments
+    but ``device``).
+
+    Args:
+        model, load_format: as :func:`engine.loader.load_model`.
+        config: the engine's settings.
+        device, dtype: this rank's device and the model's dtype.
+        tp: this process's rank of a tensor-parallel engine (``None``: the whole model).
+        store: with ``tp``, the ranks' rendezvous store (KV pool handles go through it).
+        started: the ``time.perf_counter()`` the engine's start-up began at (default: now).
+
+    Raises:
+        ValueError: a bad model or setting (from the loader), or no room for a single KV block.
+    """
+    started = time.perf_counter() if started is None else started
+    others_bytes = device_used_bytes(device) if device.type == "cuda" else 0
+    loaded = load_model(model, dtype=dtype, device=device, attn_backend=get_attention_backend(device),
+                        load_format=load_format, tp=tp)
+    net = loaded.model
+    if packed_linear_available(device, dtype):
+        net.pack_for_cpu()
+    load_s = time.perf_counter() - started
+
+    bs = config.block_size
+    graph_sizes = cuda_graph_sizes(config, device)
+    memory_profile = None
+    if device.type == "cuda" and not config.num_blocks:
+        memory_profile = profile_memory(net, config, dtype, device, graph_sizes, others_bytes)
+    per_block = KVCache.bytes_per_block(net.config, bs, dtype)
+    budget = memory_profile.kv_cache_bytes if memory_profile is not None else config.kv_cache_memory_bytes
+    num_blocks = config.num_blocks or budget // per_block
+    if tp is not None:
+        num_blocks = tp.min(num_blocks)  # every rank raises below, or none
+    if num_blocks < 1:
+        raise ValueError(f"no room for KV blocks ({per_block} bytes each) in a budget of {budget} bytes: "
+                         "raise gpu_memory_utilization or kv_cache_memory_bytes")
+    profile_s = time.perf_counter() - started - load_s
+    max_len = min(config.max_model_len or loaded.config.max_position_embeddings, num_blocks * bs)
+    if config.max_model_len and max_len < config.max_model_len and (tp is None or tp.is_driver):
+        logger.warning("max_model_len lowered to %d: the KV cache holds %d blocks of %d tokens", max_len, num_blocks, bs)
+
+    pools = _kv_pools(KVCache.shape(net.config, num_blocks, bs), dtype, device, tp, store)
+    kv_cache = KVCache(net.config, num_blocks, bs, dtype, device, tensor=pools[0])
+    runner = ModelRunner(net, kv_cache, config.max_num_batched_tokens, config.max_num_seqs, max_len, config.seed)
+    startup = start_up(runner, config, graph_sizes, started, load_s, profile_s)
+    return ModelShard(loaded, kv_cache, pools, runner, num_blocks, max_len, memory_profile, startup)
+
+
+def _kv_pools(shape: tuple[int, ...], dtype: torch.dtype, device: torch.device, tp: TPGroup | None,
+              store: dist.Store | None) -> list[torch.Tensor]:
+    """This rank's KV pool first; on rank 0 of a tensor-parallel engine, every other rank's after
+    it, allocated here on its device and shared with it through ``store``."""
+    if tp is None:
+        return [torch.zeros(shape, dtype=dtype, device=device)]
+    if not tp.is_driver:
+        pool = open_shared(json.loads(store.get(f"kv_pool/{tp.rank}")))
+        tp.barrier()  # mapped: rank 0 may delete what names it
+        return [pool]
+    pools, handles = [torch.zeros(shape, dtype=dtype, device=device)], []
+    for rank in range(1, tp.world_size):
+        pool, handle = allocate_shared(shape, dtype, rank_device(device, rank))
+        store.set(f"kv_pool/{rank}", json.dumps(handle))
+        pools.append(pool)
+        handles.append(handle)
+    tp.barrier()
+    for handle in handles:
+        release_handle(handle)
+    return pools

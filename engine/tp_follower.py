@@ -1,0 +1,80 @@
+"""``python -m engine.tp_follower SPEC``: rank 1..T-1 of a tensor-parallel engine.
+
+Started by rank 0 (:class:`engine.tp_ranks.FollowerRanks`) with a JSON ``SPEC`` (the model, the
+engine's settings, this rank and its device, the rendezvous store's port). It builds its shard
+in lockstep with the other ranks (:func:`engine.model_shard.build_shard`), then runs every step
+rank 0 broadcasts until rank 0 says to stop (exit 0) or goes away (exit 1): it never outlives
+the engine.
+"""
+
+from __future__ import annotations
+
+import datetime
+import json
+import logging
+import os
+import signal
+import sys
+import threading
+import time
+from collections.abc import Sequence
+
+import torch
+import torch.distributed as dist
+
+from engine.config import EngineConfig
+from engine.devices import resolve_dtype, use_device
+from engine.distributed import TPGroup
+from engine.model_shard import build_shard
+from engine.tp_ranks import JOIN_TIMEOUT_S
+
+logger = logging.getLogger("engine.tp_follower")
+
+PARENT_POLL_S = 0.5
+
+
+def _exit_with_parent() -> None:
+    """Exit at once if the parent (rank 0) dies, whatever this rank is doing: a SIGKILLed rank 0
+    cannot tell it, and a rank in a device collective would wait for it forever."""
+    parent = os.getppid()
+
+    def watch() -> None:
+        while os.getppid() == parent:
+            time.sleep(PARENT_POLL_S)
+        os._exit(1)
+
+    threading.Thread(target=watch, name="parent-watch", daemon=True).start()
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    # Rank 0 ends this process (shutdown broadcast, or its death): a Ctrl-C or SIGTERM sent to
+    # the whole process group must not take a rank away from under a draining rank 0.
+    signal.signal(signal.SIGINT, signal.SIG_IGN)
+    signal.signal(signal.SIGTERM, signal.SIG_IGN)
+    spec = json.loads((sys.argv[1:] if argv is None else argv)[0])
+    rank, world_size = spec["rank"], spec["world_size"]
+    logging.basicConfig(level=spec["log_level"], stream=sys.stderr,
+                        format=f"%(asctime)s %(levelname)s tp-rank-{rank} %(name)s: %(message)s")
+    _exit_with_parent()
+    device = torch.device(spec["device"])
+    use_device(device)
+    config = EngineConfig(**spec["config"])
+    torch.manual_seed(config.seed)
+    store = dist.TCPStore("127.0.0.1", spec["store_port"], world_size, is_master=False,
+                          timeout=datetime.timedelta(seconds=JOIN_TIMEOUT_S))
+    store.set(f"joined/{rank}", "1")
+    group = TPGroup(rank, world_size, device, store)
+    try:
+        shard = build_shard(spec["model"], config, spec["load_format"], device, resolve_dtype(config.dtype, device),
+                            group, store)
+        while (packed := group.broadcast_step(None)) is not None:
+            shard.runner.follow(packed)
+    except Exception:  # noqa: BLE001 (logged; rank 0 sees this rank exit)
+        logger.exception("tensor-parallel rank %d failed", rank)
+        return 1
+    group.destroy()
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
