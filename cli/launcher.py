@@ -35,6 +35,7 @@ os.environ.setdefault("GRPC_ENABLE_FORK_SUPPORT", "false")
 
 from cli.healthcheck import check  # noqa: E402
 from cli.redis_server import RedisServer  # noqa: E402
+from engine.config import NVLINK_MULTICAST_OFF  # noqa: E402
 
 logger = logging.getLogger(__name__)
 
@@ -104,14 +105,28 @@ class Child:
             self.proc.wait()
 
 
-# NVLink multicast (NVLS) stays off in every process the launcher starts: on a shared host a
-# program using it can take the GPUs out of service, and NCCL, PyTorch's symmetric memory and
-# NVSHMEM would each try it on their own. ``env`` can still set these.
-NVLINK_MULTICAST_OFF = {"NCCL_NVLS_ENABLE": "0", "TORCH_SYMM_MEM_DISABLE_MULTICAST": "1", "NVSHMEM_DISABLE_NVLS": "1"}
-
-
 class ClusterError(RuntimeError):
     """A process of the cluster failed to start or died."""
+
+
+def gpu_placement(workers: list[tuple[str, int]], gpus: int) -> dict[str, int]:
+    """The first GPU of each worker, given as ``(name, tensor_parallel_size)`` in start order:
+    each worker takes that many consecutive GPUs (its ranks), the next worker the GPUs after
+    them, round robin over the host's ``gpus``; a worker whose ranks would run past the last
+    GPU starts again at GPU 0. More workers than GPUs share them.
+
+    Raises:
+        ValueError: a worker needs more GPUs than the host has.
+    """
+    placement, cursor = {}, 0
+    for name, tp in workers:
+        if tp > gpus:
+            raise ValueError(f"{name} has tensor_parallel_size={tp}, more than the {gpus} GPUs")
+        if cursor + tp > gpus:
+            cursor = 0
+        placement[name] = cursor
+        cursor = (cursor + tp) % gpus
+    return placement
 
 
 class LocalCluster:
@@ -128,6 +143,10 @@ class LocalCluster:
         log_dir: also write each process' output to ``log_dir/<name>.log``.
         metrics: serve every process's Prometheus metrics, each on a free port of its own
             (``metrics_ports`` says which).
+        gpus: GPUs of this host to place the workers on (:func:`gpu_placement`; each worker's
+            ``TANDEM_DEVICE`` is its first GPU); 0: the workers' own ``device`` setting.
+        prefill_tp, decode_tp: the tensor-parallel size of every prefill / decode worker (its
+            ranks are started by the worker itself).
         tls_dir: a TLS directory (``cluster.tls``) every process uses: the gateway serves TLS,
             gateway and workers authenticate each other with mTLS; ``None``: plaintext (the
             processes get ``TANDEM_INSECURE=1``).
@@ -137,13 +156,19 @@ class LocalCluster:
                  num_decode: int = 1, env: dict[str, str] | None = None,
                  worker_env: dict[str, dict[str, str]] | None = None, redis: str | None = "auto",
                  sink: Callable[[str, str], None] | None = None, log_dir: Path | None = None,
-                 metrics: bool = True, tls_dir: str | None = None) -> None:
+                 metrics: bool = True, tls_dir: str | None = None, gpus: int = 0, prefill_tp: int = 1,
+                 decode_tp: int = 1) -> None:
         self.model = model
         self.tls_dir = tls_dir
         self.gateway_addr = gateway_addr or f"127.0.0.1:{free_port()}"
         self.num_prefill, self.num_decode = num_prefill, num_decode
         self.env = dict(env or {})
-        self.worker_env = worker_env or {}
+        names = [(f"prefill-{i}", prefill_tp) for i in range(num_prefill)] + [(f"decode-{i}", decode_tp)
+                                                                             for i in range(num_decode)]
+        placement = gpu_placement(names, gpus) if gpus else {}
+        self.worker_env = {name: {"TANDEM_TENSOR_PARALLEL_SIZE": str(tp),
+                                  **({"TANDEM_DEVICE": f"cuda:{placement[name]}"} if gpus else {}),
+                                  **(worker_env or {}).get(name, {})} for name, tp in names}
         self.redis_mode = redis
         self.sink = sink or (lambda name, line: print(f"[{name}] {line}", file=sys.stderr, flush=True))
         self.log_dir = log_dir

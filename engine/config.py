@@ -5,6 +5,11 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 SUPPORTED_BLOCK_SIZES = (8, 16, 32, 64, 128)
+# NVLink multicast (NVLS) stays off in every process Tandem starts (tensor-parallel ranks, the
+# local launcher's workers): on a shared host a program using it can take the GPUs out of
+# service, and NCCL, PyTorch's symmetric memory and NVSHMEM would each try it on their own. A
+# value already in the environment wins.
+NVLINK_MULTICAST_OFF = {"NCCL_NVLS_ENABLE": "0", "TORCH_SYMM_MEM_DISABLE_MULTICAST": "1", "NVSHMEM_DISABLE_NVLS": "1"}
 # Model / KV cache dtypes by name (``engine.devices.DTYPES`` maps them to torch dtypes).
 DTYPE_NAMES = ("float32", "bfloat16", "float16")
 

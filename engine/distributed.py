@@ -23,12 +23,9 @@ import numpy as np
 import torch
 import torch.distributed as dist
 
-logger = logging.getLogger(__name__)
+from engine.config import NVLINK_MULTICAST_OFF
 
-# NVLink multicast (NVLS) stays off in every rank: on a shared host a program using it can take
-# the GPUs out of service, and NCCL, PyTorch's symmetric memory and NVSHMEM would each try it on
-# their own. A value already in the environment wins.
-NVLINK_MULTICAST_OFF = {"NCCL_NVLS_ENABLE": "0", "TORCH_SYMM_MEM_DISABLE_MULTICAST": "1", "NVSHMEM_DISABLE_NVLS": "1"}
+logger = logging.getLogger(__name__)
 
 # The model's collectives complete within a step; a rank missing for this long is gone.
 COLLECTIVE_TIMEOUT = datetime.timedelta(minutes=10)

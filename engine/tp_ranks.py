@@ -27,9 +27,9 @@ from pathlib import Path
 import torch
 import torch.distributed as dist
 
-from engine.config import EngineConfig
+from engine.config import NVLINK_MULTICAST_OFF, EngineConfig
 from engine.devices import rank_device
-from engine.distributed import NVLINK_MULTICAST_OFF, TPGroup
+from engine.distributed import TPGroup
 from engine.model_config import ModelConfig
 from engine.model_source import resolve_model
 from engine.tensor_parallel import shard_config
