@@ -44,6 +44,7 @@ import os
 import random
 import sys
 import time
+from collections import Counter
 from dataclasses import dataclass, field
 
 import grpc
@@ -51,7 +52,7 @@ import grpc
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 from bench.common import machine, write_result  # noqa: E402
-from cli.launcher import LocalCluster  # noqa: E402
+from cli.launcher import LocalCluster, gpu_placement  # noqa: E402
 from gateway.settings import GatewaySettings  # noqa: E402
 from protos.tandem.v1 import gateway_pb2, gateway_pb2_grpc  # noqa: E402
 
@@ -277,24 +278,27 @@ def offline_tokens_per_s(model: str, load_format: str, requests: list[Request], 
 
 def start_cluster(args, setup: str) -> LocalCluster:
     """The deployment under test: ``disagg`` (``--prefill`` prefill + ``--decode`` decode
-    workers) or ``colocated`` (decode workers only, each prefilling its own requests), spread
-    over ``--gpus`` GPUs (worker i on GPU i mod gpus)."""
+    workers) or ``colocated`` (decode workers only, each prefilling its own requests), placed on
+    ``--gpus`` GPUs (``cli.launcher.gpu_placement``: each worker on as many consecutive GPUs as
+    its tensor-parallel size, ``--prefill-tp`` / ``--decode-tp``); workers sharing a GPU share
+    ``--gpu-memory-utilization``."""
     env = {"TANDEM_LOAD_FORMAT": args.load_format, "TANDEM_LOG_LEVEL": "WARNING",
            "TANDEM_MAX_NUM_SEQS": str(args.max_num_seqs), "TANDEM_LOCAL_PREFILL_MAX_TOKENS": str(args.local_prefill),
            "TANDEM_KV_TRANSPORT": args.kv_transport, "TANDEM_ADMIT_WAIT_S": "600", **args.env}
     num_prefill = args.prefill if setup == "disagg" else 0
     num_decode = args.decode if setup == "disagg" else args.prefill + args.decode
-    names = [f"prefill-{i}" for i in range(num_prefill)] + [f"decode-{i}" for i in range(num_decode)]
-    per_gpu = -(-len(names) // max(1, args.gpus))
-    worker_env = {}
-    for i, name in enumerate(names):
-        worker_env[name] = {"TANDEM_GPU_MEMORY_UTILIZATION": str(round(args.gpu_memory_utilization / per_gpu, 3))}
-        if args.gpus:
-            worker_env[name]["TANDEM_DEVICE"] = f"cuda:{i % args.gpus}"
+    workers = [(f"prefill-{i}", args.prefill_tp) for i in range(num_prefill)]
+    workers += [(f"decode-{i}", args.decode_tp if setup == "disagg" else args.prefill_tp) for i in range(num_decode)]
+    placement = gpu_placement(workers, args.gpus) if args.gpus else {name: 0 for name, _ in workers}
+    gpus_of = {name: range(placement[name], placement[name] + tp) for name, tp in workers}
+    ranks_on = Counter(gpu for gpus in gpus_of.values() for gpu in gpus)
+    worker_env = {name: {"TANDEM_GPU_MEMORY_UTILIZATION": str(round(
+        args.gpu_memory_utilization / max(ranks_on[gpu] for gpu in gpus), 3))} for name, gpus in gpus_of.items()}
     cluster = LocalCluster(model=args.model, num_prefill=num_prefill, num_decode=num_decode, env=env,
                            worker_env=worker_env, sink=lambda name, line: print(f"[{name}] {line}", file=sys.stderr)
                            if "WARNING" in line or "ERROR" in line or "Traceback" in line else None,
-                           metrics=False)
+                           metrics=False, gpus=args.gpus, prefill_tp=args.prefill_tp,
+                           decode_tp=args.decode_tp if setup == "disagg" else args.prefill_tp)
     cluster.start(timeout_s=args.startup_timeout)
     return cluster
 
@@ -303,6 +307,18 @@ def settings_of(args) -> list[tuple[str, float]]:
     """("closed", concurrency) and ("open", rate) pairs to run."""
     runs = [("closed", float(c)) for c in args.concurrency]
     return runs + [("open", rate) for rate in args.rates]
+
+
+def sweep(args, vocab_size: int) -> list[tuple[str, str, float, list[Request]]]:
+    """Every run of one setup, ``(workload, mode, value, requests)``, each with prompts of its own
+    (seeded by its place in the sweep): a later run of the sweep must find none of its prompts in
+    the prefix caches an earlier one filled. Each setup draws the same prompts, for a fair
+    comparison."""
+    runs = []
+    for workload in args.workloads.split(","):
+        for mode, value in settings_of(args):
+            runs.append((workload, mode, value, make_workload(workload, args.num_requests, vocab_size, seed=len(runs))))
+    return runs
 
 
 def main() -> None:
@@ -319,7 +335,10 @@ def main() -> None:
     parser.add_argument("--prefill", type=int, default=1)
     parser.add_argument("--decode", type=int, default=1)
     parser.add_argument("--setups", default="disagg", help="disagg and/or colocated, comma-separated")
-    parser.add_argument("--gpus", type=int, default=0, help="GPUs to spread the workers over (0: CPU)")
+    parser.add_argument("--gpus", type=int, default=0, help="GPUs to place the workers on (0: CPU)")
+    parser.add_argument("--prefill-tp", type=int, default=1, help="tensor-parallel size of each prefill worker "
+                                                                   "(and of each colocated worker)")
+    parser.add_argument("--decode-tp", type=int, default=1, help="tensor-parallel size of each decode worker")
     parser.add_argument("--gpu-memory-utilization", type=float, default=0.85, help="per GPU, shared by its workers")
     parser.add_argument("--max-num-seqs", type=int, default=256)
     parser.add_argument("--local-prefill", type=int,
@@ -353,19 +372,17 @@ def main() -> None:
         cluster = start_cluster(args, setup)
         runs = {}
         try:
-            for workload in args.workloads.split(","):
-                for mode, value in settings_of(args):
-                    requests = make_workload(workload, args.num_requests, vocab)
-                    if mode == "closed":
-                        results, elapsed = asyncio.run(closed_loop(cluster.gateway_addr, requests, int(value)))
-                    else:
-                        results, elapsed = asyncio.run(open_loop(cluster.gateway_addr, requests, value))
-                    metrics = summarize(results, elapsed, args.slo_ttft, args.slo_tpot)
-                    metrics["concurrency" if mode == "closed" else "rate_rps"] = value
-                    runs[(workload, mode, value)] = (metrics, requests)
-                    print(f"{setup:>9} {workload:>13} {mode}={value:g}: {metrics['service_output_tokens_per_s']:.0f} "
-                          f"tok/s, TTFT p50 {metrics['ttft_p50_s']:.3f} s, TPOT p50 {metrics['tpot_p50_s'] * 1e3:.1f} ms, "
-                          f"goodput {metrics['goodput_rps']:.2f} req/s", flush=True)
+            for workload, mode, value, requests in sweep(args, vocab):
+                if mode == "closed":
+                    results, elapsed = asyncio.run(closed_loop(cluster.gateway_addr, requests, int(value)))
+                else:
+                    results, elapsed = asyncio.run(open_loop(cluster.gateway_addr, requests, value))
+                metrics = summarize(results, elapsed, args.slo_ttft, args.slo_tpot)
+                metrics["concurrency" if mode == "closed" else "rate_rps"] = value
+                runs[(workload, mode, value)] = (metrics, requests)
+                print(f"{setup:>9} {workload:>13} {mode}={value:g}: {metrics['service_output_tokens_per_s']:.0f} "
+                      f"tok/s, TTFT p50 {metrics['ttft_p50_s']:.3f} s, TPOT p50 {metrics['tpot_p50_s'] * 1e3:.1f} ms, "
+                      f"goodput {metrics['goodput_rps']:.2f} req/s", flush=True)
         finally:
             cluster.stop()
         by_setup[setup] = runs
@@ -384,7 +401,8 @@ def main() -> None:
             workload_desc = {"name": workload, "setup": setup, "mode": mode, "value": value,
                              "num_requests": args.num_requests, "prefill_workers": args.prefill if setup == "disagg" else 0,
                              "decode_workers": args.decode if setup == "disagg" else args.prefill + args.decode,
-                             "gpus": args.gpus, "kv_transport": args.kv_transport,
+                             "gpus": args.gpus, "prefill_tp": args.prefill_tp, "decode_tp": args.decode_tp,
+                             "kv_transport": args.kv_transport,
                              "local_prefill_max_tokens": args.local_prefill,
                              "slo_ttft_s": args.slo_ttft, "slo_tpot_s": args.slo_tpot, "greedy": True, "ignore_eos": True}
             write_result("serving", metrics, workload_desc, tag=f"{args.tag or setup}-{workload}-{mode}{value:g}",
