@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import contextlib
 import itertools
+import os
 import threading
 import time
 import uuid
@@ -23,12 +24,14 @@ from protos.tandem.v1 import gateway_pb2, gateway_pb2_grpc, worker_pb2, worker_p
 SP = gateway_pb2.SamplingParams
 
 
-def start_cluster(tmp: Path, key_prefix: str, redis_url: str, num_prefill: int, num_decode: int,
-                  kv_transport: str, env: dict[str, str] | None = None, worker_env: dict | None = None) -> LocalCluster:
+def start_cluster(tmp: Path, key_prefix: str, redis_url: str | None, num_prefill: int, num_decode: int,
+                  kv_transport: str, env: dict[str, str] | None = None, worker_env: dict | None = None,
+                  **placement) -> LocalCluster:
     """Start workers and a gateway (logs in ``tmp``); return once every process reports SERVING
     (the gateway does only when a request can be routed). Every prompt goes through a prefill
     worker (``TANDEM_LOCAL_PREFILL_MAX_TOKENS=0``) unless ``env`` says otherwise; KV blocks move
-    by ``kv_transport`` (blocks read over NIXL are checksummed too: ``TANDEM_KV_VERIFY_CHECKSUMS``)."""
+    by ``kv_transport`` (blocks read over NIXL are checksummed too: ``TANDEM_KV_VERIFY_CHECKSUMS``).
+    ``placement`` (``gpus``, ``prefill_tp``, ``decode_tp``) goes to :class:`LocalCluster`."""
     base = {"TANDEM_REDIS_KEY_PREFIX": key_prefix, "TANDEM_LOG_LEVEL": "INFO",
             "TANDEM_REGISTRY_TTL_S": "3", "TANDEM_HEARTBEAT_INTERVAL_S": "0.5",
             "TANDEM_KV_CACHE_MEMORY_BYTES": str(64 << 20), "TANDEM_DRAIN_TIMEOUT_S": "5",
@@ -36,7 +39,8 @@ def start_cluster(tmp: Path, key_prefix: str, redis_url: str, num_prefill: int, 
             "TANDEM_KV_TRANSPORT": kv_transport, "TANDEM_KV_VERIFY_CHECKSUMS": "true", **(env or {})}
     init_certs(str(tmp / "certs"))
     cluster = LocalCluster(num_prefill=num_prefill, num_decode=num_decode, env=base, worker_env=worker_env,
-                           redis=redis_url, sink=lambda name, line: None, log_dir=tmp, tls_dir=str(tmp / "certs"))
+                           redis=redis_url, sink=lambda name, line: None, log_dir=tmp, tls_dir=str(tmp / "certs"),
+                           **placement)
     cluster.start(timeout_s=300)
     return cluster
 
@@ -184,3 +188,12 @@ class ClosedLoop:
             ended = time.monotonic()
             with self._lock:
                 self.outcomes.append(Outcome(code, tokens, started, first, ended, max(longest, ended - last)))
+
+
+def child_pids(pid: int) -> list[int]:
+    """The processes ``pid`` started (from any of its threads), e.g. a worker's tensor-parallel ranks."""
+    children = []
+    for task in os.listdir(f"/proc/{pid}/task"):
+        with open(f"/proc/{pid}/task/{task}/children") as f:
+            children += [int(child) for child in f.read().split()]
+    return sorted(children)

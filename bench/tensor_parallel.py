@@ -1,0 +1,139 @@
+"""Tensor parallelism on one host: Llama-3-8B (random bf16 weights) at TP=2 against TP=1.
+
+Each setting runs in a process of its own (one engine holds the GPUs it uses; rank 0 on
+``cuda:0``, rank 1 on ``cuda:1``), the same workload in both:
+
+- decode step at batch 1, 8, 32 and 128: the median wall time of the engine's steps in which
+  every running sequence decodes (scheduling, the step broadcast, the CUDA graph replay and
+  sampling included), prompts of 256-768 random token ids, 64 new tokens (128 at batch 128);
+- offline throughput: ``LLM.generate`` of the usual workload (``bench/throughput.py``: 128
+  prompts of 256-768 tokens, 128 new tokens, greedy, EOS ignored), the second of two runs;
+- greedy agreement: 64 prompts x 64 tokens, greedy with the top-5 log-probabilities; the share of
+  positions where TP=2 picks TP=1's token, and the largest |Δ log-prob| of the picked token
+  over the positions before a sequence's first disagreement.
+
+Metrics (benchmark ``tensor_parallel``, model ``llama-3-8b``): ``tp2_decode_speedup_b{1,8,32,128}``,
+``tp2_throughput_ratio``, ``tp2_greedy_agreement``, ``tp2_max_logprob_diff`` and each setting's raw
+figures (``tp{1,2}_decode_step_ms_b*``, ``tp{1,2}_output_tokens_per_s``, ``tp{1,2}_startup_s``).
+
+Usage: ``python bench/tensor_parallel.py [--quick]`` (two GPUs).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import statistics
+import subprocess
+import sys
+from pathlib import Path
+
+import torch
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+from bench.common import gpu_tag, write_result  # noqa: E402
+from bench.throughput import full_batch_decodes, make_prompts, run_tandem  # noqa: E402
+
+MODEL = "llama-3-8b"
+DECODE_BATCHES = (1, 8, 32)
+THROUGHPUT_REQUESTS = 128
+NEW_TOKENS = 128
+AGREEMENT_PROMPTS, AGREEMENT_TOKENS = 64, 64
+
+
+def agreement_prompts(vocab_size: int) -> list[list[int]]:
+    """The prompts greedy agreement is measured on: 64 of 32-256 random token ids."""
+    return make_prompts(AGREEMENT_PROMPTS, vocab_size, lengths=(32, 256), seed=1234)
+
+
+def measure(tp: int, quick: bool, agreement_only: bool) -> dict:
+    """One setting, in this process: the decode steps, the throughput and the greedy outputs."""
+    from engine import LLM, SamplingParams
+
+    llm = LLM(MODEL, load_format="dummy", tensor_parallel_size=tp, enable_prefix_caching=False)
+    engine = llm.engine
+    out: dict = {"startup_s": engine.startup.total_s,
+                 "cuda_graphs": len(engine.runner.graphs.graphs) if engine.runner.graphs is not None else 0}
+    params = SamplingParams(max_tokens=AGREEMENT_TOKENS, temperature=0, ignore_eos=True, logprobs=5)
+    greedy = llm.generate(agreement_prompts(engine.vocab_size), params, use_tqdm=False)
+    out["greedy"] = [[[t, c.logprobs[i][t]] for i, t in enumerate(c.token_ids)] for c in (o.outputs[0] for o in greedy)]
+    out["top"] = [[sorted(lp, key=lp.get, reverse=True) for lp in o.outputs[0].logprobs] for o in greedy]
+    if not agreement_only:
+        for batch in DECODE_BATCHES:
+            _, _, stats = run_tandem(llm, make_prompts(batch, engine.vocab_size, seed=batch), 64)
+            out[f"decode_step_ms_b{batch}"] = 1e3 * statistics.median(s.step_s for s in full_batch_decodes(stats, batch))
+        prompts = make_prompts(THROUGHPUT_REQUESTS // (8 if quick else 1), engine.vocab_size)
+        run_tandem(llm, prompts, 16 if quick else NEW_TOKENS)  # the first run after start-up
+        elapsed, tokens, stats = run_tandem(llm, prompts, 16 if quick else NEW_TOKENS)
+        out["output_tokens_per_s"] = tokens / elapsed
+        full = full_batch_decodes(stats, len(prompts))
+        if full:
+            out[f"decode_step_ms_b{len(prompts)}"] = 1e3 * statistics.median(s.step_s for s in full)
+    engine.shutdown()
+    return out
+
+
+def run_setting(tp: int, quick: bool = False, agreement_only: bool = False) -> dict:
+    """:func:`measure` of one tensor-parallel size in a child process (its GPUs' memory is all
+    its own, and freed when it exits)."""
+    argv = [sys.executable, __file__, "--child", str(tp)] + ["--quick"] * quick + ["--agreement-only"] * agreement_only
+    done = subprocess.run(argv, stdout=subprocess.PIPE, text=True, check=True)
+    line = next(line for line in done.stdout.splitlines() if line.startswith("RESULT "))
+    return json.loads(line.removeprefix("RESULT "))
+
+
+def agreement(one: dict, two: dict) -> tuple[float, float, float]:
+    """``(share of positions with the same greedy token, largest |Δ log-prob| of the picked token
+    before a sequence's first disagreement, share of disagreements where each side's token is in
+    the other's top 5)``."""
+    same = total = near = flips = 0
+    worst = 0.0
+    for a, b, top_a, top_b in zip(one["greedy"], two["greedy"], one["top"], two["top"]):
+        diverged = False
+        for i, ((ta, la), (tb, lb)) in enumerate(zip(a, b)):
+            total += 1
+            same += ta == tb
+            if ta != tb and not diverged:
+                flips += 1
+                near += tb in top_a[i] and ta in top_b[i]
+                diverged = True
+            if not diverged:
+                worst = max(worst, abs(la - lb))
+    return same / total, worst, near / flips if flips else 1.0
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--quick", action="store_true", help="fewer tokens (a smoke run; not for the record)")
+    parser.add_argument("--child", type=int, default=0, help="(internal) measure this tensor-parallel size")
+    parser.add_argument("--agreement-only", action="store_true", help="(internal) greedy outputs only")
+    args = parser.parse_args()
+    if args.child:
+        print("RESULT " + json.dumps(measure(args.child, args.quick, args.agreement_only)), flush=True)
+        return
+    one, two = run_setting(1, args.quick), run_setting(2, args.quick)
+    metrics = {}
+    for tp, result in ((1, one), (2, two)):
+        for key, value in result.items():
+            if key not in ("greedy", "top", "cuda_graphs"):
+                metrics[f"tp{tp}_{key}"] = round(value, 4)
+    for key in [k for k in one if k.startswith("decode_step_ms_b") and k in two]:
+        metrics[f"tp2_decode_speedup_{key.removeprefix('decode_step_ms_')}"] = round(one[key] / two[key], 4)
+    metrics["tp2_throughput_ratio"] = round(two["output_tokens_per_s"] / one["output_tokens_per_s"], 4)
+    same, worst, near = agreement(one, two)
+    metrics.update(tp2_greedy_agreement=round(same, 4), tp2_max_logprob_diff=round(worst, 4),
+                   tp2_disagreements_in_top5=round(near, 4))
+    gpu = torch.cuda.get_device_name()
+    workload = {"model": MODEL, "dtype": "bfloat16", "weights": "random (dummy)", "decode_batches": [*DECODE_BATCHES,
+                THROUGHPUT_REQUESTS], "prompt_lens": [256, 768], "new_tokens": NEW_TOKENS,
+                "throughput_requests": THROUGHPUT_REQUESTS, "agreement": [AGREEMENT_PROMPTS, AGREEMENT_TOKENS],
+                "quick": args.quick, "gpus": 2}
+    if not args.quick:
+        write_result("tensor_parallel", metrics, workload, tag=gpu_tag(gpu), model=MODEL, gpu=f"{gpu} x2")
+    else:
+        print(json.dumps(metrics, indent=2))
+
+
+if __name__ == "__main__":
+    main()
