@@ -219,6 +219,7 @@ class WorkerServer:
             return
         logger.error("%s: stopping the worker", reason)
         self.exit_code, self._drain = 1, False
+        self.engine.fail_all(reason)  # before the shutdown's abort: the streams end UNAVAILABLE
         if self._shutdown_task is None:
             exit_if_shutdown_hangs(0.0)
         self.request_shutdown()

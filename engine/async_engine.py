@@ -256,6 +256,12 @@ class AsyncEngine:
             return pinned or out is not None
         return self._submit(abort)
 
+    def fail_all(self, reason: str) -> concurrent.futures.Future[None]:
+        """End every request with :class:`EngineDeadError` (``reason``), between two steps, before
+        any command submitted after this one (a worker whose engine died: its streams must end
+        in failure, which the gateway retries elsewhere, not in a normal abort). Returns at once."""
+        return self._submit(lambda: self._fail_all(EngineDeadError(f"the engine is down: {reason}")))
+
     async def abort_all(self) -> int:
         """Abort every request and release every pin; returns how many requests there were."""
         def abort_all() -> int:

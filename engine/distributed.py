@@ -133,6 +133,9 @@ class TPGroup:
             logger.warning("aborting the tensor-parallel group failed: %s", exc)
 
     def destroy(self) -> None:
-        """Leave the group (at shutdown, after the last collective)."""
+        """Leave the group (rank 0, once the other ranks have exited): locally, by aborting it on
+        CUDA (an NCCL communicator's orderly teardown waits for peers that are gone)."""
+        if self.device.type == "cuda":
+            self.abort()
         if dist.is_initialized():
             dist.destroy_process_group()

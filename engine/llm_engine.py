@@ -382,6 +382,9 @@ class LLMEngine:
                 raise
             # Any failure of a tensor-parallel step leaves the ranks out of step with each other.
             raise RankFailedError(self.ranks.explain(exc)) from exc
+        if self.ranks is not None and self.ranks.failure is not None:
+            # A rank died during the step: its aborted collectives returned, with garbage.
+            raise RankFailedError(self.ranks.failure)
         touched: dict[str, _Request] = {}
         for s in step.scheduled:
             s.seq.num_computed_tokens += s.num_new_tokens

@@ -72,8 +72,11 @@ def main(argv: Sequence[str] | None = None) -> int:
     except Exception:  # noqa: BLE001 (logged; rank 0 sees this rank exit)
         logger.exception("tensor-parallel rank %d failed", rank)
         return 1
-    group.destroy()
-    return 0
+    # Rank 0 said stop: exit at once, without tearing the group down (an NCCL communicator's
+    # teardown waits for its peers, and rank 0 does not wait for this one's).
+    sys.stdout.flush()
+    sys.stderr.flush()
+    os._exit(0)
 
 
 if __name__ == "__main__":

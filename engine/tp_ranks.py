@@ -117,9 +117,11 @@ class FollowerRanks:
                 return
             self.failure = f"tensor-parallel rank {rank} (pid {proc.pid}) exited with code {code}"
         logger.error("%s: the engine cannot step any more", self.failure)
-        self.group.abort()
         for callback in self._callbacks:
             callback(self.failure)
+        # Aborting NCCL communicators can block behind the kernel waiting for the dead rank: on a
+        # thread of its own, so that nothing else does.
+        threading.Thread(target=self.group.abort, name="tp-abort", daemon=True).start()
 
     def explain(self, error: Exception, wait_s: float = 2.0) -> str:
         """Why a step's collective failed with ``error``: the rank that died, when one exits
