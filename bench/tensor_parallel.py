@@ -53,6 +53,7 @@ def measure(tp: int, quick: bool, agreement_only: bool) -> dict:
 
     llm = LLM(MODEL, load_format="dummy", tensor_parallel_size=tp, enable_prefix_caching=False)
     engine = llm.engine
+    print(f"TP={tp}: engine ready after {engine.startup.total_s:.1f} s", file=sys.stderr, flush=True)
     out: dict = {"startup_s": engine.startup.total_s,
                  "cuda_graphs": len(engine.runner.graphs.graphs) if engine.runner.graphs is not None else 0}
     params = SamplingParams(max_tokens=AGREEMENT_TOKENS, temperature=0, ignore_eos=True, logprobs=5)

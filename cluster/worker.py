@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import asyncio
 import logging
+import os
 import signal
 import uuid
 from collections.abc import Callable
@@ -289,7 +290,11 @@ def run_worker(settings: WorkerSettings, role: Role,
         return server.exit_code
 
     try:
-        return asyncio.run(main())
+        code = asyncio.run(main())
     except (BindError, StartupError) as exc:
         logger.error("%s", exc)
         return 1
+    if code:  # the engine died (a tensor-parallel rank): its process group's threads and
+        logging.shutdown()  # communicators are in no state for the interpreter's teardown
+        os._exit(code)
+    return code
