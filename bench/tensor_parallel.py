@@ -23,9 +23,12 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
+import signal
 import statistics
 import subprocess
 import sys
+import time
 from pathlib import Path
 
 import torch
@@ -47,23 +50,30 @@ def agreement_prompts(vocab_size: int) -> list[list[int]]:
     return make_prompts(AGREEMENT_PROMPTS, vocab_size, lengths=(32, 256), seed=1234)
 
 
+def _log(message: str) -> None:
+    print(message, file=sys.stderr, flush=True)  # progress of a child: what a timeout leaves behind
+
+
 def measure(tp: int, quick: bool, agreement_only: bool) -> dict:
     """One setting, in this process: the decode steps, the throughput and the greedy outputs."""
     from engine import LLM, SamplingParams
 
     llm = LLM(MODEL, load_format="dummy", tensor_parallel_size=tp, enable_prefix_caching=False)
     engine = llm.engine
-    print(f"TP={tp}: engine ready after {engine.startup.total_s:.1f} s", file=sys.stderr, flush=True)
+    _log(f"TP={tp}: engine ready after {engine.startup.total_s:.1f} s")
     out: dict = {"startup_s": engine.startup.total_s,
                  "cuda_graphs": len(engine.runner.graphs.graphs) if engine.runner.graphs is not None else 0}
     params = SamplingParams(max_tokens=AGREEMENT_TOKENS, temperature=0, ignore_eos=True, logprobs=5)
+    start = time.perf_counter()
     greedy = llm.generate(agreement_prompts(engine.vocab_size), params, use_tqdm=False)
+    _log(f"TP={tp}: greedy outputs in {time.perf_counter() - start:.1f} s")
     out["greedy"] = [[[t, c.logprobs[i][t]] for i, t in enumerate(c.token_ids)] for c in (o.outputs[0] for o in greedy)]
     out["top"] = [[sorted(lp, key=lp.get, reverse=True) for lp in o.outputs[0].logprobs] for o in greedy]
     if not agreement_only:
         for batch in DECODE_BATCHES:
             _, _, stats = run_tandem(llm, make_prompts(batch, engine.vocab_size, seed=batch), 64)
             out[f"decode_step_ms_b{batch}"] = 1e3 * statistics.median(s.step_s for s in full_batch_decodes(stats, batch))
+            _log(f"TP={tp}: decode step at batch {batch}: {out[f'decode_step_ms_b{batch}']:.2f} ms")
         prompts = make_prompts(THROUGHPUT_REQUESTS // (8 if quick else 1), engine.vocab_size)
         run_tandem(llm, prompts, 16 if quick else NEW_TOKENS)  # the first run after start-up
         elapsed, tokens, stats = run_tandem(llm, prompts, 16 if quick else NEW_TOKENS)
@@ -71,16 +81,29 @@ def measure(tp: int, quick: bool, agreement_only: bool) -> dict:
         full = full_batch_decodes(stats, len(prompts))
         if full:
             out[f"decode_step_ms_b{len(prompts)}"] = 1e3 * statistics.median(s.step_s for s in full)
+        _log(f"TP={tp}: {out['output_tokens_per_s']:.0f} output tokens/s")
     engine.shutdown()
     return out
 
 
-def run_setting(tp: int, quick: bool = False, agreement_only: bool = False) -> dict:
+def run_setting(tp: int, quick: bool = False, agreement_only: bool = False, timeout_s: float = 600) -> dict:
     """:func:`measure` of one tensor-parallel size in a child process (its GPUs' memory is all
-    its own, and freed when it exits)."""
+    its own, and freed when it exits); the child and its ranks are killed after ``timeout_s``.
+
+    Raises:
+        subprocess.TimeoutExpired, subprocess.CalledProcessError: the child overran or failed.
+    """
     argv = [sys.executable, __file__, "--child", str(tp)] + ["--quick"] * quick + ["--agreement-only"] * agreement_only
-    done = subprocess.run(argv, stdout=subprocess.PIPE, text=True, check=True)
-    line = next(line for line in done.stdout.splitlines() if line.startswith("RESULT "))
+    child = subprocess.Popen(argv, stdout=subprocess.PIPE, text=True, start_new_session=True)
+    try:
+        stdout, _ = child.communicate(timeout=timeout_s)
+    except subprocess.TimeoutExpired:
+        os.killpg(child.pid, signal.SIGKILL)  # its tensor-parallel ranks too
+        child.communicate()
+        raise
+    if child.returncode:
+        raise subprocess.CalledProcessError(child.returncode, argv)
+    line = next(line for line in stdout.splitlines() if line.startswith("RESULT "))
     return json.loads(line.removeprefix("RESULT "))
 
 
