@@ -95,8 +95,9 @@ def decode_cmd(ctx: typer.Context) -> None:
 
 def _run_local(model: str | None, listen: str, prefill: int, decode: int, once: str | None, max_tokens: int,
                temperature: float, timeout_s: float, quiet: bool, quiet_after_ready: bool = False,
-               insecure: bool = False) -> int:
+               insecure: bool = False, **placement) -> int:
     """Start a LocalCluster, then answer ``once`` or serve until a signal; stop it. Returns an exit code.
+    ``placement`` (``gpus``, ``prefill_tp``, ``decode_tp``) goes to the LocalCluster.
 
     Unless ``insecure``, a fresh CA and certificates are made in a temporary directory (removed
     on exit): the gateway serves TLS and its clients trust that directory's ``ca.pem``.
@@ -133,8 +134,12 @@ def _run_local(model: str | None, listen: str, prefill: int, decode: int, once: 
 
     stop = threading.Event()
     previous = {sig: signal.signal(sig, lambda *_: stop.set()) for sig in (signal.SIGTERM, signal.SIGINT)}
-    cluster = LocalCluster(model=model, gateway_addr=listen, num_prefill=prefill, num_decode=decode, sink=sink,
-                           tls_dir=tls_dir)
+    try:
+        cluster = LocalCluster(model=model, gateway_addr=listen, num_prefill=prefill, num_decode=decode, sink=sink,
+                               tls_dir=tls_dir, **placement)
+    except ValueError as exc:
+        err_console.print(f"[red]{exc}[/red]")
+        return 2
     try:
         with err_console.status("starting the local cluster (loading the model)...") as status:
             cluster.start(timeout_s=timeout_s, on_wait=lambda text: status.update(text))
@@ -180,6 +185,10 @@ def serve_cmd(
     timeout: float = typer.Option(600, help="Seconds to wait for every process to be SERVING."),
     quiet: bool = typer.Option(False, "--quiet", "-q", help="Show only warnings and errors of the processes."),
     insecure: bool = typer.Option(False, "--insecure", help="Plaintext instead of TLS/mTLS with a fresh local CA."),
+    gpus: int = typer.Option(0, min=0, help="GPUs of this host to place the workers on, each on as many consecutive "
+                                            "GPUs as its tensor-parallel size (0: every worker's own device setting)."),
+    prefill_tp: int = typer.Option(1, min=1, help="Tensor-parallel size of each prefill worker."),
+    decode_tp: int = typer.Option(1, min=1, help="Tensor-parallel size of each decode worker."),
 ) -> None:
     """Run a whole cluster locally (Redis, 1 prefill, 1 decode, gateway) until Ctrl-C / SIGTERM."""
     if not local:
@@ -187,7 +196,7 @@ def serve_cmd(
                           "`tandem prefill` and `tandem decode` (see docs/deployment.md)")
         raise typer.Exit(2)
     raise typer.Exit(_run_local(model, listen, prefill, decode, once, max_tokens, temperature, timeout, quiet,
-                                insecure=insecure))
+                                insecure=insecure, gpus=gpus, prefill_tp=prefill_tp, decode_tp=decode_tp))
 
 
 @app.command("demo")

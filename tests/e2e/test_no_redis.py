@@ -3,6 +3,8 @@ prefix index still route a shared prefix to the prefill worker that computed it.
 
 from __future__ import annotations
 
+import time
+
 import pytest
 
 from protos.tandem.v1 import gateway_pb2
@@ -23,6 +25,10 @@ def test_no_redis_serves_and_routes_shared_prefixes(tmp_path):
                 prefix = f"You are an expert on {topic}. " + " ".join(
                     f"Fact {i} about {topic} is important." for i in range(30))
                 for question, min_cached in (("Question one?", 0), ("Question two, slightly different?", 160)):
+                    # The gateway's view of the loads settles first (its refresh reads them every
+                    # 0.5 s): on busy cores a reading taken while the previous request ran made
+                    # the worker holding the prefix look loaded, and routing is by prefix and load.
+                    time.sleep(1.5)
                     request = gateway_pb2.GenerateRequest(
                         prompt=f"{prefix} {question}", sampling=SP(max_tokens=2, temperature=0))
                     out = collect(stub, request)

@@ -3,6 +3,8 @@
 from __future__ import annotations
 
 import asyncio
+import dataclasses
+import logging
 import random
 from collections import Counter
 
@@ -376,3 +378,32 @@ def test_workers_that_disagree_with_the_pool_are_refused(key_prefix, redis_url, 
         await client.aclose()
 
     asyncio.run(main())
+
+
+def test_workers_of_any_tp_sizes_share_a_pool_but_a_pair_without_a_common_transport_is_never_routed(
+        key_prefix, redis_url, caplog):
+    """Tensor-parallel sizes and transports are each worker's own: every worker joins the pool;
+    the prefill worker that cannot send KV to the chosen decode worker (NIXL only, against a
+    decode worker taking gRPC only) is left out, and the log says why, once."""
+    nixl_tp2 = dataclasses.replace(CONFIG, tensor_parallel_size=2, kv_transports=("nixl",))
+    grpc_tp1 = dataclasses.replace(CONFIG, tensor_parallel_size=1, kv_transports=("grpc",))
+    both_tp4 = dataclasses.replace(CONFIG, tensor_parallel_size=4, kv_transports=("nixl", "grpc"))
+
+    async def main():
+        client = redis_client(redis_url)
+        registry = WorkerRegistry(client, _ns(key_prefix))
+        await registry.heartbeat(WorkerInfo("p-nixl", Role.PREFILL, "p0:1", nixl_tp2))
+        await registry.heartbeat(WorkerInfo("p-both", Role.PREFILL, "p1:1", both_tp4, WorkerLoad(running=3)))
+        await registry.heartbeat(WorkerInfo("d-grpc", Role.DECODE, "d0:1", grpc_tp1, WorkerLoad(free_blocks=50, total_blocks=50)))
+        view = ClusterView(registry, PrefixIndex(client, _ns(key_prefix)), CONFIG.model_id, rng=random.Random(0))
+        await view.refresh()
+        assert {w.worker_id for w in view.workers(Role.PREFILL)} == {"p-nixl", "p-both"}  # no refusal
+        for _ in range(3):  # p-nixl is idle, p-both busy: only the transport keeps p-nixl out
+            route = await view.choose(H, len(PROMPT))
+            assert (route.prefill.worker_id, route.decode.worker_id) == ("p-both", "d-grpc")
+        await client.aclose()
+
+    with caplog.at_level(logging.WARNING, logger="gateway.router"):
+        asyncio.run(main())
+    lines = [r.getMessage() for r in caplog.records if "not pairing" in r.getMessage()]
+    assert len(lines) == 1 and "p-nixl" in lines[0] and "no KV transport in common" in lines[0], lines

@@ -1,0 +1,34 @@
+"""Workers placed on a host's GPUs: each worker on as many consecutive GPUs as its tensor-parallel
+size, round robin, with its device and size in its environment."""
+
+from __future__ import annotations
+
+import pytest
+
+from cli.launcher import LocalCluster, gpu_placement
+
+
+@pytest.mark.parametrize("workers, gpus, expected", [
+    ([("prefill-0", 1), ("decode-0", 1)], 2, {"prefill-0": 0, "decode-0": 1}),
+    ([("prefill-0", 2), ("decode-0", 2)], 4, {"prefill-0": 0, "decode-0": 2}),
+    ([("prefill-0", 1), ("decode-0", 2)], 2, {"prefill-0": 0, "decode-0": 0}),  # ranks never wrap past the last GPU
+    ([("prefill-0", 2), ("prefill-1", 2), ("decode-0", 4)], 8, {"prefill-0": 0, "prefill-1": 2, "decode-0": 4}),
+    ([("a", 1), ("b", 1), ("c", 1)], 2, {"a": 0, "b": 1, "c": 0}),  # more workers than GPUs share them
+])
+def test_each_worker_takes_consecutive_gpus(workers, gpus, expected) -> None:
+    assert gpu_placement(workers, gpus) == expected
+
+
+def test_a_worker_wider_than_the_host_is_refused() -> None:
+    with pytest.raises(ValueError, match="decode-0 has tensor_parallel_size=4, more than the 2 GPUs"):
+        gpu_placement([("decode-0", 4)], 2)
+
+
+def test_the_cluster_gives_each_worker_its_device_and_size() -> None:
+    cluster = LocalCluster(num_prefill=1, num_decode=2, gpus=4, prefill_tp=2, decode_tp=1,
+                           worker_env={"decode-1": {"TANDEM_DEVICE": "cuda:3"}})
+    assert cluster.worker_env == {
+        "prefill-0": {"TANDEM_TENSOR_PARALLEL_SIZE": "2", "TANDEM_DEVICE": "cuda:0"},
+        "decode-0": {"TANDEM_TENSOR_PARALLEL_SIZE": "1", "TANDEM_DEVICE": "cuda:2"},
+        "decode-1": {"TANDEM_TENSOR_PARALLEL_SIZE": "1", "TANDEM_DEVICE": "cuda:3"},  # what the caller set wins
+    }
