@@ -105,10 +105,16 @@ def test_compose_file_is_valid_and_workers_have_no_host_ports():
     import yaml
 
     services = yaml.safe_load(out.stdout)["services"]
-    assert set(services) == {"redis", "certs", "gateway", "prefill", "decode"}
-    for worker in ("prefill", "decode"):
+    assert set(services) == {"redis", "certs", "gateway", "prefill", "decode", "prefill-tp2", "decode-tp2"}
+    # a two-GPU host: each worker on its own GPU; the tp2 profile's workers on both, at TP=2
+    placement = {"prefill": (["0"], None), "decode": (["1"], None), "prefill-tp2": (["0", "1"], "2"),
+                 "decode-tp2": (["0", "1"], "2")}
+    for worker, (gpus, tp) in placement.items():
         assert "ports" not in services[worker] and "container_name" not in services[worker]
-        assert services[worker]["deploy"]["resources"]["reservations"]["devices"][0]["driver"] == "nvidia"
+        [device] = services[worker]["deploy"]["resources"]["reservations"]["devices"]
+        assert device["driver"] == "nvidia" and device["device_ids"] == gpus
+        assert services[worker]["environment"].get("TANDEM_TENSOR_PARALLEL_SIZE") == tp
+        assert services[worker].get("profiles") == (["tp2"] if tp else None)
     def host_and_target(port) -> tuple[str, int]:  # a long-syntax dict or "[host:]published:target[/tcp]"
         if isinstance(port, dict):
             return port.get("host_ip", ""), int(port["target"])
@@ -117,10 +123,10 @@ def test_compose_file_is_valid_and_workers_have_no_host_ports():
 
     published = dict(host_and_target(p)[::-1] for p in services["gateway"]["ports"])
     assert published == {50051: "", 9400: "127.0.0.1"}  # gRPC on every interface, metrics on loopback
-    for name in ("gateway", "prefill", "decode"):
+    for name in ("gateway", "prefill", "decode", "prefill-tp2", "decode-tp2"):
         env_of = services[name]["environment"]
         assert env_of["TANDEM_REDIS_PASSWORD"] == "s3cret" and env_of["TANDEM_TLS_DIR"] == "/certs"
         # each role sees its own certificate volume only, read-only
         sources = [v.get("source", "") if isinstance(v, dict) else str(v).split(":")[0] for v in services[name]["volumes"]]
-        assert [s for s in sources if s.startswith("certs")] == [f"certs-{name}"], sources
+        assert [s for s in sources if s.startswith("certs")] == [f"certs-{name.removesuffix('-tp2')}"], sources
     assert services["redis"]["environment"]["REDISCLI_AUTH"] == "s3cret"
