@@ -82,29 +82,33 @@ def measure(tp: int, quick: bool, agreement_only: bool) -> dict:
         if full:
             out[f"decode_step_ms_b{len(prompts)}"] = 1e3 * statistics.median(s.step_s for s in full)
         _log(f"TP={tp}: {out['output_tokens_per_s']:.0f} output tokens/s")
+    print("RESULT " + json.dumps(out), flush=True)  # before the shutdown: a teardown that hangs loses nothing
     engine.shutdown()
     return out
 
 
-def run_setting(tp: int, quick: bool = False, agreement_only: bool = False, timeout_s: float = 600) -> dict:
+def run_setting(tp: int, quick: bool = False, agreement_only: bool = False, timeout_s: float = 300) -> dict:
     """:func:`measure` of one tensor-parallel size in a child process (its GPUs' memory is all
-    its own, and freed when it exits); the child and its ranks are killed after ``timeout_s``.
+    its own, and freed when it exits). A child still running after ``timeout_s`` is killed with
+    its ranks; if it had printed its result (only its shutdown hung) the result says so
+    (``"shutdown_hung": True``).
 
     Raises:
-        subprocess.TimeoutExpired, subprocess.CalledProcessError: the child overran or failed.
+        RuntimeError: the child failed, or overran before its result.
     """
     argv = [sys.executable, __file__, "--child", str(tp)] + ["--quick"] * quick + ["--agreement-only"] * agreement_only
     child = subprocess.Popen(argv, stdout=subprocess.PIPE, text=True, start_new_session=True)
     try:
         stdout, _ = child.communicate(timeout=timeout_s)
+        hung = False
     except subprocess.TimeoutExpired:
         os.killpg(child.pid, signal.SIGKILL)  # its tensor-parallel ranks too
-        child.communicate()
-        raise
-    if child.returncode:
-        raise subprocess.CalledProcessError(child.returncode, argv)
-    line = next(line for line in stdout.splitlines() if line.startswith("RESULT "))
-    return json.loads(line.removeprefix("RESULT "))
+        stdout, _ = child.communicate()
+        hung = True
+    line = next((line for line in stdout.splitlines() if line.startswith("RESULT ")), None)
+    if line is None or (child.returncode and not hung):
+        raise RuntimeError(f"TP={tp} child {'overran' if hung else 'failed'} (exit {child.returncode})")
+    return {**json.loads(line.removeprefix("RESULT ")), "shutdown_hung": hung}
 
 
 def agreement(one: dict, two: dict) -> tuple[float, float, float]:
@@ -134,14 +138,14 @@ def main() -> None:
     parser.add_argument("--agreement-only", action="store_true", help="(internal) greedy outputs only")
     args = parser.parse_args()
     if args.child:
-        print("RESULT " + json.dumps(measure(args.child, args.quick, args.agreement_only)), flush=True)
+        measure(args.child, args.quick, args.agreement_only)
         return
     one, two = run_setting(1, args.quick), run_setting(2, args.quick)
     metrics = {}
     for tp, result in ((1, one), (2, two)):
         for key, value in result.items():
             if key not in ("greedy", "top", "cuda_graphs"):
-                metrics[f"tp{tp}_{key}"] = round(value, 4)
+                metrics[f"tp{tp}_{key}"] = round(float(value), 4)
     for key in [k for k in one if k.startswith("decode_step_ms_b") and k in two]:
         metrics[f"tp2_decode_speedup_{key.removeprefix('decode_step_ms_')}"] = round(one[key] / two[key], 4)
     metrics["tp2_throughput_ratio"] = round(two["output_tokens_per_s"] / one["output_tokens_per_s"], 4)

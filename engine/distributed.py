@@ -18,6 +18,7 @@ from __future__ import annotations
 import datetime
 import logging
 import os
+import threading
 
 import numpy as np
 import torch
@@ -31,6 +32,7 @@ logger = logging.getLogger(__name__)
 COLLECTIVE_TIMEOUT = datetime.timedelta(minutes=10)
 # The step broadcast also waits while the engine idles: no bound (a dead rank 0 fails it anyway).
 IDLE_TIMEOUT = datetime.timedelta(days=365)
+DESTROY_TIMEOUT_S = 10.0
 # int64 words of a step broadcast's first message: steps this small (a few decoding sequences)
 # cross in one message, larger ones in two.
 _FIRST_MESSAGE = 512
@@ -126,16 +128,20 @@ class TPGroup:
 
     def abort(self) -> None:
         """End the group's pending and future operations with an error (a rank is gone): a step
-        blocked in a collective raises instead of waiting for the dead rank."""
+        blocked in a collective raises instead of waiting for the dead rank. The group is gone
+        afterwards (this process may join another)."""
         try:
             dist.distributed_c10d._abort_process_group()
         except Exception as exc:  # noqa: BLE001 (best effort: the process is failing anyway)
             logger.warning("aborting the tensor-parallel group failed: %s", exc)
 
     def destroy(self) -> None:
-        """Leave the group (rank 0, once the other ranks have exited): locally, by aborting it on
-        CUDA (an NCCL communicator's orderly teardown waits for peers that are gone)."""
-        if self.device.type == "cuda":
-            self.abort()
-        if dist.is_initialized():
-            dist.destroy_process_group()
+        """Leave the group, on every rank at once (rank 0 right after it broadcast the shutdown):
+        an NCCL communicator's teardown waits for its peers. Bounded by ``DESTROY_TIMEOUT_S``:
+        a teardown that does not end is left behind (logged; this process cannot start another
+        tensor-parallel engine then)."""
+        teardown = threading.Thread(target=dist.destroy_process_group, name="tp-destroy", daemon=True)
+        teardown.start()
+        teardown.join(DESTROY_TIMEOUT_S)
+        if teardown.is_alive():
+            logger.warning("leaving the tensor-parallel group did not finish within %.0f s", DESTROY_TIMEOUT_S)

@@ -72,8 +72,8 @@ def main(argv: Sequence[str] | None = None) -> int:
     except Exception:  # noqa: BLE001 (logged; rank 0 sees this rank exit)
         logger.exception("tensor-parallel rank %d failed", rank)
         return 1
-    # Rank 0 said stop: exit at once, without tearing the group down (an NCCL communicator's
-    # teardown waits for its peers, and rank 0 does not wait for this one's).
+    group.destroy()  # with rank 0, which tears the group down as it sent the shutdown
+    # Nothing of the group is left for the interpreter's teardown to trip on.
     sys.stdout.flush()
     sys.stderr.flush()
     os._exit(0)

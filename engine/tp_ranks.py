@@ -29,7 +29,7 @@ import torch.distributed as dist
 
 from engine.config import NVLINK_MULTICAST_OFF, EngineConfig
 from engine.devices import rank_device
-from engine.distributed import TPGroup
+from engine.distributed import DESTROY_TIMEOUT_S, TPGroup
 from engine.model_config import ModelConfig
 from engine.model_source import resolve_model
 from engine.tensor_parallel import shard_config
@@ -78,6 +78,7 @@ class FollowerRanks:
         pythonpath = os.pathsep.join(p for p in (_PROJECT_ROOT, os.environ.get("PYTHONPATH", "")) if p)
         env = {**NVLINK_MULTICAST_OFF, **os.environ, "PYTHONPATH": pythonpath}
         self.failure: str | None = None
+        self._abort: threading.Thread | None = None
         self._lock = threading.Lock()
         self._callbacks: list[Callable[[str], None]] = []
         self._stopping = False
@@ -121,7 +122,8 @@ class FollowerRanks:
             callback(self.failure)
         # Aborting NCCL communicators can block behind the kernel waiting for the dead rank: on a
         # thread of its own, so that nothing else does.
-        threading.Thread(target=self.group.abort, name="tp-abort", daemon=True).start()
+        self._abort = threading.Thread(target=self.group.abort, name="tp-abort", daemon=True)
+        self._abort.start()
 
     def explain(self, error: Exception, wait_s: float = 2.0) -> str:
         """Why a step's collective failed with ``error``: the rank that died, when one exits
@@ -144,8 +146,11 @@ class FollowerRanks:
         if self.failure is None:
             try:
                 self.group.broadcast_step(None)
+                self.group.destroy()  # the ranks tear it down at the same time, then exit
             except RuntimeError as exc:  # a rank went away meanwhile
                 logger.warning("telling the tensor-parallel ranks to exit failed: %s", exc)
+        elif self._abort is not None:
+            self._abort.join(DESTROY_TIMEOUT_S)  # the aborted group is gone once it returns
         deadline = time.monotonic() + EXIT_TIMEOUT_S
         for proc in self._procs:
             try:
@@ -153,8 +158,6 @@ class FollowerRanks:
             except subprocess.TimeoutExpired:
                 logger.warning("tensor-parallel rank (pid %d) did not exit: killing it", proc.pid)
         self._kill()
-        if self.failure is None:
-            self.group.destroy()
 
     def _kill(self) -> None:
         self._stopping = True

@@ -104,7 +104,7 @@ def test_tp2_llama3_8b_bf16_greedy_agrees_with_tp1() -> None:
     from bench.tensor_parallel import agreement, run_setting
 
     one, two = run_setting(1, agreement_only=True), run_setting(2, agreement_only=True)
-    assert two["cuda_graphs"] > 0
+    assert two["cuda_graphs"] > 0 and not two["shutdown_hung"]
     same, worst, near = agreement(one, two)
     assert same >= 0.98, (same, worst, near)
     assert worst < 0.1, (same, worst, near)
