@@ -96,7 +96,9 @@ def test_32_concurrent_streams_correct_spread_and_no_leak(cluster, stub, offline
         got = out["samples"][0]["token_ids"]
         assert got == ref_ids[: len(got)] and len(got) == min(max_tokens, len(ref_ids)), (prompt, max_tokens)
     assert all(busy.get(f"decode-{i}", 0) > 0 for i in range(2)), busy
-    assert wait_free_blocks(cluster, before, within_s=3) == before
+    # Every block comes back (a leak would wait for a 30 s lease at best); the last Aborts of 32
+    # streams may take seconds on busy cores.
+    assert wait_free_blocks(cluster, before, within_s=15) == before
 
 
 def test_served_prompt_is_tokenized_like_the_offline_engine(stub, offline_llm):
