@@ -67,7 +67,8 @@ def test_overload_queues_or_refuses_never_crashes_or_leaks(env):
     assert codes <= {"OK", "RESOURCE_EXHAUSTED"}, results
     assert all(n == 48 for code, n in results if code == "OK"), results
     assert "OK" in codes
-    assert wait_free_blocks(cluster, before, within_s=3) == before
+    # every block comes back: the last Aborts of 24 concurrent streams may take seconds on busy cores
+    assert wait_free_blocks(cluster, before, within_s=15) == before
     assert not cluster.dead()
 
 
