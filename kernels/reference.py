@@ -49,9 +49,11 @@ def _gather_context(
     block_size = cache.shape[1]
     num_blocks = -(-max_seq_len // block_size)
     table = block_tables[:, :num_blocks].long()
-    ctx = cache[table]  # [num_seqs, num_blocks, block_size, num_kv_heads, head_dim]
-    ctx = ctx.flatten(1, 2).transpose(1, 2)
-    return ctx.float()
+    # One gather straight into [num_seqs, num_kv_heads, num_blocks, block_size, head_dim], a head's
+    # [block_size, head_dim] tile of a block at a time (one contiguous span in Tandem's pool).
+    heads = torch.arange(cache.shape[2], device=cache.device)
+    ctx = cache.transpose(1, 2)[table[:, None, :], heads[None, :, None]]
+    return ctx.flatten(2, 3).float()
 
 
 def _max_or(value: int | None, tensor: torch.Tensor) -> int:
