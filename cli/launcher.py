@@ -16,6 +16,7 @@ from __future__ import annotations
 import ctypes
 import logging
 import os
+import random
 import shutil
 import signal
 import socket
@@ -42,11 +43,38 @@ logger = logging.getLogger(__name__)
 _PR_SET_PDEATHSIG = 1
 
 
+class ClusterError(RuntimeError):
+    """A process of the cluster failed to start or died."""
+
+
+_LISTEN_PORTS = (10000, 32768)  # where free_port looks, unless the ephemeral range overlaps it
+
+
+def _ephemeral_range() -> tuple[int, int]:
+    """The kernel's range of ports for outgoing connections and bind(0) (Linux's default if unknown)."""
+    try:
+        with open("/proc/sys/net/ipv4/ip_local_port_range") as f:
+            low, high = (int(v) for v in f.read().split())
+        return low, high
+    except (OSError, ValueError):
+        return 32768, 60999
+
+
 def free_port() -> int:
-    """A currently free loopback TCP port."""
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
+    """A loopback TCP port free now, outside the kernel's ephemeral range: a port from bind(0)
+    is an ephemeral one, which any outgoing connection of any process (a gRPC channel, a Redis
+    client) may take before the process it was picked for binds it (seen: a worker's metrics
+    port taken, the cluster failing to start)."""
+    low, high = _ephemeral_range()
+    candidates = [p for p in range(*_LISTEN_PORTS) if not low <= p <= high] or list(range(1024, low))
+    for port in random.sample(candidates, min(200, len(candidates))):
+        with socket.socket() as s:
+            try:
+                s.bind(("127.0.0.1", port))
+            except OSError:
+                continue
+            return port
+    raise ClusterError("no free port for the cluster's servers")
 
 
 def _child_setup() -> None:  # runs in the child between fork and exec
@@ -103,10 +131,6 @@ class Child:
             logger.warning("%s did not exit within %.0f s: killing it", self.name, timeout_s)
             self.proc.kill()
             self.proc.wait()
-
-
-class ClusterError(RuntimeError):
-    """A process of the cluster failed to start or died."""
 
 
 def gpu_placement(workers: list[tuple[str, int]], gpus: int) -> dict[str, int]:

@@ -85,7 +85,9 @@ def test_sigstop_of_a_decode_worker_routes_around_it_within_5_s_and_back_after(h
     victim.proc.send_signal(signal.SIGSTOP)
     stopped_at = time.monotonic()
     try:
-        time.sleep(10)
+        # Frozen long enough that, 5 s in, requests of several seconds each (2 busy cores) still
+        # start and end around it, 8 of them at least.
+        time.sleep(20)
     finally:
         victim.proc.send_signal(signal.SIGCONT)
     thawed_at = time.monotonic()

@@ -15,7 +15,7 @@ from engine.async_engine import AsyncEngine, EngineError
 from engine.block_hash import hash_blocks, hash_seed
 from cluster.prefix_index import PrefixIndex
 from cluster.registry import ClusterNamespace, Role, WorkerRegistry, redis_client
-from kvtransfer import encode_chunk
+from kvtransfer import KVPool, encode_chunk
 from protos.tandem.v1 import gateway_pb2, kvtransfer_pb2, worker_pb2
 
 from .conftest import pair
@@ -395,8 +395,8 @@ def test_corrupted_kv_fails_that_request_only(engines):
     async def main():
         async with pair(engines) as p:
             bad = await p.decode.stub.Admit(worker_pb2.AdmitRequest(request_id="corrupt", prompt_token_ids=prompt_ids(40, 7)))
-            chunk = encode_chunk(p.decode.engine.kv_cache[:3].clone(), reservation_id=bad.reservation_id,
-                                 request_id="corrupt", first_block_index=0)
+            chunk = encode_chunk(KVPool(p.decode.engine.kv_pools).gather([0, 1, 2]).clone(),
+                                 reservation_id=bad.reservation_id, request_id="corrupt", first_block_index=0)
             chunk.data = bytes([chunk.data[0] ^ 0xFF]) + chunk.data[1:]
             call = p.decode.stub.TransferKV()
             await call.write(chunk)
