@@ -67,9 +67,11 @@ logger = logging.getLogger(__name__)
 STOP, LENGTH, ABORT = gateway_pb2.FINISH_REASON_STOP, gateway_pb2.FINISH_REASON_LENGTH, gateway_pb2.FINISH_REASON_ABORT
 # Worker failures worth one transparent retry elsewhere, while the client has seen nothing
 # (PERMISSION_DENIED: a worker refused its peer, e.g. a prefill worker that does not find the
-# decode worker in the registry: the cluster's state, not the client's permission).
+# decode worker in the registry: the cluster's state, not the client's permission; CANCELLED: a
+# worker's server stopped with the call in it, e.g. a drain that ran out of time: the client's
+# own cancellation reaches the gateway as asyncio's CancelledError, never as a call's status).
 _RETRYABLE = {grpc.StatusCode.UNAVAILABLE, grpc.StatusCode.NOT_FOUND, grpc.StatusCode.ABORTED,
-              grpc.StatusCode.PERMISSION_DENIED}
+              grpc.StatusCode.PERMISSION_DENIED, grpc.StatusCode.CANCELLED}
 _ABORT_TIMEOUT_S = 2.0
 
 

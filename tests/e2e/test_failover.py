@@ -8,7 +8,9 @@ decode worker, unchanged), and an unseeded sampled stream it was decoding ends U
 getting new requests within 5 s, no request waits past the per-hop timeout, and it is routed to
 again once it thaws; every surviving worker's free blocks return to where they started. A
 rolling SIGTERM of every worker in turn (each drains: NOT_SERVING, finishes what it holds,
-leaves the registry, exits 0, and is started again) drops no request at all.
+leaves the registry, exits 0, and is started again) drops no request at all, prefill-1 included,
+which has no drain time: its server stops with calls in it (as a drain that runs out of time
+does), and the gateway retries them elsewhere.
 """
 
 from __future__ import annotations
@@ -36,7 +38,8 @@ LIVENESS = {"TANDEM_KEEPALIVE_TIME_S": "1", "TANDEM_KEEPALIVE_TIMEOUT_S": "1",
 @pytest.fixture(scope="module")
 def cluster(tmp_path_factory, redis_url):
     with shared_redis_cluster(tmp_path_factory.mktemp("failover"), "failover", redis_url, num_prefill=2, num_decode=2,
-                              kv_transport="grpc", env=LIVENESS) as cluster:
+                              kv_transport="grpc", env=LIVENESS,
+                              worker_env={"prefill-1": {"TANDEM_DRAIN_TIMEOUT_S": "0"}}) as cluster:
         yield cluster
 
 
