@@ -140,6 +140,7 @@ class LLMEngine:
         """Stop the other tensor-parallel ranks (nothing to do without them); the engine cannot
         step afterwards. Call it after the last step, from the thread that stepped."""
         if self.ranks is not None:
+            self.runner.release_cuda_graphs()
             self._close_ranks()
 
     # ----------------------------------------------------------------- requests

@@ -81,6 +81,14 @@ class ModelRunner:
                                       self.max_model_len)
         self.graphs.capture()
 
+    def release_cuda_graphs(self) -> None:
+        """Drop the captured graphs once no step is left to run (later steps run eagerly). A
+        tensor-parallel rank does this before it leaves its group: NCCL's communicator teardown
+        waits for the graphs that captured its all-reduces to be destroyed."""
+        self.graphs = None
+        if self.device.type == "cuda":
+            torch.cuda.synchronize(self.device)
+
     def _sampling_batch(self, seqs: list[Sequence], positions: torch.Tensor) -> SamplingBatch:
         """The step's sampling settings; reused (but for positions) while the sampled sequences
         stay the same, as they do from one decode step to the next."""

@@ -72,6 +72,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     except Exception:  # noqa: BLE001 (logged; rank 0 sees this rank exit)
         logger.exception("tensor-parallel rank %d failed", rank)
         return 1
+    shard.runner.release_cuda_graphs()
     group.destroy()  # with rank 0, which tears the group down as it sent the shutdown
     # Nothing of the group is left for the interpreter's teardown to trip on.
     sys.stdout.flush()
