@@ -14,6 +14,7 @@ blocks must stay pinned until :meth:`GrpcKVTransfer.finish` returns.
 from __future__ import annotations
 
 import asyncio
+import contextlib
 from collections.abc import Callable, Iterator, Sequence
 
 import grpc
@@ -83,19 +84,22 @@ class GrpcKVTransfer:
         max_chunk_bytes: byte budget of one chunk (see :func:`iter_chunks`).
         timeout_s: deadline of the whole stream, seconds; ``None``: none (the caller's own
             deadline, or its cancellation, bounds it).
-        nixl_source: the sender's pool for the receiver to read from (NIXL); ``None``: the
-            blocks' bytes travel in the stream (gRPC).
+        nixl: the sender's NIXL agent, for the receiver to read the blocks from its pool
+            (progressed while the stream is open); ``None``: the blocks' bytes travel in the
+            stream (gRPC).
         verify_checksums: over NIXL, send a CRC-32 of each chunk's blocks for the receiver to
             check (a debug setting: a device-to-host copy of every block). Always on over gRPC.
     """
 
     def __init__(self, stub: worker_pb2_grpc.DecodeWorkerStub, reservation_id: str, request_id: str, *,
                  max_chunk_bytes: int = DEFAULT_MAX_CHUNK_BYTES, timeout_s: float | None = None,
-                 nixl_source: kvtransfer_pb2.NixlSource | None = None, verify_checksums: bool = False) -> None:
+                 nixl: NixlAgent | None = None, verify_checksums: bool = False) -> None:
         self.reservation_id = reservation_id
         self.request_id = request_id
         self.max_chunk_bytes = max_chunk_bytes
-        self.nixl_source = nixl_source
+        self.nixl = nixl
+        self.nixl_source = nixl.source() if nixl is not None else None
+        self._serving = contextlib.AsyncExitStack()
         self.verify_checksums = verify_checksums
         self.num_sent = 0
         self._call = stub.TransferKV(timeout=timeout_s)
@@ -107,13 +111,20 @@ class GrpcKVTransfer:
         return "nixl" if self.nixl_source is not None else "grpc"
 
     async def __aenter__(self) -> GrpcKVTransfer:
-        await self._write(kvtransfer_pb2.KVChunk(reservation_id=self.reservation_id, request_id=self.request_id,
-                                                 nixl_source=self.nixl_source))
+        if self.nixl is not None:
+            await self._serving.enter_async_context(self.nixl.serving_reads())
+        try:
+            await self._write(kvtransfer_pb2.KVChunk(reservation_id=self.reservation_id, request_id=self.request_id,
+                                                     nixl_source=self.nixl_source))
+        except BaseException:
+            await self._serving.aclose()
+            raise
         return self
 
     async def __aexit__(self, *exc) -> None:
         if not self._finished:
             self._call.cancel()
+        await self._serving.aclose()
 
     async def send(self, pool: KVPool, first_index: int, block_ids: Sequence[int]) -> None:
         """Send ``pool``'s blocks ``block_ids[i]`` as the request's block ``first_index + i``.
@@ -219,6 +230,6 @@ class GrpcKVSender:
         """
         transport = self.choose_transport(destination)
         stub = worker_pb2_grpc.DecodeWorkerStub(self.channel(destination.address))
-        source = self.nixl.source() if transport == "nixl" else None
         return GrpcKVTransfer(stub, destination.reservation_id, request_id, max_chunk_bytes=self.max_chunk_bytes,
-                              timeout_s=timeout_s, nixl_source=source, verify_checksums=self.verify_checksums)
+                              timeout_s=timeout_s, nixl=self.nixl if transport == "nixl" else None,
+                              verify_checksums=self.verify_checksums)

@@ -18,11 +18,18 @@ goes on.
 Each rank's part of a block is one span (heads are the block's outermost dimension), and so is
 the overlap of two ranks' head ranges: a read is one descriptor per block and pair of
 overlapping ranks, and runs of blocks adjacent on both sides merge into one.
+
+NIXL runs without its progress thread: that thread polls UCX without pause (a whole core per
+worker, idle or not: an idle two-worker cluster took both cores of a 2-core host). UCX then
+moves only when called: a reader's completion polls drive its reads, and a sender drives its
+side (connection set-up, and the active messages UCX falls back to without one-sided access)
+from the event loop while a stream of its is open (:meth:`NixlAgent.serving_reads`).
 """
 
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import itertools
 import logging
 import os
@@ -41,6 +48,8 @@ logger = logging.getLogger(__name__)
 
 # A read's completion is polled from the event loop: first soon, then at most every 0.5 ms.
 _POLL_MIN_S, _POLL_MAX_S = 20e-6, 5e-4
+# A sender's agent is progressed this often while a reader may be reading from it.
+_SERVE_POLL_S = 2e-4
 
 # UCX turns CUDA IPC reads (get zero-copy) off on GPUs without an active NVLink (openucx/ucx#7566:
 # reads were slower than writes on some PCIe platforms), and a read then falls back to active
@@ -106,7 +115,7 @@ class NixlAgent:
         if cuda:  # (UCX warns of a CUDA setting where it has no CUDA transport)
             for key, value in UCX_DEFAULTS.items():
                 os.environ.setdefault(key, value)  # read by UCX when the agent's backend starts
-        self.agent = nixl_agent(name, nixl_agent_config(backends=["UCX"]))
+        self.agent = nixl_agent(name, nixl_agent_config(enable_prog_thread=False, backends=["UCX"]))
         if "UCX" not in self.agent.backends:
             raise RuntimeError("NIXL's UCX backend is not available")
         self.name = name
@@ -115,6 +124,8 @@ class NixlAgent:
         self._registrations = [self.agent.register_memory(part.tensor) for part in pool.ranks]
         self._metadata = self.agent.get_agent_metadata()  # fixed once the pool is registered
         self._peers: dict[str, _Peer] = {}
+        self._serving = 0
+        self._progress: asyncio.Task | None = None
 
     def source(self) -> kvtransfer_pb2.NixlSource:
         """What a receiver needs to read from this worker's pool."""
@@ -124,6 +135,26 @@ class NixlAgent:
             ranks=[kvtransfer_pb2.NixlRankPool(base_address=part.tensor.data_ptr(), device_id=_device_id(part.tensor),
                                                first_head=part.first_head, num_heads=part.num_heads)
                    for part in self.pool.ranks])
+
+    @contextlib.asynccontextmanager
+    async def serving_reads(self):
+        """While open (one per outgoing stream, nested freely), this agent is progressed from the
+        running event loop every ``_SERVE_POLL_S`` so that peers' reads of its pool complete."""
+        self._serving += 1
+        if self._progress is None:
+            self._progress = asyncio.get_running_loop().create_task(self._progress_while_serving())
+        try:
+            yield
+        finally:
+            self._serving -= 1
+
+    async def _progress_while_serving(self) -> None:
+        try:
+            while self._serving:
+                self.agent.get_new_notifs()  # progresses the UCX workers
+                await asyncio.sleep(_SERVE_POLL_S)
+        finally:
+            self._progress = None
 
     def add_peer(self, source: kvtransfer_pb2.NixlSource) -> _Peer:
         """Know a sender's agent (once per agent; its metadata is checked on every stream).

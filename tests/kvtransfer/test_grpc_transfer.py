@@ -437,13 +437,12 @@ def test_nixl_refusals_free_the_reservation(case: str) -> None:
                 "no nixl here": grpc.StatusCode.FAILED_PRECONDITION}[case]
 
     async def scenario() -> None:
-        async with decode_worker(dst, nixl=None if case == "no nixl here" else receiver_agent,
-                                 verify_checksums=True) as peer:
+        async with contextlib.AsyncExitStack() as stack, decode_worker(
+                dst, nixl=None if case == "no nixl here" else receiver_agent, verify_checksums=True) as peer:
             reservation = peer.table.reserve("req-1", DST_IDS)
-            transfer = GrpcKVTransfer(peer.stub, reservation.reservation_id, "req-1", nixl_source=sender_agent.source(),
-                                      verify_checksums=True)
-            call = transfer._call
+            call = GrpcKVTransfer(peer.stub, reservation.reservation_id, "req-1")._call
             with pytest.raises(grpc.aio.AioRpcError) as info:
+                await stack.enter_async_context(sender_agent.serving_reads())
                 await call.write(kvtransfer_pb2.KVChunk(reservation_id=reservation.reservation_id, request_id="req-1",
                                                         nixl_source=sender_agent.source()))
                 ids = [100] + SRC_IDS[1:] if case == "outside the pool" else SRC_IDS
