@@ -18,6 +18,7 @@ import tempfile
 from pathlib import Path
 
 import torch
+from filelock import FileLock, Timeout
 from safetensors.torch import save_file
 
 from engine.model_source import gguf_cache_dir
@@ -28,14 +29,32 @@ logger = logging.getLogger(__name__)
 def convert(path: Path) -> Path:
     """Return the cached HF directory converted from GGUF file ``path``, converting it if needed.
 
-    Safe under concurrent processes: each converts into its own temporary directory beside
-    the target and renames it into place; the first rename wins and the others discard
-    their copy. A directory that exists under the final name is therefore complete.
+    Converted once per machine: the processes that miss the cache at once (``make run`` starts
+    three) take a file lock beside the target (``filelock``), one converts and the others wait
+    and reuse its result. The conversion writes into a temporary directory renamed into place
+    (the first rename wins, should a filesystem ignore the lock), so a directory under the
+    final name is always complete.
     """
     target = gguf_cache_dir(path)
     if (target / "config.json").is_file():
         return target
     target.parent.mkdir(parents=True, exist_ok=True)
+    lock = FileLock(target.parent / f"{target.name}.lock")
+    try:
+        lock.acquire(timeout=0)
+    except Timeout:
+        logger.info("waiting for another process converting %s", path)
+        lock.acquire()
+    try:
+        if not (target / "config.json").is_file():  # else converted while we waited
+            _convert_into(path, target)
+    finally:
+        lock.release()
+    return target
+
+
+def _convert_into(path: Path, target: Path) -> None:
+    """Convert ``path`` into a temporary directory beside ``target`` and rename it to ``target``."""
     tmp = Path(tempfile.mkdtemp(prefix=f".{target.name}.", dir=target.parent))
     try:
         logger.info("converting %s to an HF directory at %s (once)", path, target)
@@ -48,7 +67,6 @@ def convert(path: Path) -> Path:
             raise
     finally:
         shutil.rmtree(tmp, ignore_errors=True)
-    return target
 
 
 def _write_hf_dir(path: Path, out: Path) -> None:

@@ -5,6 +5,8 @@ from __future__ import annotations
 
 import json
 import os
+import time
+from concurrent.futures import ThreadPoolExecutor
 
 import pytest
 import torch
@@ -142,8 +144,26 @@ def test_gguf_conversion_is_cached_and_race_safe(tmp_path, monkeypatch):
     monkeypatch.setattr(engine.gguf, "_write_hf_dir", convert_while_another_process_wins)
     assert engine.gguf.convert(gguf) == final
     assert json.loads((final / "config.json").read_text()) == {"winner": True}
-    assert os.listdir(tmp_path / "cache") == [final.name]  # our temp copy is gone
+    assert sorted(os.listdir(tmp_path / "cache")) == [final.name, f"{final.name}.lock"]  # our temp copy is gone
     assert engine.gguf.convert(gguf) == final and len(calls) == 1  # cache hit
+
+
+def test_processes_missing_the_cache_at_once_convert_a_gguf_once(tmp_path, monkeypatch):
+    monkeypatch.setenv("TANDEM_CACHE_DIR", str(tmp_path / "cache"))
+    gguf = tmp_path / "tiny.gguf"
+    gguf.write_bytes(b"GGUF")
+    calls = []
+
+    def slow_convert(path, out):
+        calls.append(out)
+        time.sleep(0.5)  # the others arrive while this one converts
+        (out / "config.json").write_text("{}")
+
+    monkeypatch.setattr(engine.gguf, "_write_hf_dir", slow_convert)
+    with ThreadPoolExecutor(3) as pool:  # each call its own lock file handle, as separate processes have
+        targets = list(pool.map(lambda _: engine.gguf.convert(gguf), range(3)))
+    assert len(set(targets)) == 1 and (targets[0] / "config.json").is_file()
+    assert len(calls) == 1
 
 
 @pytest.mark.slow
