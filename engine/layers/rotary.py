@@ -71,7 +71,10 @@ class RotaryEmbedding(nn.Module):
         self.max_position = max_position
         self.theta = theta
         self.rope_scaling = rope_scaling
-        self.register_buffer("cos_sin_cache", self._table(torch.get_default_device()), persistent=False)
+        device = torch.get_default_device()
+        # On the meta device only the shape: computing it there imported torch._dynamo (2-3 s).
+        table = torch.empty(max_position, head_dim) if device.type == "meta" else self._table(device)
+        self.register_buffer("cos_sin_cache", table, persistent=False)
 
     def _table(self, device: torch.device) -> torch.Tensor:
         inv_freq = _inverse_frequencies(self.head_dim, self.theta, self.rope_scaling, self.max_position)
