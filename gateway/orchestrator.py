@@ -20,7 +20,9 @@ Failover (docs/architecture.md, "Failures"): a worker failure before the client 
 token (UNAVAILABLE, a connection failure, a lost reservation, no answer within
 ``hop_timeout_s``, a Decode stream silent for ``decode_stall_timeout_s``) is retried up to
 ``max_retries`` times, each time on workers the request has not failed on yet (other workers
-of the role where any exist); after that the client gets UNAVAILABLE. Failures of a worker's
+of the role where any exist); after that the client gets UNAVAILABLE. A prefill's timeout
+(the Prefill call, or a local prefill's first Decode message) grows with the prompt at the
+worker's measured pace (:mod:`gateway.prefill_pace`), so a long prompt is not a failure. Failures of a worker's
 own (the call to it failed or timed out, not the KV transfer it made to its peer) are counted
 in the view's outlier detector, which ejects a worker failing repeatedly. Once the client has
 tokens, a failed or stalled Decode stream (UNAVAILABLE, NOT_FOUND, ABORTED, silent for
@@ -32,7 +34,7 @@ one) with ``max_tokens`` reduced by them, and the stream goes on where it stoppe
 sees one stream, its usage counting the original prompt and every output token. At most
 ``max_retries`` resumes per request. Any other request (unseeded sampling, ``n`` > 1) ends
 with UNAVAILABLE: the tokens already sent cannot be taken back. Every worker call
-but the Decode stream gets ``hop_timeout_s`` or the client's deadline, whichever is sooner; the
+but the Decode stream gets its hop timeout or the client's deadline, whichever is sooner; the
 Decode stream gets the client's deadline and ``decode_stall_timeout_s`` between messages.
 Decode capacity (``NoCapacityError`` or Admit's RESOURCE_EXHAUSTED) is waited for
 up to ``admit_wait_s`` with backoff, a small admission queue, then answered
@@ -58,6 +60,7 @@ from engine.detokenizer import IncrementalDetokenizer
 from engine.sampling_params import SamplingParams
 from engine.tokenizer import Tokenizer
 from gateway import metrics
+from gateway.prefill_pace import PrefillPace
 from gateway.router import ClusterView, NoCapacityError, NoWorkerError, Route
 from protos.status import StatusError
 from protos.tandem.v1 import gateway_pb2, worker_pb2, worker_pb2_grpc
@@ -190,13 +193,16 @@ class Orchestrator:
         local_prefill_max_tokens: the decode worker prefills a request itself when at most this
             many prompt tokens are left after its prefix hit.
         max_retries: tries on other workers after worker failures before the first token.
-        hop_timeout_s: seconds an Admit or Prefill call may take (sooner: the client's deadline).
+        hop_timeout_s: seconds an Admit call may take (sooner: the client's deadline); a prefill
+            gets this plus its prompt's tokens at the worker's measured pace.
         decode_stall_timeout_s: seconds a Decode stream may go without a message.
+        prefill_s_per_token: a prefill's seconds per prompt token before its worker's pace is measured.
     """
 
     def __init__(self, view: ClusterView, clients: WorkerClients, tokenizer: Tokenizer | None,
                  admit_wait_s: float = 5.0, local_prefill_max_tokens: int = 0, max_retries: int = 2,
-                 hop_timeout_s: float = 60.0, decode_stall_timeout_s: float = 15.0) -> None:
+                 hop_timeout_s: float = 60.0, decode_stall_timeout_s: float = 15.0,
+                 prefill_s_per_token: float = 0.05) -> None:
         self.view = view
         self.clients = clients
         self.tokenizer = tokenizer
@@ -205,6 +211,7 @@ class Orchestrator:
         self.max_retries = max_retries
         self.hop_timeout_s = hop_timeout_s
         self.decode_stall_timeout_s = decode_stall_timeout_s
+        self.pace = PrefillPace(hop_timeout_s, prefill_s_per_token)
         self._background: set[asyncio.Task] = set()
 
     async def generate(
@@ -331,31 +338,39 @@ class Orchestrator:
             attempt.prefill_counted = attempt.prefill_holds = False
             self.view.prefill_done(route)
             call = self._decode_call(attempt, prompt, [], sampling, time_left, local_prefill=True)
-            first = await self._staged(self._next_message(call, self._hop_timeout(time_left)), "Decode", route.decode,
-                                       time_left)
+            new_tokens, started = len(prompt) - attempt.decode_cached_tokens, time.monotonic()
+            timeout_s = self._hop_timeout(time_left, self.pace.timeout_s(route.decode.worker_id, new_tokens))
+            first = await self._staged(self._next_message(call, timeout_s), "Decode", route.decode, time_left, timeout_s)
             if first is grpc.aio.EOF:
                 raise StatusError(grpc.StatusCode.INTERNAL, "the decode worker ended the stream before a token")
             attempt.first_messages.append(first)
+            self.pace.observe(route.decode.worker_id, new_tokens, time.monotonic() - started)
             metrics.PREFILLS.labels("local", "none").inc()
             return None
         destination = worker_pb2.KVDestination(address=route.decode.address, reservation_id=admitted.reservation_id,
                                                layout=admitted.layout, num_cached_blocks=admitted.num_cached_blocks,
                                                kv_transports=admitted.kv_transports)
+        started = time.monotonic()
+        timeout_s = self._hop_timeout(time_left, self.pace.timeout_s(route.prefill.worker_id, len(prompt)))
         prefill = self.clients.prefill(route.prefill.address).Prefill(
             worker_pb2.PrefillRequest(request_id=rid, prompt_token_ids=prompt, sampling=sampling,
                                       destination=destination, cache_salt=attempt.cache_salt),
-            timeout=self._hop_timeout(time_left))
+            timeout=timeout_s)
         attempt.calls.append(prefill)
-        response = await self._staged(prefill, "Prefill", route.prefill, time_left)
+        response = await self._staged(prefill, "Prefill", route.prefill, time_left, timeout_s)
+        self.pace.observe(route.prefill.worker_id, len(prompt) - response.num_cached_tokens,
+                          time.monotonic() - started)
         attempt.prefill_counted = attempt.prefill_holds = False
         self.view.prefill_done(route)
         metrics.PREFILLS.labels("remote", response.kv_transport).inc()
         return response
 
-    def _hop_timeout(self, time_left: Callable[[], float | None]) -> float:
-        """The timeout of one Admit or Prefill call: ``hop_timeout_s`` or the client's deadline."""
+    def _hop_timeout(self, time_left: Callable[[], float | None], hop_s: float | None = None) -> float:
+        """The timeout of one worker call: ``hop_s`` (default ``hop_timeout_s``) or the
+        client's deadline, whichever is sooner."""
+        hop_s = self.hop_timeout_s if hop_s is None else hop_s
         left = _timeout(time_left)
-        return self.hop_timeout_s if left is None else min(left, self.hop_timeout_s)
+        return hop_s if left is None else min(left, hop_s)
 
     async def _next_message(self, call, timeout_s: float | None = None):
         """The Decode stream's next message (``grpc.aio.EOF`` at its end).
@@ -371,7 +386,7 @@ class Orchestrator:
         async with asyncio.timeout(timeout_s or self.decode_stall_timeout_s):
             return await call.read()
 
-    async def _staged(self, awaitable, stage: str, worker: WorkerInfo, time_left):
+    async def _staged(self, awaitable, stage: str, worker: WorkerInfo, time_left, timeout_s: float | None = None):
         """Await one step of a worker call (a unary call, or a stream's next message); its
         failure comes out as :class:`_WorkerCallError`, and the worker's own failures and
         successes go to the outlier detector.
@@ -379,7 +394,8 @@ class Orchestrator:
         A failed Prefill counts against the prefill worker only when the gateway's connection
         to it is down (keepalive closes the connection of a frozen worker too): an UNAVAILABLE
         or a timeout with the connection up may be its KV transfer's (the decode worker's
-        fault), which the health probe judges instead.
+        fault), which the health probe judges instead. ``timeout_s``: the call's hop timeout
+        (for the message; default ``hop_timeout_s``).
         """
         outliers = self.view.outliers
         try:
@@ -397,7 +413,8 @@ class Orchestrator:
                           self.clients.for_role(worker.role).state(worker.address) != grpc.ChannelConnectivity.READY):
                 outliers.failure(worker.worker_id)
                 metrics.WORKER_FAILURES.labels(stage).inc()
-            details = f"no answer within {self.hop_timeout_s} s" if hop_timeout else exc.details()
+            details = (f"no answer within {timeout_s or self.hop_timeout_s:.1f} s" if hop_timeout
+                       else exc.details())
             raise _WorkerCallError(stage, code, details or "", fault) from exc
         outliers.success(worker.worker_id)
         return result

@@ -148,8 +148,10 @@ class GatewayServicer(gateway_pb2_grpc.GatewayServicer):
             logger.info("generate failed: %s %s", exc.code.name, exc.message)
             await context.abort(exc.code, exc.message)
         except asyncio.CancelledError:
-            status = grpc.StatusCode.CANCELLED
-            logger.info("client cancelled")
+            # gRPC cancels the call both when the client goes and when its deadline passes.
+            left = context.time_remaining()
+            status = grpc.StatusCode.DEADLINE_EXCEEDED if left is not None and left <= 0 else grpc.StatusCode.CANCELLED
+            logger.info("client %s", "deadline passed" if status == grpc.StatusCode.DEADLINE_EXCEEDED else "cancelled")
             raise
         except Exception:
             status = grpc.StatusCode.INTERNAL
@@ -202,7 +204,8 @@ class Gateway:
         self.view = self._build_view()
         self.orchestrator = Orchestrator(self.view, clients, self.model.tokenizer,
                                          settings.admit_wait_s, settings.local_prefill_max_tokens,
-                                         settings.max_retries, settings.hop_timeout_s, settings.decode_stall_timeout_s)
+                                         settings.max_retries, settings.hop_timeout_s, settings.decode_stall_timeout_s,
+                                         settings.prefill_timeout_s_per_token)
         self.prober = HealthProber(self.view, clients, settings.health_probe_interval_s,
                                    settings.health_probe_timeout_s)
         self.tokenizer_pool = TokenizerPool(settings.tokenizer_threads, settings.tokenizer_queue)
@@ -221,12 +224,13 @@ class Gateway:
 
         Raises:
             cluster.server.BindError: the listen address cannot be bound.
-            cluster.server.StartupError: neither TLS nor ``insecure`` is set, or the TLS files
-                cannot be read.
+            cluster.server.StartupError: neither TLS nor ``insecure`` is set, the TLS files
+                cannot be read, or no API key protects a non-loopback address (``allow_open``).
         """
         s = self.settings
         try:
             s.check_transport_security()
+            s.check_open_access()
             credentials = (server_credentials(s.tls_dir, "gateway", False, setting_name(GatewaySettings, "tls_dir"))
                            if self._tls else None)
         except ValueError as exc:
