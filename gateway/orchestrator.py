@@ -53,6 +53,7 @@ from dataclasses import dataclass, field
 
 import grpc
 
+from cluster import tracing
 from cluster.channels import ChannelCache
 from cluster.registry import Role, WorkerConfig, WorkerInfo
 from engine.block_hash import hash_blocks, salted_seed
@@ -237,8 +238,10 @@ class Orchestrator:
         """
         started = time.monotonic()
         hash_seed = salted_seed(pool.hash_seed, cache_salt)  # the prompt's block hashes under the tenant's salt
-        attempt, first = await self._prefill_with_retry(
-            request_id, prompt, hash_blocks(prompt, pool.block_size, hash_seed), sampling, pool, time_left, cache_salt)
+        with tracing.span("first_token"):  # routing, capacity, tries, prefill and KV transfer: the TTFT
+            attempt, first = await self._prefill_with_retry(
+                request_id, prompt, hash_blocks(prompt, pool.block_size, hash_seed), sampling, pool, time_left,
+                cache_salt)
         backend = self.tokenizer.backend if self.tokenizer is not None else None
         output = _Output([_Sample(IncrementalDetokenizer(backend, prompt, params.stop) if backend else None)
                           for _ in range(params.n)],
@@ -269,9 +272,11 @@ class Orchestrator:
                     worker_sampling = gateway_pb2.SamplingParams()
                     worker_sampling.CopyFrom(sampling)
                     worker_sampling.max_tokens = params.max_tokens - len(sent)
-                    attempt, first = await self._prefill_with_retry(
-                        request_id, worker_prompt, hash_blocks(worker_prompt, pool.block_size, hash_seed),
-                        worker_sampling, pool, time_left, cache_salt, avoid=frozenset({lost.worker_id}))
+                    with tracing.span("resume", {"tandem.resume": resumes, "tandem.tokens_sent": len(sent),
+                                                 "tandem.lost_worker": lost.worker_id}):
+                        attempt, first = await self._prefill_with_retry(
+                            request_id, worker_prompt, hash_blocks(worker_prompt, pool.block_size, hash_seed),
+                            worker_sampling, pool, time_left, cache_salt, avoid=frozenset({lost.worker_id}))
         finally:
             self._release(attempt, "request ended")
 
@@ -282,10 +287,16 @@ class Orchestrator:
         retries = 0
         capacity = _Backoff(self.admit_wait_s)
         while True:
-            route = await self._choose(hashes, len(prompt), avoid, capacity, time_left)
+            with tracing.span("route"):
+                route = await self._choose(hashes, len(prompt), avoid, capacity, time_left)
             attempt = _Attempt(route, f"{request_id}-{uuid.uuid4().hex[:8]}", cache_salt)
             try:
-                first = await self._admit_and_prefill(attempt, prompt, sampling, pool, time_left)
+                with tracing.span("retry" if retries else "attempt", _trace_attributes(attempt, retries)) as tried:
+                    try:
+                        first = await self._admit_and_prefill(attempt, prompt, sampling, pool, time_left)
+                    except _WorkerCallError as failure:
+                        tracing.fail(tried, str(failure))  # handled below: retried, waited or answered
+                        raise
                 return attempt, first
             except asyncio.CancelledError:
                 self._release(attempt, "client cancelled")
@@ -473,13 +484,28 @@ class Orchestrator:
                 if started is not None:
                     metrics.TTFT.observe(time.monotonic() - started)
                 return  # the decode reservation is never claimed: the release's Abort frees it
-            call = self._decode_call(attempt, prompt, [t.token_id for t in first.first_tokens], sampling, time_left)
-        else:
-            call = attempt.decode_call
         if started is not None:
             metrics.TTFT.observe(time.monotonic() - started)
         first_token_at, tokens_before = time.monotonic(), max(s.tokens for s in samples)
-        route = attempt.route
+        with tracing.span("decode", {"tandem.decode_worker": attempt.route.decode.worker_id}) as decoding:
+            call = attempt.decode_call if first is None else self._decode_call(
+                attempt, prompt, [t.token_id for t in first.first_tokens], sampling, time_left)
+            async with contextlib.aclosing(self._decode_stream(request_id, attempt, call, output)) as responses:
+                async for response in responses:
+                    yield response
+            tracing.annotate({"tandem.output_tokens": max(s.tokens for s in samples)}, decoding)
+        tokens_after_first = max(s.tokens for s in samples) - max(1, tokens_before)
+        if tokens_after_first > 0:
+            metrics.TPOT.observe((time.monotonic() - first_token_at) / tokens_after_first)
+
+    async def _decode_stream(self, request_id, attempt: _Attempt, call, output: _Output):
+        """The Decode stream's tokens into ``output`` (after the first token).
+
+        Raises:
+            _DecodeLost: the stream failed or stalled.
+            StatusError: any other failure.
+        """
+        samples, n, route = output.samples, len(output.samples), attempt.route
         try:
             async for message in _chain(attempt.first_messages, call, self._next_message):
                 if message.index >= n or samples[message.index].done:
@@ -513,9 +539,6 @@ class Orchestrator:
             for index, sample in enumerate(samples):
                 if not sample.done:  # the worker ended the stream without finishing this sample
                     yield self._piece(request_id, output, index, [], [], ABORT)
-        tokens_after_first = max(s.tokens for s in samples) - max(1, tokens_before)
-        if tokens_after_first > 0:
-            metrics.TPOT.observe((time.monotonic() - first_token_at) / tokens_after_first)
 
     # -- cleanup ---------------------------------------------------------------------------
 
@@ -571,7 +594,7 @@ class _Backoff:
         remaining = _timeout(time_left)
         if now + self.delay >= self.deadline or (remaining is not None and remaining < self.delay):
             return False
-        with metrics.WAITING.track_inprogress():
+        with metrics.WAITING.track_inprogress(), tracing.span("wait_for_capacity", {"tandem.wait_s": self.delay}):
             await asyncio.sleep(self.delay)
         self.delay = min(self.delay * 2, 0.5)
         return True
@@ -584,6 +607,14 @@ async def _chain(first: list, call, next_message) -> AsyncIterator:
         yield message
     while (message := await next_message(call)) is not grpc.aio.EOF:
         yield message
+
+
+def _trace_attributes(attempt: _Attempt, retries: int) -> dict[str, object]:
+    """The attributes of a try's span: its workers and how many tries failed before it."""
+    route = attempt.route
+    return {"tandem.worker_request_id": attempt.worker_request_id, "tandem.retries": retries,
+            "tandem.prefill_worker": route.prefill.worker_id if route.prefill is not None else "none (local)",
+            "tandem.decode_worker": route.decode.worker_id}
 
 
 def _involved(route: Route, stage: str) -> frozenset[str]:

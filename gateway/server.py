@@ -7,7 +7,8 @@ it, and hands it to :class:`~gateway.orchestrator.Orchestrator`; statuses map as
 docs/architecture.md says. :func:`serve` runs the process: it resolves the model's tokenizer
 and id (never the weights, never torch), keeps the routing view fresh, reports SERVING only
 while a request can be routed, and on SIGTERM/SIGINT reports NOT_SERVING, ends health watches,
-gives in-flight requests ``drain_timeout_s`` and exits.
+gives in-flight requests ``drain_timeout_s`` and exits. With OpenTelemetry on
+(:mod:`cluster.tracing`) each call starts a trace that the workers continue.
 """
 
 from __future__ import annotations
@@ -23,6 +24,7 @@ from dataclasses import dataclass
 
 import grpc
 
+from cluster import tracing
 from cluster.channels import ChannelCache, client_keepalive_options, server_keepalive_options
 from cluster.health import NOT_SERVING, SERVING
 from cluster.log import request_id_var
@@ -147,17 +149,21 @@ class GatewayServicer(gateway_pb2_grpc.GatewayServicer):
         try:
             check_request_id(request_id, REQUEST_ID_MAX_CHARS)  # before it is written in a log line
             request_id_var.set(request_id)
+            tenant = tenant_var.get()
+            tracing.annotate({"tandem.request_id": request_id, "tandem.tenant": tenant.name if tenant else "-"})
             self.admission.check()
             with self.admission.track():
-                which, prompt = await self._tokenize(request)
-                pool = self._pool()
-                check_prompt_ids(input_field(which), prompt, pool.max_model_len, pool.vocab_size)
-                if on_prompt is not None:
-                    on_prompt(len(prompt))
-                params = sampling_params_from_proto(request.sampling, len(prompt), pool, self.limits)
-                if params.stop and self.model.tokenizer is None:
-                    raise StatusError.invalid_argument("sampling.stop", "this model has no tokenizer to match text")
-                tenant = tenant_var.get()
+                with tracing.span("validate_and_tokenize") as validated:
+                    which, prompt = await self._tokenize(request)
+                    pool = self._pool()
+                    check_prompt_ids(input_field(which), prompt, pool.max_model_len, pool.vocab_size)
+                    if on_prompt is not None:
+                        on_prompt(len(prompt))
+                    params = sampling_params_from_proto(request.sampling, len(prompt), pool, self.limits)
+                    if params.stop and self.model.tokenizer is None:
+                        raise StatusError.invalid_argument("sampling.stop", "this model has no tokenizer to match text")
+                    tracing.annotate({"tandem.prompt_tokens": len(prompt), "tandem.n": params.n,
+                                      "tandem.max_tokens": params.max_tokens}, validated)
                 logger.info("generate: %d prompt tokens, n=%d, max_tokens=%d, tenant %s", len(prompt), params.n,
                             params.max_tokens, tenant.name if tenant else "-")
                 stream = self.orchestrator.generate(request_id, prompt, request.sampling, params, pool,
@@ -272,7 +278,7 @@ class Gateway:
         self._scaffold = ServerScaffold([SERVICE_NAME, kserve.SERVICE_NAME], [("grpc.max_receive_message_length", 2 * s.max_request_bytes),
                                                          *server_keepalive_options(s.keepalive_time_s,
                                                                                    s.keepalive_timeout_s)],
-                                        reflection=s.reflection, interceptors=self._auth())
+                                        reflection=s.reflection, interceptors=self._auth(), new_traces=True)
         gateway_pb2_grpc.add_GatewayServicer_to_server(self.servicer, self._scaffold.server)
         grpc_service_pb2_grpc.add_GRPCInferenceServiceServicer_to_server(kserve.KServeServicer(self.servicer),
                                                                          self._scaffold.server)
@@ -353,6 +359,8 @@ async def serve(settings: GatewaySettings) -> None:
         cluster.server.BindError: the listen address or the metrics port cannot be bound.
     """
     return_large_buffers_to_the_os()
+    if tracing.configure("tandem-gateway"):  # before the channels and the server are built
+        logger.info("OpenTelemetry tracing on (OTLP)")
     gateway = Gateway(settings)
     if settings.metrics_port:
         from prometheus_client import REGISTRY
@@ -368,4 +376,5 @@ async def serve(settings: GatewaySettings) -> None:
     logger.info("shutting down: NOT_SERVING, draining in-flight requests (at most %.0f s)", settings.drain_timeout_s)
     exit_if_shutdown_hangs(settings.drain_timeout_s)
     await gateway.stop()
+    tracing.shutdown()
     logger.info("stopped")
