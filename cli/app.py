@@ -37,8 +37,8 @@ def _setup_logging(verbose: bool) -> None:
 def offline_chat(
     message: str = typer.Argument(..., help="The user message."),
     model: str = typer.Option(None, help="HF directory, GGUF file, ORG/NAME or preset (default: SmolLM2-135M-Instruct)."),
-    max_tokens: int = typer.Option(128, help="New tokens at most."),
-    temperature: float = typer.Option(0.0, help="0 = greedy."),
+    max_tokens: int = typer.Option(128, min=1, help="New tokens at most."),
+    temperature: float = typer.Option(0.0, min=0.0, help="0 = greedy."),
     system: str = typer.Option(None, help="Optional system prompt."),
     verbose: bool = typer.Option(False, "--verbose", "-v"),
 ) -> None:
@@ -152,7 +152,7 @@ def _run_local(model: str | None, listen: str, prefill: int, decode: int, once: 
             err_console.print(f"TLS: clients trust {ca_file} (export TANDEM_TLS_CA={ca_file})", highlight=False)
         if once is not None:
             return _ask(cluster.gateway_addr, [{"role": "user", "content": once}], max_tokens, temperature, echo=True,
-                        ca_file=ca_file)
+                        ca_file=ca_file)[0]
         err_console.print("serving; Ctrl-C stops everything")
         while not stop.wait(0.5):
             if dead := cluster.dead():
@@ -225,11 +225,18 @@ def demo_cmd(
 # ----------------------------------------------------------------------------- clients
 
 
+# A call refused for these reasons fails the same way on every try: `chat` stops on them.
+_FATAL_CODES = ("UNAUTHENTICATED", "PERMISSION_DENIED")
+
+
 def _ask(addr: str, messages: list[dict[str, str]], max_tokens: int, temperature: float,
-         prompt: str | None = None, echo: bool = False, ca_file: str = "") -> int:
+         prompt: str | None = None, echo: bool = False, ca_file: str = "", api_key: str = "") -> tuple[int, str]:
     """Stream one answer to the terminal; returns an exit code (0, 1 on a failed call, 130 when
-    interrupted). Appends the answer to ``messages``. ``echo`` prints the user's message first;
-    ``ca_file``: the CA that verifies the gateway's TLS certificate (default ``TANDEM_TLS_CA``)."""
+    interrupted) and the failed call's status name (``""`` when none). Appends the answer to
+    ``messages``. ``echo`` prints the user's message first; ``ca_file``: the CA that verifies
+    the gateway's TLS certificate (default ``TANDEM_TLS_CA``); ``api_key``: sent as
+    ``authorization: Bearer`` (default ``TANDEM_API_KEY``). The ``assistant:`` label is printed
+    with the answer's first text, so a failed call prints only its error."""
     import grpc
 
     from cli import client
@@ -240,17 +247,33 @@ def _ask(addr: str, messages: list[dict[str, str]], max_tokens: int, temperature
                else client.chat_request(messages, params))
     if echo:
         console.print(f"[bold]user:[/bold] {messages[-1]['content']}")
-    console.print("[bold]assistant:[/bold] ", end="")
+    labelled = False
+
+    def show(text: str) -> None:
+        nonlocal labelled
+        if not labelled:
+            console.print("[bold]assistant:[/bold] ", end="")
+            labelled = True
+        console.print(text, end="", markup=False, highlight=False)
+
     try:
-        out = client.stream(addr, request, lambda text: console.print(text, end="", markup=False, highlight=False),
-                            api_key=os.environ.get("TANDEM_API_KEY", ""), ca_file=ca_file)
+        out = client.stream(addr, request, show, api_key=api_key or os.environ.get("TANDEM_API_KEY", ""),
+                            ca_file=ca_file)
+    except OSError as exc:  # the CA file
+        err_console.print(f"[red]error:[/red] cannot read the CA file: {exc}", highlight=False)
+        return 1, ""
     except grpc.RpcError as exc:
-        console.print()
-        err_console.print(f"[red]{exc.code().name}[/red]: {exc.details()}")
-        return 1
+        if labelled:
+            console.print()
+        err_console.print(f"[red]{exc.code().name}[/red]: {exc.details()}", highlight=False, soft_wrap=True)
+        if exc.code() == grpc.StatusCode.UNAVAILABLE:
+            err_console.print(client.tls_hint(ca_file), highlight=False, soft_wrap=True)
+        return 1, exc.code().name
     except KeyboardInterrupt:
         console.print("\n[dim](cancelled)[/dim]")
-        return 130
+        return 130, ""
+    if not labelled:
+        show("")
     console.print()
     usage = out.usage
     if usage is not None:
@@ -258,7 +281,7 @@ def _ask(addr: str, messages: list[dict[str, str]], max_tokens: int, temperature
                           f"{usage.prompt_tokens} prompt tokens ({usage.cached_prompt_tokens} cached), "
                           f"{usage.completion_tokens} generated[/dim]")
     messages.append({"role": "assistant", "content": out.text})
-    return 0
+    return 0, ""
 
 
 @app.command("certs")
@@ -301,8 +324,13 @@ def apikey_cmd(
     err_console.print(entry, markup=False, highlight=False)
 
 
-_GATEWAY_ADDR = typer.Option(os.environ.get("TANDEM_GATEWAY_ADDR", "127.0.0.1:50051"),
-                             help="Gateway address (env TANDEM_GATEWAY_ADDR).")
+_GATEWAY_ADDR = typer.Option("127.0.0.1:50051", envvar="TANDEM_GATEWAY_ADDR", show_envvar=True,
+                             help="Gateway address.")
+_TLS_CA = typer.Option("", "--tls-ca", envvar="TANDEM_TLS_CA", show_envvar=True, show_default=False,
+                       help="CA certificate that verifies the gateway's TLS (the ca.pem of its certificate "
+                            "directory; `tandem serve --local` prints it). Unset: plaintext.")
+_API_KEY = typer.Option("", "--api-key", envvar="TANDEM_API_KEY", show_envvar=True, show_default=False,
+                        help="API key sent as `authorization: Bearer KEY` (when the gateway has TANDEM_API_KEYS).")
 
 
 @app.command("generate")
@@ -312,10 +340,13 @@ def generate_cmd(
     max_tokens: int = typer.Option(128, min=1, help="New tokens at most."),
     temperature: float = typer.Option(0.0, min=0.0, help="0 = greedy."),
     chat: bool = typer.Option(True, "--chat/--raw", help="Apply the chat template (default) or send raw text."),
+    tls_ca: str = _TLS_CA,
+    api_key: str = _API_KEY,
 ) -> None:
     """Stream a completion of PROMPT from a running gateway."""
     messages = [{"role": "user", "content": prompt}]
-    raise typer.Exit(_ask(addr, messages, max_tokens, temperature, None if chat else prompt))
+    raise typer.Exit(_ask(addr, messages, max_tokens, temperature, None if chat else prompt, ca_file=tls_ca,
+                          api_key=api_key)[0])
 
 
 @app.command("chat")
@@ -324,13 +355,22 @@ def chat_cmd(
     max_tokens: int = typer.Option(256, min=1, help="New tokens at most per answer."),
     temperature: float = typer.Option(0.7, min=0.0, help="0 = greedy."),
     system: str = typer.Option(None, help="Optional system prompt."),
+    tls_ca: str = _TLS_CA,
+    api_key: str = _API_KEY,
 ) -> None:
     """Chat with a running gateway (keeps the history; empty line or Ctrl-D ends). Exits 1 when
-    the gateway cannot be reached."""
+    the gateway cannot be reached or refuses the caller (UNAUTHENTICATED, PERMISSION_DENIED)."""
+    from cli import client
     from cli.healthcheck import check
 
-    if not check(addr, timeout_s=5.0):
-        err_console.print(f"[red]error:[/red] no serving gateway at {addr}")
+    try:
+        serving = check(addr, timeout_s=5.0, ca_file=tls_ca)
+    except OSError as exc:
+        err_console.print(f"[red]error:[/red] cannot read the CA file: {exc}", highlight=False)
+        raise typer.Exit(1) from None
+    if not serving:
+        err_console.print(f"[red]error:[/red] no serving gateway at {addr}; {client.tls_hint(tls_ca)}",
+                          highlight=False, soft_wrap=True)
         raise typer.Exit(1)
     messages = [{"role": "system", "content": system}] if system else []
     while True:
@@ -342,9 +382,10 @@ def chat_cmd(
         if not text:
             return
         messages.append({"role": "user", "content": text})
-        if _ask(addr, messages, max_tokens, temperature) != 0:
+        code, status = _ask(addr, messages, max_tokens, temperature, ca_file=tls_ca, api_key=api_key)
+        if code != 0:
             messages.pop()
-            if not check(addr, timeout_s=5.0):
+            if status in _FATAL_CODES or not check(addr, timeout_s=5.0, ca_file=tls_ca):
                 raise typer.Exit(1)
 
 

@@ -2,10 +2,9 @@
 
 from __future__ import annotations
 
+import os
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
-
-import os
 
 import grpc
 
@@ -36,9 +35,22 @@ def auth_metadata(api_key: str) -> tuple[tuple[str, str], ...]:
     return (("authorization", f"Bearer {api_key}"),) if api_key else ()
 
 
+def tls_hint(ca_file: str) -> str:
+    """What to tell a user whose call did not reach the gateway: without a CA, that the gateway
+    serves TLS by default and how to trust it; with one, to check it is the gateway's."""
+    if not ca_file and not os.environ.get("TANDEM_TLS_CA"):
+        return ("if the gateway serves TLS (the default), set its CA: --tls-ca PATH or "
+                "TANDEM_TLS_CA=PATH (the ca.pem of its certificate directory)")
+    return "check that the CA file (--tls-ca / TANDEM_TLS_CA) is the one that signed the gateway's certificate"
+
+
 def channel(address: str, ca_file: str = "") -> grpc.Channel:
     """A channel to the gateway: TLS verified against the CA file ``ca_file`` (default
-    ``TANDEM_TLS_CA``) when there is one, else plaintext."""
+    ``TANDEM_TLS_CA``) when there is one, else plaintext.
+
+    Raises:
+        OSError: the CA file cannot be read.
+    """
     ca_file = ca_file or os.environ.get("TANDEM_TLS_CA", "")
     if not ca_file:
         return grpc.insecure_channel(address)

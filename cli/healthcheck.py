@@ -2,8 +2,9 @@
 
 Exits 0 if the server answers SERVING for ``SERVICE`` (default: the whole server, ""), 1
 otherwise. With ``--tls-dir`` (default ``TANDEM_TLS_DIR``) it dials over TLS with a certificate
-of that directory (workers require one). Used by docker-compose healthchecks and by the local launcher (no
-``grpc_health_probe`` binary needed).
+of that directory (workers require one); with ``--tls-ca`` (default ``TANDEM_TLS_CA``) it dials a
+TLS gateway as a client does, trusting that CA. Used by docker-compose and Kubernetes
+healthchecks, by ``tandem chat`` and by the local launcher (no ``grpc_health_probe`` binary needed).
 """
 
 from __future__ import annotations
@@ -17,8 +18,12 @@ import grpc
 from protos.grpc.health.v1 import health_pb2, health_pb2_grpc
 
 
-def _channel(address: str, tls_dir: str) -> grpc.Channel:
+def _channel(address: str, tls_dir: str, ca_file: str) -> grpc.Channel:
     if not tls_dir:
+        if ca_file:
+            from cli.client import channel
+
+            return channel(address, ca_file)
         return grpc.insecure_channel(address)
     from cluster.tls import CLUSTER_NAME, ROLES, TlsFiles
 
@@ -28,10 +33,15 @@ def _channel(address: str, tls_dir: str) -> grpc.Channel:
                                options=[("grpc.ssl_target_name_override", CLUSTER_NAME)])
 
 
-def check(address: str, service: str = "", timeout_s: float = 2.0, tls_dir: str = "") -> bool:
+def check(address: str, service: str = "", timeout_s: float = 2.0, tls_dir: str = "", ca_file: str = "") -> bool:
     """True if ``address`` reports SERVING for ``service`` within ``timeout_s`` seconds
-    (``tls_dir``: dial with a certificate of that TLS directory, ``cluster.tls``)."""
-    with _channel(address, tls_dir) as channel:
+    (``tls_dir``: dial with a certificate of that TLS directory, ``cluster.tls``; else
+    ``ca_file``: dial TLS trusting that CA certificate; neither: plaintext).
+
+    Raises:
+        OSError: ``ca_file`` cannot be read.
+    """
+    with _channel(address, tls_dir, ca_file) as channel:
         try:
             reply = health_pb2_grpc.HealthStub(channel).Check(
                 health_pb2.HealthCheckRequest(service=service), timeout=timeout_s)
@@ -47,8 +57,10 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--timeout", type=float, default=2.0, help="seconds")
     parser.add_argument("--tls-dir", default=os.environ.get("TANDEM_TLS_DIR", ""),
                         help="TLS directory (tandem certs init); default TANDEM_TLS_DIR")
+    parser.add_argument("--tls-ca", default=os.environ.get("TANDEM_TLS_CA", ""),
+                        help="CA certificate that verifies a TLS gateway (its ca.pem); default TANDEM_TLS_CA")
     args = parser.parse_args(argv)
-    ok = check(args.address, args.service, args.timeout, args.tls_dir)
+    ok = check(args.address, args.service, args.timeout, args.tls_dir, args.tls_ca)
     print("SERVING" if ok else "NOT SERVING", file=sys.stderr)
     return 0 if ok else 1
 

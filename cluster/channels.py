@@ -1,7 +1,7 @@
 """Client channels to the other servers of the cluster: one ``grpc.aio`` channel per address,
 opened on first use and reused, the one place that decides how a Tandem process dials a peer
 (message size limits, TLS credentials and the certificate name a peer must present,
-keepalive, reconnect backoff) and what a server allows its peers.
+keepalive, reconnect backoff, the trace context of :mod:`cluster.tracing`) and what a server allows its peers.
 
 Keepalive: a peer that is frozen (SIGSTOP, a hung host) keeps its TCP connection open, so
 without pings a call to it waits forever. Every connection pings every ``keepalive_time_s``
@@ -22,6 +22,7 @@ from collections.abc import Sequence
 
 import grpc
 
+from cluster import tracing
 from cluster.tls import ClientCredentials
 
 MAX_RECONNECT_BACKOFF_MS = 1000
@@ -76,6 +77,7 @@ class ChannelCache:
         if credentials is not None and peer_name:
             self._options.append(("grpc.ssl_target_name_override", peer_name))
         self._credentials = credentials
+        self._interceptors = tracing.client_interceptors()  # none while tracing is off
         self._generation = credentials.generation if credentials is not None else 0
         self.max_channels = max_channels
         self._channels: collections.OrderedDict[str, grpc.aio.Channel] = collections.OrderedDict()
@@ -97,9 +99,10 @@ class ChannelCache:
             self._channels.move_to_end(address)
             return channel
         if self._credentials is None:
-            channel = grpc.aio.insecure_channel(address, options=self._options)
+            channel = grpc.aio.insecure_channel(address, options=self._options, interceptors=self._interceptors)
         else:
-            channel = grpc.aio.secure_channel(address, credentials, options=self._options)
+            channel = grpc.aio.secure_channel(address, credentials, options=self._options,
+                                              interceptors=self._interceptors)
         self._channels[address] = channel
         while len(self._channels) > self.max_channels:
             self._retire(self._channels.popitem(last=False)[1])

@@ -19,6 +19,7 @@ from collections.abc import Callable, Iterator, Sequence
 import grpc
 from prometheus_client import CollectorRegistry, start_http_server
 
+from cluster import tracing
 from cluster.health import HealthServicer
 from cluster.interceptors import MalformedRequestInterceptor
 from cluster.reflection import add_reflection
@@ -90,6 +91,9 @@ class ServerScaffold:
         reflection: serve gRPC reflection (off: a caller cannot list the services).
         interceptors: run after :class:`~cluster.interceptors.MalformedRequestInterceptor`
             (which every server has), in order.
+        new_traces: with tracing on (:mod:`cluster.tracing`, outermost), start a trace for a call
+            of ``services`` that carries none (the public endpoint); otherwise only calls that
+            arrive with a trace context are traced.
 
     Attributes:
         server: add the servicers to it, then :meth:`bind` and :meth:`start`.
@@ -97,10 +101,11 @@ class ServerScaffold:
     """
 
     def __init__(self, services: Sequence[str], options: Sequence[tuple[str, int]] = (), *, reflection: bool = True,
-                 interceptors: Sequence[grpc.aio.ServerInterceptor] = ()) -> None:
+                 interceptors: Sequence[grpc.aio.ServerInterceptor] = (), new_traces: bool = False) -> None:
         # No SO_REUSEPORT: a second server on a taken port must fail, not share it silently.
         self.server = grpc.aio.server(options=[("grpc.so_reuseport", 0), *options],
-                                      interceptors=[MalformedRequestInterceptor(), *interceptors])
+                                      interceptors=[*tracing.server_interceptors(services, new_traces),
+                                                    MalformedRequestInterceptor(), *interceptors])
         self.health = HealthServicer(list(services))
         health_pb2_grpc.add_HealthServicer_to_server(self.health, self.server)
         if reflection:

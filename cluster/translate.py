@@ -93,11 +93,12 @@ def sampling_params_from_proto(msg: gateway_pb2.SamplingParams, prompt_len: int,
         raise fail("n", f"must be <= {limits.max_n}, got {n}")
     if msg.logprobs > limits.max_logprobs:
         raise fail("logprobs", f"must be <= {limits.max_logprobs}, got {msg.logprobs}")
-    if len(msg.stop) > limits.max_stop:
-        raise fail("stop", f"at most {limits.max_stop} stop strings, got {len(msg.stop)}")
+    # An empty stop string matches nothing: it is dropped, not refused (grpcurl's
+    # ``describe -msg-template`` body has one: a template must be accepted as it comes).
+    stops = [stop for stop in msg.stop if stop]
+    if len(stops) > limits.max_stop:
+        raise fail("stop", f"at most {limits.max_stop} stop strings, got {len(stops)}")
     for i, stop in enumerate(msg.stop):
-        if not stop:
-            raise fail(f"stop[{i}]", "must not be empty")
         if len(stop) > limits.max_stop_len:
             raise fail(f"stop[{i}]", f"is {len(stop)} characters, more than {limits.max_stop_len}")
     if len(msg.stop_token_ids) > limits.max_stop_token_ids:
@@ -113,7 +114,7 @@ def sampling_params_from_proto(msg: gateway_pb2.SamplingParams, prompt_len: int,
               if msg.HasField(name)}
     try:
         return SamplingParams(
-            max_tokens=min(msg.max_tokens, room) if msg.max_tokens else room, stop=list(msg.stop),
+            max_tokens=min(msg.max_tokens, room) if msg.max_tokens else room, stop=stops,
             stop_token_ids=list(msg.stop_token_ids), ignore_eos=msg.ignore_eos, n=n,
             logprobs=msg.logprobs, **kwargs)
     except ValueError as exc:  # SamplingParams names the field first: "top_p must be in (0, 1], ..."

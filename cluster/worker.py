@@ -22,6 +22,7 @@ from typing import Protocol
 
 import grpc
 
+from cluster import tracing
 from cluster.channels import server_keepalive_options
 from cluster.health import SERVING
 from cluster.heartbeat import Heartbeat
@@ -265,6 +266,8 @@ def run_worker(settings: WorkerSettings, role: Role,
     address cannot be bound or a setting cannot work here, after one line on stderr naming it,
     or when a tensor-parallel rank died)."""
     configure_logging(settings.log_level)
+    if tracing.configure(f"tandem-{role}"):  # before the channels and the server are built
+        logger.info("OpenTelemetry tracing on (OTLP)")
 
     async def main() -> int:
         use_device(resolve_device(settings.device))  # this thread's GPU work (KV transfers) is on the worker's GPU
@@ -294,6 +297,8 @@ def run_worker(settings: WorkerSettings, role: Role,
     except (BindError, StartupError) as exc:
         logger.error("%s", exc)
         return 1
+    finally:
+        tracing.shutdown()
     if code:  # the engine died (a tensor-parallel rank): its process group's threads and
         logging.shutdown()  # communicators are in no state for the interpreter's teardown
         os._exit(code)

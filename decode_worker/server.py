@@ -20,6 +20,7 @@ from collections.abc import AsyncIterator
 
 import grpc
 
+from cluster import tracing
 from cluster.log import request_id_var
 from cluster.metrics import WorkerMetrics
 from cluster.registry import Role
@@ -130,6 +131,7 @@ class DecodeServicer(worker_pb2_grpc.DecodeWorkerServicer):
         self.metrics.kv_transfer_seconds.labels(transport).observe(time.perf_counter() - start)
         self.metrics.kv_transfers.labels(transport, "OK").inc()
         self.metrics.kv_bytes.labels(transport).inc(response.num_blocks_received * self.layout.block_nbytes)
+        tracing.annotate({"tandem.kv.transport": transport, "tandem.kv.blocks": response.num_blocks_received})
         return response
 
     async def Decode(self, request: worker_pb2.DecodeRequest, context):  # noqa: N802

@@ -5,7 +5,8 @@ in ``TANDEM_API_KEYS`` (comma-separated) and/or one per line in the file ``TANDE
 (``#`` comments and blank lines ignored). A client sends its key as ``authorization: Bearer KEY``
 (or ``x-api-key: KEY``). :class:`AuthInterceptor` refuses every call without a known key with
 ``UNAUTHENTICATED`` (health stays open for probes) and a tenant's call beyond its concurrent
-limit with ``RESOURCE_EXHAUSTED``; the servicer reads the caller's tenant from
+limit with ``RESOURCE_EXHAUSTED`` (reflection needs a key but is not counted: a tenant limited
+to one stream can still use grpcurl, whose reflection stream stays open during the call); the servicer reads the caller's tenant from
 :data:`tenant_var`. With no key configured the gateway is open (the local demo) and every
 request is one anonymous tenant.
 """
@@ -27,6 +28,7 @@ import grpc
 from cluster.interceptors import wrap_handler
 
 OPEN_METHOD_PREFIXES = ("/grpc.health.v1.Health/",)
+UNCOUNTED_METHOD_PREFIXES = ("/grpc.reflection.",)
 _HASH = re.compile(r"[0-9a-f]{64}")
 _TENANT = re.compile(r"[A-Za-z0-9._-]{1,64}")
 
@@ -135,13 +137,18 @@ class AuthInterceptor(grpc.aio.ServerInterceptor):
             return handler
         key = _key_of(handler_call_details.invocation_metadata)
         tenant = self.keys.tenant(key) if key else None
-        return wrap_handler(handler, scope=functools.partial(self._admit, tenant))
+        counted = not handler_call_details.method.startswith(UNCOUNTED_METHOD_PREFIXES)
+        return wrap_handler(handler, scope=functools.partial(self._admit, tenant, counted))
 
     @contextlib.asynccontextmanager
-    async def _admit(self, tenant: Tenant | None, context: grpc.aio.ServicerContext):
+    async def _admit(self, tenant: Tenant | None, counted: bool, context: grpc.aio.ServicerContext):
         if tenant is None:
             await context.abort(grpc.StatusCode.UNAUTHENTICATED,
                                 "a valid API key is required (metadata authorization: Bearer KEY)")
+        if not counted:
+            tenant_var.set(tenant)
+            yield
+            return
         if tenant.max_streams and self.in_flight[tenant.name] >= tenant.max_streams:
             await context.abort(grpc.StatusCode.RESOURCE_EXHAUSTED,
                                 f"tenant {tenant.name} already has {tenant.max_streams} calls in flight, its limit")

@@ -6,8 +6,9 @@ from prometheus_client import Counter, Gauge, Histogram
 
 from cluster.metrics import LATENCY_BUCKETS, TPOT_BUCKETS
 
-REQUESTS = Counter("tandem_gateway_requests", "Generate calls by final gRPC status code.", ["status"])
-IN_FLIGHT = Gauge("tandem_gateway_requests_in_flight", "Generate calls being served.")
+REQUESTS = Counter("tandem_gateway_requests", "Generation requests (tandem.v1 Generate, KServe ModelInfer and "
+                   "ModelStreamInfer) by final gRPC status code.", ["status"])
+IN_FLIGHT = Gauge("tandem_gateway_requests_in_flight", "Generation requests being served.")
 TTFT = Histogram("tandem_gateway_ttft_seconds", "Time to first token: call start to the first token sent.",
                  buckets=LATENCY_BUCKETS)
 TPOT = Histogram("tandem_gateway_tpot_seconds", "Time per output token after the first (per sample).",

@@ -20,7 +20,9 @@ Failover (docs/architecture.md, "Failures"): a worker failure before the client 
 token (UNAVAILABLE, a connection failure, a lost reservation, no answer within
 ``hop_timeout_s``, a Decode stream silent for ``decode_stall_timeout_s``) is retried up to
 ``max_retries`` times, each time on workers the request has not failed on yet (other workers
-of the role where any exist); after that the client gets UNAVAILABLE. Failures of a worker's
+of the role where any exist); after that the client gets UNAVAILABLE. A prefill's timeout
+(the Prefill call, or a local prefill's first Decode message) grows with the prompt at the
+worker's measured pace (:mod:`gateway.prefill_pace`), so a long prompt is not a failure. Failures of a worker's
 own (the call to it failed or timed out, not the KV transfer it made to its peer) are counted
 in the view's outlier detector, which ejects a worker failing repeatedly. Once the client has
 tokens, a failed or stalled Decode stream (UNAVAILABLE, NOT_FOUND, ABORTED, silent for
@@ -32,7 +34,7 @@ one) with ``max_tokens`` reduced by them, and the stream goes on where it stoppe
 sees one stream, its usage counting the original prompt and every output token. At most
 ``max_retries`` resumes per request. Any other request (unseeded sampling, ``n`` > 1) ends
 with UNAVAILABLE: the tokens already sent cannot be taken back. Every worker call
-but the Decode stream gets ``hop_timeout_s`` or the client's deadline, whichever is sooner; the
+but the Decode stream gets its hop timeout or the client's deadline, whichever is sooner; the
 Decode stream gets the client's deadline and ``decode_stall_timeout_s`` between messages.
 Decode capacity (``NoCapacityError`` or Admit's RESOURCE_EXHAUSTED) is waited for
 up to ``admit_wait_s`` with backoff, a small admission queue, then answered
@@ -51,6 +53,7 @@ from dataclasses import dataclass, field
 
 import grpc
 
+from cluster import tracing
 from cluster.channels import ChannelCache
 from cluster.registry import Role, WorkerConfig, WorkerInfo
 from engine.block_hash import hash_blocks, salted_seed
@@ -58,6 +61,7 @@ from engine.detokenizer import IncrementalDetokenizer
 from engine.sampling_params import SamplingParams
 from engine.tokenizer import Tokenizer
 from gateway import metrics
+from gateway.prefill_pace import PrefillPace
 from gateway.router import ClusterView, NoCapacityError, NoWorkerError, Route
 from protos.status import StatusError
 from protos.tandem.v1 import gateway_pb2, worker_pb2, worker_pb2_grpc
@@ -190,13 +194,16 @@ class Orchestrator:
         local_prefill_max_tokens: the decode worker prefills a request itself when at most this
             many prompt tokens are left after its prefix hit.
         max_retries: tries on other workers after worker failures before the first token.
-        hop_timeout_s: seconds an Admit or Prefill call may take (sooner: the client's deadline).
+        hop_timeout_s: seconds an Admit call may take (sooner: the client's deadline); a prefill
+            gets this plus its prompt's tokens at the worker's measured pace.
         decode_stall_timeout_s: seconds a Decode stream may go without a message.
+        prefill_s_per_token: a prefill's seconds per prompt token before its worker's pace is measured.
     """
 
     def __init__(self, view: ClusterView, clients: WorkerClients, tokenizer: Tokenizer | None,
                  admit_wait_s: float = 5.0, local_prefill_max_tokens: int = 0, max_retries: int = 2,
-                 hop_timeout_s: float = 60.0, decode_stall_timeout_s: float = 15.0) -> None:
+                 hop_timeout_s: float = 60.0, decode_stall_timeout_s: float = 15.0,
+                 prefill_s_per_token: float = 0.05) -> None:
         self.view = view
         self.clients = clients
         self.tokenizer = tokenizer
@@ -205,6 +212,7 @@ class Orchestrator:
         self.max_retries = max_retries
         self.hop_timeout_s = hop_timeout_s
         self.decode_stall_timeout_s = decode_stall_timeout_s
+        self.pace = PrefillPace(hop_timeout_s, prefill_s_per_token)
         self._background: set[asyncio.Task] = set()
 
     async def generate(
@@ -230,8 +238,10 @@ class Orchestrator:
         """
         started = time.monotonic()
         hash_seed = salted_seed(pool.hash_seed, cache_salt)  # the prompt's block hashes under the tenant's salt
-        attempt, first = await self._prefill_with_retry(
-            request_id, prompt, hash_blocks(prompt, pool.block_size, hash_seed), sampling, pool, time_left, cache_salt)
+        with tracing.span("first_token"):  # routing, capacity, tries, prefill and KV transfer: the TTFT
+            attempt, first = await self._prefill_with_retry(
+                request_id, prompt, hash_blocks(prompt, pool.block_size, hash_seed), sampling, pool, time_left,
+                cache_salt)
         backend = self.tokenizer.backend if self.tokenizer is not None else None
         output = _Output([_Sample(IncrementalDetokenizer(backend, prompt, params.stop) if backend else None)
                           for _ in range(params.n)],
@@ -262,9 +272,11 @@ class Orchestrator:
                     worker_sampling = gateway_pb2.SamplingParams()
                     worker_sampling.CopyFrom(sampling)
                     worker_sampling.max_tokens = params.max_tokens - len(sent)
-                    attempt, first = await self._prefill_with_retry(
-                        request_id, worker_prompt, hash_blocks(worker_prompt, pool.block_size, hash_seed),
-                        worker_sampling, pool, time_left, cache_salt, avoid=frozenset({lost.worker_id}))
+                    with tracing.span("resume", {"tandem.resume": resumes, "tandem.tokens_sent": len(sent),
+                                                 "tandem.lost_worker": lost.worker_id}):
+                        attempt, first = await self._prefill_with_retry(
+                            request_id, worker_prompt, hash_blocks(worker_prompt, pool.block_size, hash_seed),
+                            worker_sampling, pool, time_left, cache_salt, avoid=frozenset({lost.worker_id}))
         finally:
             self._release(attempt, "request ended")
 
@@ -275,10 +287,16 @@ class Orchestrator:
         retries = 0
         capacity = _Backoff(self.admit_wait_s)
         while True:
-            route = await self._choose(hashes, len(prompt), avoid, capacity, time_left)
+            with tracing.span("route"):
+                route = await self._choose(hashes, len(prompt), avoid, capacity, time_left)
             attempt = _Attempt(route, f"{request_id}-{uuid.uuid4().hex[:8]}", cache_salt)
             try:
-                first = await self._admit_and_prefill(attempt, prompt, sampling, pool, time_left)
+                with tracing.span("retry" if retries else "attempt", _trace_attributes(attempt, retries)) as tried:
+                    try:
+                        first = await self._admit_and_prefill(attempt, prompt, sampling, pool, time_left)
+                    except _WorkerCallError as failure:
+                        tracing.fail(tried, str(failure))  # handled below: retried, waited or answered
+                        raise
                 return attempt, first
             except asyncio.CancelledError:
                 self._release(attempt, "client cancelled")
@@ -331,31 +349,39 @@ class Orchestrator:
             attempt.prefill_counted = attempt.prefill_holds = False
             self.view.prefill_done(route)
             call = self._decode_call(attempt, prompt, [], sampling, time_left, local_prefill=True)
-            first = await self._staged(self._next_message(call, self._hop_timeout(time_left)), "Decode", route.decode,
-                                       time_left)
+            new_tokens, started = len(prompt) - attempt.decode_cached_tokens, time.monotonic()
+            timeout_s = self._hop_timeout(time_left, self.pace.timeout_s(route.decode.worker_id, new_tokens))
+            first = await self._staged(self._next_message(call, timeout_s), "Decode", route.decode, time_left, timeout_s)
             if first is grpc.aio.EOF:
                 raise StatusError(grpc.StatusCode.INTERNAL, "the decode worker ended the stream before a token")
             attempt.first_messages.append(first)
+            self.pace.observe(route.decode.worker_id, new_tokens, time.monotonic() - started)
             metrics.PREFILLS.labels("local", "none").inc()
             return None
         destination = worker_pb2.KVDestination(address=route.decode.address, reservation_id=admitted.reservation_id,
                                                layout=admitted.layout, num_cached_blocks=admitted.num_cached_blocks,
                                                kv_transports=admitted.kv_transports)
+        started = time.monotonic()
+        timeout_s = self._hop_timeout(time_left, self.pace.timeout_s(route.prefill.worker_id, len(prompt)))
         prefill = self.clients.prefill(route.prefill.address).Prefill(
             worker_pb2.PrefillRequest(request_id=rid, prompt_token_ids=prompt, sampling=sampling,
                                       destination=destination, cache_salt=attempt.cache_salt),
-            timeout=self._hop_timeout(time_left))
+            timeout=timeout_s)
         attempt.calls.append(prefill)
-        response = await self._staged(prefill, "Prefill", route.prefill, time_left)
+        response = await self._staged(prefill, "Prefill", route.prefill, time_left, timeout_s)
+        self.pace.observe(route.prefill.worker_id, len(prompt) - response.num_cached_tokens,
+                          time.monotonic() - started)
         attempt.prefill_counted = attempt.prefill_holds = False
         self.view.prefill_done(route)
         metrics.PREFILLS.labels("remote", response.kv_transport).inc()
         return response
 
-    def _hop_timeout(self, time_left: Callable[[], float | None]) -> float:
-        """The timeout of one Admit or Prefill call: ``hop_timeout_s`` or the client's deadline."""
+    def _hop_timeout(self, time_left: Callable[[], float | None], hop_s: float | None = None) -> float:
+        """The timeout of one worker call: ``hop_s`` (default ``hop_timeout_s``) or the
+        client's deadline, whichever is sooner."""
+        hop_s = self.hop_timeout_s if hop_s is None else hop_s
         left = _timeout(time_left)
-        return self.hop_timeout_s if left is None else min(left, self.hop_timeout_s)
+        return hop_s if left is None else min(left, hop_s)
 
     async def _next_message(self, call, timeout_s: float | None = None):
         """The Decode stream's next message (``grpc.aio.EOF`` at its end).
@@ -371,7 +397,7 @@ class Orchestrator:
         async with asyncio.timeout(timeout_s or self.decode_stall_timeout_s):
             return await call.read()
 
-    async def _staged(self, awaitable, stage: str, worker: WorkerInfo, time_left):
+    async def _staged(self, awaitable, stage: str, worker: WorkerInfo, time_left, timeout_s: float | None = None):
         """Await one step of a worker call (a unary call, or a stream's next message); its
         failure comes out as :class:`_WorkerCallError`, and the worker's own failures and
         successes go to the outlier detector.
@@ -379,7 +405,8 @@ class Orchestrator:
         A failed Prefill counts against the prefill worker only when the gateway's connection
         to it is down (keepalive closes the connection of a frozen worker too): an UNAVAILABLE
         or a timeout with the connection up may be its KV transfer's (the decode worker's
-        fault), which the health probe judges instead.
+        fault), which the health probe judges instead. ``timeout_s``: the call's hop timeout
+        (for the message; default ``hop_timeout_s``).
         """
         outliers = self.view.outliers
         try:
@@ -397,7 +424,8 @@ class Orchestrator:
                           self.clients.for_role(worker.role).state(worker.address) != grpc.ChannelConnectivity.READY):
                 outliers.failure(worker.worker_id)
                 metrics.WORKER_FAILURES.labels(stage).inc()
-            details = f"no answer within {self.hop_timeout_s} s" if hop_timeout else exc.details()
+            details = (f"no answer within {timeout_s or self.hop_timeout_s:.1f} s" if hop_timeout
+                       else exc.details())
             raise _WorkerCallError(stage, code, details or "", fault) from exc
         outliers.success(worker.worker_id)
         return result
@@ -456,13 +484,28 @@ class Orchestrator:
                 if started is not None:
                     metrics.TTFT.observe(time.monotonic() - started)
                 return  # the decode reservation is never claimed: the release's Abort frees it
-            call = self._decode_call(attempt, prompt, [t.token_id for t in first.first_tokens], sampling, time_left)
-        else:
-            call = attempt.decode_call
         if started is not None:
             metrics.TTFT.observe(time.monotonic() - started)
         first_token_at, tokens_before = time.monotonic(), max(s.tokens for s in samples)
-        route = attempt.route
+        with tracing.span("decode", {"tandem.decode_worker": attempt.route.decode.worker_id}) as decoding:
+            call = attempt.decode_call if first is None else self._decode_call(
+                attempt, prompt, [t.token_id for t in first.first_tokens], sampling, time_left)
+            async with contextlib.aclosing(self._decode_stream(request_id, attempt, call, output)) as responses:
+                async for response in responses:
+                    yield response
+            tracing.annotate({"tandem.output_tokens": max(s.tokens for s in samples)}, decoding)
+        tokens_after_first = max(s.tokens for s in samples) - max(1, tokens_before)
+        if tokens_after_first > 0:
+            metrics.TPOT.observe((time.monotonic() - first_token_at) / tokens_after_first)
+
+    async def _decode_stream(self, request_id, attempt: _Attempt, call, output: _Output):
+        """The Decode stream's tokens into ``output`` (after the first token).
+
+        Raises:
+            _DecodeLost: the stream failed or stalled.
+            StatusError: any other failure.
+        """
+        samples, n, route = output.samples, len(output.samples), attempt.route
         try:
             async for message in _chain(attempt.first_messages, call, self._next_message):
                 if message.index >= n or samples[message.index].done:
@@ -496,9 +539,6 @@ class Orchestrator:
             for index, sample in enumerate(samples):
                 if not sample.done:  # the worker ended the stream without finishing this sample
                     yield self._piece(request_id, output, index, [], [], ABORT)
-        tokens_after_first = max(s.tokens for s in samples) - max(1, tokens_before)
-        if tokens_after_first > 0:
-            metrics.TPOT.observe((time.monotonic() - first_token_at) / tokens_after_first)
 
     # -- cleanup ---------------------------------------------------------------------------
 
@@ -554,7 +594,7 @@ class _Backoff:
         remaining = _timeout(time_left)
         if now + self.delay >= self.deadline or (remaining is not None and remaining < self.delay):
             return False
-        with metrics.WAITING.track_inprogress():
+        with metrics.WAITING.track_inprogress(), tracing.span("wait_for_capacity", {"tandem.wait_s": self.delay}):
             await asyncio.sleep(self.delay)
         self.delay = min(self.delay * 2, 0.5)
         return True
@@ -567,6 +607,14 @@ async def _chain(first: list, call, next_message) -> AsyncIterator:
         yield message
     while (message := await next_message(call)) is not grpc.aio.EOF:
         yield message
+
+
+def _trace_attributes(attempt: _Attempt, retries: int) -> dict[str, object]:
+    """The attributes of a try's span: its workers and how many tries failed before it."""
+    route = attempt.route
+    return {"tandem.worker_request_id": attempt.worker_request_id, "tandem.retries": retries,
+            "tandem.prefill_worker": route.prefill.worker_id if route.prefill is not None else "none (local)",
+            "tandem.decode_worker": route.decode.worker_id}
 
 
 def _involved(route: Route, stage: str) -> frozenset[str]:

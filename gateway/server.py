@@ -1,4 +1,5 @@
-"""The public gRPC endpoint: ``tandem.v1.Gateway`` plus health, reflection and /metrics.
+"""The public gRPC endpoint: ``tandem.v1.Gateway`` and KServe v2 (:mod:`gateway.kserve`, over the
+same request path) plus health, reflection and /metrics.
 
 The servicer is a thin edge: it checks the request (:mod:`gateway.validation` for the input
 form, :mod:`cluster.translate` for the prompt and sampling, with the pool's limits), tokenizes
@@ -6,7 +7,8 @@ it, and hands it to :class:`~gateway.orchestrator.Orchestrator`; statuses map as
 docs/architecture.md says. :func:`serve` runs the process: it resolves the model's tokenizer
 and id (never the weights, never torch), keeps the routing view fresh, reports SERVING only
 while a request can be routed, and on SIGTERM/SIGINT reports NOT_SERVING, ends health watches,
-gives in-flight requests ``drain_timeout_s`` and exits.
+gives in-flight requests ``drain_timeout_s`` and exits. With OpenTelemetry on
+(:mod:`cluster.tracing`) each call starts a trace that the workers continue.
 """
 
 from __future__ import annotations
@@ -17,10 +19,12 @@ import logging
 import signal
 import time
 import uuid
+from collections.abc import AsyncIterator, Callable
 from dataclasses import dataclass
 
 import grpc
 
+from cluster import tracing
 from cluster.channels import ChannelCache, client_keepalive_options, server_keepalive_options
 from cluster.health import NOT_SERVING, SERVING
 from cluster.log import request_id_var
@@ -34,6 +38,7 @@ from engine.model_source import resolve_model
 from engine.tokenizer import Tokenizer
 from gateway import metrics
 from gateway.auth import AuthInterceptor, tenant_var
+from gateway import kserve
 from gateway.heap import HeapTrimmer, return_large_buffers_to_the_os
 from gateway.orchestrator import Orchestrator, WorkerClients
 from gateway.outlier import OutlierDetector
@@ -43,10 +48,13 @@ from gateway.settings import GatewaySettings
 from gateway.tokenizer_pool import TokenizerPool
 from gateway.validation import check_input, check_prompt_bytes, check_request_size, input_field, render_prompt
 from protos.status import StatusError
+from protos.inference import grpc_service_pb2_grpc
 from protos.tandem.v1 import gateway_pb2, gateway_pb2_grpc
 
 logger = logging.getLogger(__name__)
 
+# A call cancelled this close to its deadline was ended by the deadline (clocks and the network differ).
+_DEADLINE_SLACK_S = 0.25
 SERVICE_NAME = gateway_pb2.DESCRIPTOR.services_by_name["Gateway"].full_name
 # Worker channels carry the KV-free control plane only; prompts of max_model_len ids fit easily.
 _WORKER_CHANNEL_OPTIONS = [("grpc.max_receive_message_length", 64 << 20),
@@ -119,7 +127,21 @@ class GatewayServicer(gateway_pb2_grpc.GatewayServicer):
             return which, render_prompt(request, which, self.model.tokenizer)
         return which, await self.tokenizer_pool.run(render_prompt, request, which, self.model.tokenizer)
 
-    async def Generate(self, request: gateway_pb2.GenerateRequest, context: grpc.aio.ServicerContext) -> None:  # noqa: N802
+    async def generate(self, request: gateway_pb2.GenerateRequest, time_remaining: Callable[[], float | None],
+                       on_prompt: Callable[[int], None] | None = None) -> AsyncIterator[gateway_pb2.GenerateResponse]:
+        """The request path every public API shares (``tandem.v1.Gateway`` and KServe v2): the
+        checks, tokenization and orchestration of one Generate request, with its log lines and
+        metrics; the responses are streamed.
+
+        Args:
+            request: as the client sent it, or as a protocol adapter translated it.
+            time_remaining: seconds until the client's deadline (``None``: none).
+            on_prompt: called with the prompt's token count once it is checked, before routing.
+
+        Raises:
+            StatusError: the status the client gets (``INTERNAL`` for an unexpected error,
+                which is logged).
+        """
         request_id = request.request_id or f"req-{uuid.uuid4().hex[:12]}"
         started = time.monotonic()
         status = grpc.StatusCode.OK
@@ -127,40 +149,58 @@ class GatewayServicer(gateway_pb2_grpc.GatewayServicer):
         try:
             check_request_id(request_id, REQUEST_ID_MAX_CHARS)  # before it is written in a log line
             request_id_var.set(request_id)
+            tenant = tenant_var.get()
+            tracing.annotate({"tandem.request_id": request_id, "tandem.tenant": tenant.name if tenant else "-"})
             self.admission.check()
             with self.admission.track():
-                which, prompt = await self._tokenize(request)
-                pool = self._pool()
-                check_prompt_ids(input_field(which), prompt, pool.max_model_len, pool.vocab_size)
-                params = sampling_params_from_proto(request.sampling, len(prompt), pool, self.limits)
-                if params.stop and self.model.tokenizer is None:
-                    raise StatusError.invalid_argument("sampling.stop", "this model has no tokenizer to match text")
-                tenant = tenant_var.get()
+                with tracing.span("validate_and_tokenize") as validated:
+                    which, prompt = await self._tokenize(request)
+                    pool = self._pool()
+                    check_prompt_ids(input_field(which), prompt, pool.max_model_len, pool.vocab_size)
+                    if on_prompt is not None:
+                        on_prompt(len(prompt))
+                    params = sampling_params_from_proto(request.sampling, len(prompt), pool, self.limits)
+                    if params.stop and self.model.tokenizer is None:
+                        raise StatusError.invalid_argument("sampling.stop", "this model has no tokenizer to match text")
+                    tracing.annotate({"tandem.prompt_tokens": len(prompt), "tandem.n": params.n,
+                                      "tandem.max_tokens": params.max_tokens}, validated)
                 logger.info("generate: %d prompt tokens, n=%d, max_tokens=%d, tenant %s", len(prompt), params.n,
                             params.max_tokens, tenant.name if tenant else "-")
                 stream = self.orchestrator.generate(request_id, prompt, request.sampling, params, pool,
-                                                    context.time_remaining, cache_salt=tenant.name if tenant else "")
+                                                    time_remaining, cache_salt=tenant.name if tenant else "")
                 async with contextlib.aclosing(stream):
                     async for response in stream:
-                        await context.write(response)
+                        yield response
         except StatusError as exc:
             status = exc.code
             logger.info("generate failed: %s %s", exc.code.name, exc.message)
-            await context.abort(exc.code, exc.message)
-        except asyncio.CancelledError:
-            status = grpc.StatusCode.CANCELLED
-            logger.info("client cancelled")
+            raise
+        except (asyncio.CancelledError, GeneratorExit):
+            # gRPC cancels the call both when the client goes and when its deadline passes; the
+            # client's own timer often fires first and its RST_STREAM arrives a little early.
+            left = time_remaining()
+            status = (grpc.StatusCode.DEADLINE_EXCEEDED if left is not None and left <= _DEADLINE_SLACK_S
+                      else grpc.StatusCode.CANCELLED)
+            logger.info("client %s", "deadline passed" if status == grpc.StatusCode.DEADLINE_EXCEEDED else "cancelled")
             raise
         except Exception:
             status = grpc.StatusCode.INTERNAL
             logger.exception("generate failed")
-            await context.abort(status, "internal error (see the gateway log)")
+            raise StatusError(status, "internal error (see the gateway log)") from None
         finally:
             metrics.IN_FLIGHT.dec()
             metrics.REQUESTS.labels(status.name).inc()
             metrics.E2E.observe(time.monotonic() - started)
             if status == grpc.StatusCode.OK:
                 logger.info("generate done in %.3f s", time.monotonic() - started)
+
+    async def Generate(self, request: gateway_pb2.GenerateRequest, context: grpc.aio.ServicerContext) -> None:  # noqa: N802
+        try:
+            async with contextlib.aclosing(self.generate(request, context.time_remaining)) as responses:
+                async for response in responses:
+                    await context.write(response)
+        except StatusError as exc:
+            await context.abort(exc.code, exc.message)
 
     async def Tokenize(self, request: gateway_pb2.TokenizeRequest, context) -> gateway_pb2.TokenizeResponse:  # noqa: N802
         try:
@@ -202,7 +242,8 @@ class Gateway:
         self.view = self._build_view()
         self.orchestrator = Orchestrator(self.view, clients, self.model.tokenizer,
                                          settings.admit_wait_s, settings.local_prefill_max_tokens,
-                                         settings.max_retries, settings.hop_timeout_s, settings.decode_stall_timeout_s)
+                                         settings.max_retries, settings.hop_timeout_s, settings.decode_stall_timeout_s,
+                                         settings.prefill_timeout_s_per_token)
         self.prober = HealthProber(self.view, clients, settings.health_probe_interval_s,
                                    settings.health_probe_timeout_s)
         self.tokenizer_pool = TokenizerPool(settings.tokenizer_threads, settings.tokenizer_queue)
@@ -221,23 +262,26 @@ class Gateway:
 
         Raises:
             cluster.server.BindError: the listen address cannot be bound.
-            cluster.server.StartupError: neither TLS nor ``insecure`` is set, or the TLS files
-                cannot be read.
+            cluster.server.StartupError: neither TLS nor ``insecure`` is set, the TLS files
+                cannot be read, or no API key protects a non-loopback address (``allow_open``).
         """
         s = self.settings
         try:
             s.check_transport_security()
+            s.check_open_access()
             credentials = (server_credentials(s.tls_dir, "gateway", False, setting_name(GatewaySettings, "tls_dir"))
                            if self._tls else None)
         except ValueError as exc:
             raise StartupError(str(exc)) from None
         # gRPC's own limit sits above max_request_bytes so that a request between the two gets
         # INVALID_ARGUMENT naming "request" (larger ones: RESOURCE_EXHAUSTED from gRPC itself).
-        self._scaffold = ServerScaffold([SERVICE_NAME], [("grpc.max_receive_message_length", 2 * s.max_request_bytes),
+        self._scaffold = ServerScaffold([SERVICE_NAME, kserve.SERVICE_NAME], [("grpc.max_receive_message_length", 2 * s.max_request_bytes),
                                                          *server_keepalive_options(s.keepalive_time_s,
                                                                                    s.keepalive_timeout_s)],
-                                        reflection=s.reflection, interceptors=self._auth())
+                                        reflection=s.reflection, interceptors=self._auth(), new_traces=True)
         gateway_pb2_grpc.add_GatewayServicer_to_server(self.servicer, self._scaffold.server)
+        grpc_service_pb2_grpc.add_GRPCInferenceServiceServicer_to_server(kserve.KServeServicer(self.servicer),
+                                                                         self._scaffold.server)
         self.port = self._scaffold.bind(s.listen, setting_name(GatewaySettings, "listen"), credentials)
         if self._tls is None:
             logger.warning("insecure: the API and the worker channels are plaintext (no %s)",
@@ -315,6 +359,8 @@ async def serve(settings: GatewaySettings) -> None:
         cluster.server.BindError: the listen address or the metrics port cannot be bound.
     """
     return_large_buffers_to_the_os()
+    if tracing.configure("tandem-gateway"):  # before the channels and the server are built
+        logger.info("OpenTelemetry tracing on (OTLP)")
     gateway = Gateway(settings)
     if settings.metrics_port:
         from prometheus_client import REGISTRY
@@ -330,4 +376,5 @@ async def serve(settings: GatewaySettings) -> None:
     logger.info("shutting down: NOT_SERVING, draining in-flight requests (at most %.0f s)", settings.drain_timeout_s)
     exit_if_shutdown_hangs(settings.drain_timeout_s)
     await gateway.stop()
+    tracing.shutdown()
     logger.info("stopped")

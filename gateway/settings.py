@@ -5,9 +5,11 @@ are not here: the workers own and publish them, and the gateway reads them from 
 
 from __future__ import annotations
 
+import ipaddress
+
 from pydantic import AliasChoices, Field, field_validator
 
-from cluster.settings import Addresses, TandemSettings, split_addresses
+from cluster.settings import Addresses, TandemSettings, setting_name, split_addresses
 from gateway.auth import ApiKeys
 
 
@@ -27,6 +29,9 @@ class GatewaySettings(TandemSettings):
     local_prefill_max_tokens: int = Field(
         256, ge=0, description="conditional disaggregation: the decode worker prefills a prompt itself when at most "
                                "this many tokens are left after its prefix-cache hit (no prefill worker, no KV transfer)")
+    prefill_timeout_s_per_token: float = Field(
+        0.05, gt=0, description="a prefill's timeout is hop_timeout_s plus this many seconds per prompt token until "
+                                "the gateway has measured the worker's own pace (then 4x that pace)")
     max_request_bytes: int = Field(4 << 20, ge=1024, description="serialized request size at most (larger: INVALID_ARGUMENT)")
     max_prompt_bytes: int = Field(256 << 10, ge=1, description="UTF-8 bytes of prompt text (prompt, or all chat "
                                                               "messages) at most, checked before tokenization "
@@ -38,6 +43,8 @@ class GatewaySettings(TandemSettings):
     api_keys: Addresses = Field(default_factory=list, description="API keys as SHA256HEX:TENANT[:MAX_STREAMS],... "
                                                                   "(none here or in api_keys_file: the gateway is open)")
     api_keys_file: str = Field("", description="file of API keys, one SHA256HEX:TENANT[:MAX_STREAMS] per line")
+    allow_open: bool = Field(False, description="serve without API keys on an address other than loopback (every "
+                                                "caller of the network may generate)")
 
     _split_addresses = field_validator("static_prefill", "static_decode", "api_keys", mode="before")(split_addresses)
 
@@ -56,3 +63,23 @@ class GatewaySettings(TandemSettings):
     def load_api_keys(self) -> ApiKeys:
         """The configured API keys (``api_keys`` and ``api_keys_file``, read now)."""
         return ApiKeys.load(self.api_keys, self.api_keys_file, "api_keys", "api_keys_file")
+
+    def check_open_access(self) -> None:
+        """Refuse to serve every caller of a network nobody chose to open: listening on an
+        address other than loopback with no API key needs ``allow_open``.
+
+        Raises:
+            ValueError: the message names the listen address and the three settings.
+        """
+        if self.allow_open or len(self.load_api_keys()):
+            return
+        host = self.listen_host
+        try:
+            loopback = host == "localhost" or ipaddress.ip_address(host).is_loopback
+        except ValueError:  # a host name: it may resolve to any interface
+            loopback = False
+        if not loopback:
+            cls = type(self)
+            raise ValueError(f"{setting_name(cls, 'listen')} is {self.listen} (not loopback) and no API key is set: "
+                             f"set {setting_name(cls, 'api_keys')} or {setting_name(cls, 'api_keys_file')} "
+                             f"(`tandem apikey TENANT`), or serve everyone with {setting_name(cls, 'allow_open')}")

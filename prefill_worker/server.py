@@ -25,6 +25,7 @@ import time
 import grpc
 from redis.exceptions import RedisError
 
+from cluster import tracing
 from cluster.channels import ChannelCache, client_keepalive_options
 from cluster.log import request_id_var
 from cluster.metrics import WorkerMetrics
@@ -227,25 +228,37 @@ class PrefillServicer(worker_pb2_grpc.PrefillWorkerServicer):
         # them or on max_tokens.
         first_params = dataclasses.replace(params, max_tokens=1, stop=[])
         final, transport = None, "-"
+        prefill_context = tracing.current_context()  # the chunks' parent: the Prefill call's span
         try:
-            async with self.sender.open(destination, request_id) as transfer:
-                transport, sent = transfer.transport, destination.num_cached_blocks
-                try:
-                    stream = self.engine.generate(request_id, prompt, first_params, pin_prompt_blocks=True,
-                                                  cache_salt=cache_salt)
-                    async with contextlib.aclosing(stream) as outputs:
-                        async for out in outputs:
-                            final, ready = out, out.pinned_block_ids[sent:]
-                            if ready:  # blocks the last chunk completed: on their way at once
-                                await transfer.send(self.pool, sent, ready)
-                                sent += len(ready)
-                except ValueError as exc:  # e.g. a duplicate request id in the engine
-                    raise StatusError(grpc.StatusCode.INVALID_ARGUMENT, str(exc)) from None
-                if final is None or any(c.finish_reason == "abort" for c in final.outputs):
-                    raise StatusError(grpc.StatusCode.ABORTED, f"request {request_id!r} was aborted")
-                self.metrics.ttft.observe(time.perf_counter() - start)
-                last_chunk_at = time.perf_counter()
-                await transfer.finish()
+            # The transfer's span is current while its stream opens, so the decode worker's
+            # TransferKV continues it; the chunks run inside it (each one's blocks leave as it ends).
+            with tracing.span("kv_transfer", {"tandem.kv.destination": destination.address}) as transfer_span:
+                async with self.sender.open(destination, request_id) as transfer:
+                    transport, sent = transfer.transport, destination.num_cached_blocks
+                    try:
+                        stream = self.engine.generate(request_id, prompt, first_params, pin_prompt_blocks=True,
+                                                      cache_salt=cache_salt)
+                        chunk_started, chunks = time.time_ns(), 0
+                        async with contextlib.aclosing(stream) as outputs:
+                            async for out in outputs:
+                                final, ready = out, out.pinned_block_ids[sent:]
+                                tracing.record("prefill_chunk", chunk_started, time.time_ns(),
+                                               {"tandem.chunk": chunks, "tandem.chunk.blocks": len(ready)},
+                                               prefill_context)
+                                if ready:  # blocks the last chunk completed: on their way at once
+                                    await transfer.send(self.pool, sent, ready)
+                                    sent += len(ready)
+                                chunk_started, chunks = time.time_ns(), chunks + 1
+                    except ValueError as exc:  # e.g. a duplicate request id in the engine
+                        raise StatusError(grpc.StatusCode.INVALID_ARGUMENT, str(exc)) from None
+                    if final is None or any(c.finish_reason == "abort" for c in final.outputs):
+                        raise StatusError(grpc.StatusCode.ABORTED, f"request {request_id!r} was aborted")
+                    self.metrics.ttft.observe(time.perf_counter() - start)
+                    last_chunk_at = time.perf_counter()
+                    await transfer.finish()
+                    tracing.annotate({"tandem.kv.transport": transport, "tandem.kv.blocks": transfer.num_sent,
+                                      "tandem.kv.bytes": transfer.num_sent * self.layout.block_nbytes,
+                                      "tandem.kv.cached_blocks": destination.num_cached_blocks}, transfer_span)
             self.metrics.kv_transfer_seconds.labels(transport).observe(time.perf_counter() - last_chunk_at)
             self.metrics.kv_transfers.labels(transport, "OK").inc()
             self.metrics.kv_bytes.labels(transport).inc(transfer.num_sent * self.layout.block_nbytes)

@@ -35,6 +35,7 @@ def test_cli_lists_every_command():
     (["generate", "hi", "--max-tokens", "-1"], "--max-tokens"),
     (["generate", "hi", "--temperature", "-2"], "--temperature"),
     (["generate", "hi", "--bogus"], "--bogus"),
+    (["offline-chat", "hi", "--max-tokens", "-1"], "--max-tokens"),  # refused before the model loads
     (["no-such-command"], "no-such-command"),
     (["gateway", "--listen", "nonsense"], "--listen / TANDEM_GATEWAY_ADDR"),
     (["prefill", "--block-size", "17"], "--block-size / TANDEM_BLOCK_SIZE"),

@@ -46,14 +46,15 @@ class ServerThread:
 
 
 def register_workers(redis_url: str, key_prefix: str, config: WorkerConfig, ttl_s: float = 3600.0,
-                     roles: tuple[str, ...] = ("prefill", "decode")) -> list[WorkerInfo]:
-    """Register one worker per role under ``key_prefix`` with ``config``, at addresses where
-    nothing listens (requests that pass validation then fail to route: UNAVAILABLE)."""
+                     roles: tuple[str, ...] = ("prefill", "decode"), address: str = "127.0.0.1:9") -> list[WorkerInfo]:
+    """Register one worker per role under ``key_prefix`` with ``config``, at ``address``
+    (default: where nothing listens, so requests that pass validation then fail to route:
+    UNAVAILABLE)."""
 
     async def main() -> list[WorkerInfo]:
         client = redis_client(redis_url)
         registry = WorkerRegistry(client, ClusterNamespace(key_prefix, ttl_s))
-        workers = [WorkerInfo(f"{role}-0", Role(role), "127.0.0.1:9", config, WorkerLoad(free_blocks=1000,
+        workers = [WorkerInfo(f"{role}-0", Role(role), address, config, WorkerLoad(free_blocks=1000,
                                                                                          total_blocks=1000))
                    for role in roles]
         for worker in workers:

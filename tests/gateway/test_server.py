@@ -61,7 +61,8 @@ def test_not_serving_until_a_request_can_be_routed(gateway, redis_url):
     register_workers(redis_url, gateway.prefix, gateway.config, roles=("decode",))
     wait_status(health, SERVING)  # a decode worker alone serves (it prefills locally)
     statuses = health.List(health_pb2.HealthListRequest(), timeout=2).statuses
-    assert {name: s.status for name, s in statuses.items()} == {"": SERVING, "tandem.v1.Gateway": SERVING}
+    assert {name: s.status for name, s in statuses.items()} == {"": SERVING, "tandem.v1.Gateway": SERVING,
+                                                                    "inference.GRPCInferenceService": SERVING}
 
 
 def test_a_watch_stream_ends_on_drain_instead_of_holding_it(gateway):
@@ -107,3 +108,71 @@ def test_malformed_request_is_invalid_argument_with_a_generic_message(gateway):
         list(generate(b"\xff\xff\xff\xff", timeout=5))
     assert info.value.code() == grpc.StatusCode.INVALID_ARGUMENT
     assert "Error" not in info.value.details() and "class" not in info.value.details()
+
+
+class _SilentWorker(grpc.GenericRpcHandler):
+    """A worker that answers its health probe SERVING and never answers anything else."""
+
+    def service(self, handler_call_details):
+        if handler_call_details.method == "/grpc.health.v1.Health/Check":
+            return grpc.unary_unary_rpc_method_handler(
+                lambda request, context: health_pb2.HealthCheckResponse(status=SERVING),
+                request_deserializer=health_pb2.HealthCheckRequest.FromString,
+                response_serializer=health_pb2.HealthCheckResponse.SerializeToString)
+
+        def hang(request, context):
+            while context.is_active():
+                time.sleep(0.05)
+            return b""
+
+        return grpc.unary_unary_rpc_method_handler(hang)
+
+
+def test_a_deadline_that_passes_in_the_gateway_is_counted_as_deadline_exceeded(gateway, redis_url):
+    """A worker that never answers holds the request until the client's deadline: every such
+    call ends DEADLINE_EXCEEDED, in the client's status and in the gateway's metrics (gRPC
+    cancels the handler at a deadline too: not CANCELLED)."""
+    from concurrent.futures import ThreadPoolExecutor
+
+    from gateway import metrics
+
+    silent = grpc.server(ThreadPoolExecutor(8), handlers=[_SilentWorker()])
+    port = silent.add_insecure_port("127.0.0.1:0")
+    silent.start()
+    try:
+        register_workers(redis_url, gateway.prefix, gateway.config, address=f"127.0.0.1:{port}")
+        wait_status(health_pb2_grpc.HealthStub(gateway.channel), SERVING)
+        counted = {code: metrics.REQUESTS.labels(code)._value.get() for code in ("DEADLINE_EXCEEDED", "CANCELLED")}
+        stub = gateway_pb2_grpc.GatewayStub(gateway.channel)
+        for _ in range(4):
+            with pytest.raises(grpc.RpcError) as info:
+                list(stub.Generate(gateway_pb2.GenerateRequest(prompt="hi"), timeout=0.5))
+            assert info.value.code() == grpc.StatusCode.DEADLINE_EXCEEDED
+        deadline = time.monotonic() + 5
+        while metrics.REQUESTS.labels("DEADLINE_EXCEEDED")._value.get() < counted["DEADLINE_EXCEEDED"] + 4:
+            assert time.monotonic() < deadline, {k: v._value.get() for k, v in metrics.REQUESTS._metrics.items()}
+            time.sleep(0.05)
+        assert metrics.REQUESTS.labels("CANCELLED")._value.get() == counted["CANCELLED"]
+    finally:
+        silent.stop(0)
+
+
+def test_an_open_gateway_on_a_network_address_is_refused_unless_chosen(redis_url):
+    """No API key and a listen address other than loopback: the gateway does not start, and
+    says which settings open it; ``allow_open`` (or a key) does."""
+    import asyncio
+
+    from cluster.server import StartupError
+    from gateway.auth import hash_key
+
+    base = dict(metrics_port=0, insecure=True, redis_url=redis_url, redis_key_prefix=f"test-open-{uuid.uuid4().hex[:8]}")
+    model = load_served_model(GatewaySettings(**base))
+    with pytest.raises(StartupError) as info:
+        asyncio.run(Gateway(GatewaySettings(listen="0.0.0.0:0", **base), model).start())
+    for name in ("TANDEM_API_KEYS", "TANDEM_ALLOW_OPEN", "0.0.0.0:0"):
+        assert name in str(info.value)
+    for settings in (GatewaySettings(listen="0.0.0.0:0", allow_open=True, **base),
+                     GatewaySettings(listen="0.0.0.0:0", api_keys=[f"{hash_key('k')}:t"], **base),
+                     GatewaySettings(listen="127.0.0.1:0", **base)):
+        with ServerThread(Gateway(settings, model)) as server:
+            assert server.port

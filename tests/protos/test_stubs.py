@@ -51,3 +51,22 @@ def test_generate_request_round_trips_with_oneof_and_optional_presence() -> None
     # temperature=0 (greedy) must stay distinguishable from "unset" (default 1.0).
     assert parsed.sampling.HasField("temperature") and not parsed.sampling.HasField("top_p")
     assert parsed == request
+
+
+def test_vendored_kserve_protos_are_the_descriptors_triton_clients_register() -> None:
+    """Registered under the upstream names with the same content, so tritonclient and the
+    gateway share one process (a pool refuses the same messages under a second file name)."""
+    from google.protobuf import descriptor_pb2
+    from tritonclient.grpc import model_config_pb2 as theirs_config, service_pb2 as theirs
+
+    from protos.inference import grpc_service_pb2, model_config_pb2
+
+    def serialized(module) -> bytes:
+        proto = descriptor_pb2.FileDescriptorProto()
+        module.DESCRIPTOR.CopyToProto(proto)
+        return proto.SerializeToString()
+
+    assert (grpc_service_pb2.DESCRIPTOR.name, model_config_pb2.DESCRIPTOR.name) == \
+        ("grpc_service.proto", "model_config.proto")
+    assert serialized(grpc_service_pb2) == serialized(theirs)
+    assert serialized(model_config_pb2) == serialized(theirs_config)

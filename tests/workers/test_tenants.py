@@ -80,3 +80,33 @@ def test_tenants_are_authenticated_isolated_and_limited(engines):
                 await gateway.stop(grace_s=1)
 
     asyncio.run(main())
+
+
+def test_reflection_and_health_do_not_count_against_a_tenants_stream_limit(engines):
+    """grpcurl keeps its reflection stream open while it calls: a tenant limited to one stream
+    still generates; health needs no key at all."""
+    from protos.grpc.reflection.v1 import reflection_pb2, reflection_pb2_grpc
+
+    async def main():
+        async with pair(engines) as p:
+            settings = GatewaySettings(listen="127.0.0.1:0", metrics_port=0, insecure=True,
+                                       static_prefill=[p.prefill.address], static_decode=[p.decode.address],
+                                       api_keys=[f"{hash_key(KEYS['bob'])}:bob:1"], refresh_interval_s=0.1)
+            gateway = Gateway(settings, load_served_model(settings))
+            port = await gateway.start()
+            try:
+                async with grpc.aio.insecure_channel(f"127.0.0.1:{port}") as channel:
+                    reflection = reflection_pb2_grpc.ServerReflectionStub(channel).ServerReflectionInfo(
+                        metadata=auth("bob"))
+                    await reflection.write(reflection_pb2.ServerReflectionRequest(list_services=""))
+                    assert (await reflection.read()).list_services_response.service  # the stream is open
+                    health = health_pb2_grpc.HealthStub(channel).Watch(health_pb2.HealthCheckRequest())
+                    assert (await health.read()).status == health_pb2.HealthCheckResponse.SERVING
+                    usage = await generate(gateway_pb2_grpc.GatewayStub(channel), "bob")
+                    assert usage.completion_tokens == 2
+                    reflection.cancel()
+                    health.cancel()
+            finally:
+                await gateway.stop(grace_s=1)
+
+    asyncio.run(main())
