@@ -5,7 +5,8 @@ worker publishes, and the graceful drain on SIGTERM.
 Shutdown order (:meth:`WorkerServer.shutdown`): health goes NOT_SERVING and new work is refused
 with UNAVAILABLE; the worker leaves the Redis registry at once (so routers stop picking it while
 it drains); in-flight requests get up to ``drain_timeout_s`` to finish, then whatever is left is
-aborted (streams end with finish reason ABORT); the server stops and the engine thread ends.
+aborted, its streams ending UNAVAILABLE (the gateway retries or resumes them on another worker);
+the server stops and the engine thread ends.
 Each close is bounded and a watchdog ends the process if the whole shutdown overruns
 (:mod:`cluster.shutdown`).
 """
@@ -241,8 +242,8 @@ class WorkerServer:
         drained = await self.servicer.admission.wait_idle(self.settings.drain_timeout_s if self._drain else 0.0,
                                                           self.servicer.pending)
         if not drained:
-            aborted = await self.engine.abort_all()
-            logger.warning("drain timed out; aborted %d requests", aborted)
+            aborted = await self.engine.abort_all("the worker stopped: its drain ran out of time")
+            logger.warning("drain timed out; failed %d requests (UNAVAILABLE: retried or resumed elsewhere)", aborted)
             await self.servicer.admission.wait_idle(2.0, self.servicer.pending)
         await shutdown_step("closing peer channels", self.servicer.close())
         if self._scaffold is not None:

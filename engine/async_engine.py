@@ -262,13 +262,25 @@ class AsyncEngine:
         in failure, which the gateway retries elsewhere, not in a normal abort). Returns at once."""
         return self._submit(lambda: self._fail_all(EngineDeadError(f"the engine is down: {reason}")))
 
-    async def abort_all(self) -> int:
-        """Abort every request and release every pin; returns how many requests there were."""
+    async def abort_all(self, failure: str | None = None) -> int:
+        """Abort every request and release every pin; returns how many requests there were.
+
+        Args:
+            failure: the streams end with :class:`EngineDeadError` (``failure``) rather than
+                their final output (finish reason ``abort``): a worker whose drain ran out of
+                time fails them, and the gateway retries or resumes them elsewhere.
+        """
+        error = EngineDeadError(failure) if failure is not None else None
+
         def abort_all() -> int:
             ids = list(self.engine.requests) + list(self.engine.pinned)
             for request_id in ids:
                 self.engine.release(request_id)
-                self._deliver_final(request_id, self.engine.abort_request(request_id))
+                out = self.engine.abort_request(request_id)
+                if error is None:
+                    self._deliver_final(request_id, out)
+                elif (stream := self._streams.pop(request_id, None)) is not None:
+                    stream.put(error)
             return len(ids)
         return await self.call(abort_all)
 

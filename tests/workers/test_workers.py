@@ -450,3 +450,28 @@ def test_first_token_finish_reason_comes_from_the_prefill_worker(engines, offlin
 
     out = asyncio.run(main())
     assert out == {"length": [gateway_pb2.FINISH_REASON_LENGTH], "stop": [gateway_pb2.FINISH_REASON_STOP]}
+
+
+def test_a_drain_out_of_time_fails_its_streams_unavailable_and_frees_their_blocks(engines):
+    """What a drain could not finish ends UNAVAILABLE, which the gateway retries or resumes on
+    another worker (a normal finish with reason ABORT reached clients as a cut-short answer)."""
+    async def main():
+        async with pair(engines, drain_timeout_s=0.0) as p:
+            start = engines[1].num_free_blocks
+            prompt = list(range(300, 340))
+            sampling = gateway_pb2.SamplingParams(max_tokens=400, temperature=0, ignore_eos=True)
+            admit = await p.decode.stub.Admit(worker_pb2.AdmitRequest(request_id="cut", prompt_token_ids=prompt))
+            pre = await p.prefill.stub.Prefill(worker_pb2.PrefillRequest(
+                request_id="cut", prompt_token_ids=prompt, sampling=sampling, destination=destination_of(p, admit)))
+            call = p.decode.stub.Decode(worker_pb2.DecodeRequest(
+                request_id="cut", reservation_id=admit.reservation_id, prompt_token_ids=prompt,
+                first_token_ids=[pre.first_tokens[0].token_id], sampling=sampling))
+            await call.read()
+            await p.decode.server.shutdown()
+            with pytest.raises(grpc.aio.AioRpcError) as err:
+                while (msg := await call.read()) != grpc.aio.EOF:
+                    assert msg.finish_reason != gateway_pb2.FINISH_REASON_ABORT
+            assert err.value.code() == grpc.StatusCode.UNAVAILABLE and "drain" in err.value.details()
+            assert engines[1].num_free_blocks == start
+
+    asyncio.run(main())
