@@ -23,7 +23,8 @@ NIXL runs without its progress thread: that thread polls UCX without pause (a wh
 worker, idle or not: an idle two-worker cluster took both cores of a 2-core host). UCX then
 moves only when called: a reader's completion polls drive its reads, and a sender drives its
 side (connection set-up, and the active messages UCX falls back to without one-sided access)
-from the event loop while a stream of its is open (:meth:`NixlAgent.serving_reads`).
+from the event loop while a stream of its is open, and a few seconds after
+(:meth:`NixlAgent.serving_reads`).
 """
 
 from __future__ import annotations
@@ -48,8 +49,11 @@ logger = logging.getLogger(__name__)
 
 # A read's completion is polled from the event loop: first soon, then at most every 0.5 ms.
 _POLL_MIN_S, _POLL_MAX_S = 20e-6, 5e-4
-# A sender's agent is progressed this often while a reader may be reading from it.
+# A sender's agent is progressed this often while a reader may be reading from it: while one of
+# its streams is open, and this long after the last one closed (a stream cancelled mid-read
+# leaves the reader's read in flight, holding its destination blocks until it completes).
 _SERVE_POLL_S = 2e-4
+_SERVE_LINGER_S = 5.0
 
 # UCX turns CUDA IPC reads (get zero-copy) off on GPUs without an active NVLink (openucx/ucx#7566:
 # reads were slower than writes on some PCIe platforms), and a read then falls back to active
@@ -138,8 +142,9 @@ class NixlAgent:
 
     @contextlib.asynccontextmanager
     async def serving_reads(self):
-        """While open (one per outgoing stream, nested freely), this agent is progressed from the
-        running event loop every ``_SERVE_POLL_S`` so that peers' reads of its pool complete."""
+        """While open (one per outgoing stream, nested freely) and ``_SERVE_LINGER_S`` after, this
+        agent is progressed from the running event loop every ``_SERVE_POLL_S`` so that peers'
+        reads of its pool complete."""
         self._serving += 1
         if self._progress is None:
             self._progress = asyncio.get_running_loop().create_task(self._progress_while_serving())
@@ -149,10 +154,13 @@ class NixlAgent:
             self._serving -= 1
 
     async def _progress_while_serving(self) -> None:
+        loop = asyncio.get_running_loop()
+        idle_since = None
         try:
-            while self._serving:
+            while idle_since is None or loop.time() - idle_since < _SERVE_LINGER_S:
                 self.agent.get_new_notifs()  # progresses the UCX workers
                 await asyncio.sleep(_SERVE_POLL_S)
+                idle_since = None if self._serving else idle_since if idle_since is not None else loop.time()
         finally:
             self._progress = None
 
