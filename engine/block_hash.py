@@ -21,18 +21,22 @@ import numpy as np
 HASH_BYTES = 16
 
 
-def hash_seed(model_id: str, block_size: int, kv_cache_dtype: str) -> bytes:
+def hash_seed(model_id: str, block_size: int, kv_cache_dtype: str, quantization: str = "none") -> bytes:
     """Return ``h_{-1}``, the per-model seed of the chain.
 
     Args:
         model_id: the served model's id (e.g. ``"HuggingFaceTB/SmolLM2-135M-Instruct"``).
         block_size: tokens per KV block.
         kv_cache_dtype: the KV cache dtype's name, e.g. ``"bfloat16"``.
+        quantization: how the weights are held (``engine.config.QUANTIZATIONS``, resolved):
+            weights computed quantized are, for the KV cache, another model; ``"none"`` adds
+            nothing to the seed.
 
     Returns:
         16 bytes.
     """
-    text = f"tandem-v1|{model_id}|{block_size}|{kv_cache_dtype}".encode()
+    weights = "" if quantization == "none" else f"|{quantization}"
+    text = f"tandem-v1|{model_id}|{block_size}|{kv_cache_dtype}{weights}".encode()
     return hashlib.blake2b(text, digest_size=HASH_BYTES).digest()
 
 

@@ -12,6 +12,8 @@ SUPPORTED_BLOCK_SIZES = (8, 16, 32, 64, 128)
 NVLINK_MULTICAST_OFF = {"NCCL_NVLS_ENABLE": "0", "TORCH_SYMM_MEM_DISABLE_MULTICAST": "1", "NVSHMEM_DISABLE_NVLS": "1"}
 # Model / KV cache dtypes by name (``engine.devices.DTYPES`` maps them to torch dtypes).
 DTYPE_NAMES = ("float32", "bfloat16", "float16")
+# How a quantized checkpoint's weights are held (``engine.quantized_loader``).
+QUANTIZATIONS = ("auto", "gguf", "none")
 
 
 @dataclass
@@ -30,7 +32,12 @@ class EngineConfig:
         gpu_memory_utilization: on CUDA, the fraction of the GPU's memory that weights,
             activations and the KV cache may use together.
         enable_prefix_caching: reuse cached full blocks across requests.
-        dtype: ``"auto"`` (bfloat16 on CUDA, float32 on CPU), ``"float32"``, ``"bfloat16"``, ``"float16"``.
+        dtype: ``"auto"`` (bfloat16 on CUDA and for GGUF-quantized weights, else float32 on
+            CPU), ``"float32"``, ``"bfloat16"``, ``"float16"``.
+        quantization: ``"gguf"``: keep a GGUF file's Q4_0/Q4_1/Q8_0 weights quantized and
+            compute with them (CPU only, in bfloat16); ``"none"``: dequantize every weight to
+            ``dtype`` (the path that matches HF transformers); ``"auto"``: ``"gguf"`` for a GGUF
+            model on the CPU, else ``"none"``.
         device: ``"auto"`` (CUDA when available), ``"cpu"`` or ``"cuda[:N]"``.
         seed: seed of the generator of the per-step seeds of requests without their own seed.
         cuda_graph_batch_sizes: on CUDA, the batch sizes at which decode-only steps are captured
@@ -55,6 +62,7 @@ class EngineConfig:
     gpu_memory_utilization: float = 0.9
     enable_prefix_caching: bool = True
     dtype: str = "auto"
+    quantization: str = "auto"
     device: str = "auto"
     seed: int = 0
     cuda_graph_batch_sizes: list[int] | None = None
@@ -74,6 +82,7 @@ class EngineConfig:
             ("kv_cache_memory_bytes", self.kv_cache_memory_bytes >= 1, "must be >= 1"),
             ("gpu_memory_utilization", 0 < self.gpu_memory_utilization <= 1, "must be in (0, 1]"),
             ("dtype", self.dtype == "auto" or self.dtype in DTYPE_NAMES, f"must be auto or one of {DTYPE_NAMES}"),
+            ("quantization", self.quantization in QUANTIZATIONS, f"must be one of {QUANTIZATIONS}"),
             ("cuda_graph_batch_sizes", self.cuda_graph_batch_sizes is None or (
                 self.cuda_graph_batch_sizes
                 and all(isinstance(n, int) and 1 <= n <= self.max_num_batched_tokens for n in self.cuda_graph_batch_sizes)),

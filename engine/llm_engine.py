@@ -25,7 +25,9 @@ from engine.devices import resolve_device, resolve_dtype, use_device
 from engine.distributed import RankFailedError
 from engine.kv_cache_manager import KVCacheManager
 from engine.model_shard import build_shard
+from engine.model_source import gguf_file
 from engine.outputs import CompletionOutput, EngineStats, RequestOutput, StepOutput
+from engine.quantized_loader import resolve_quantization
 from engine.sampling_params import SamplingParams
 from engine.scheduler import Scheduler
 from engine.sequence import Sequence
@@ -76,6 +78,8 @@ class LLMEngine:
         max_model_len: tokens per sequence at most (the setting, lowered to what the KV cache
             holds).
         kv_cache_dtype: the KV cache's dtype name (``"bfloat16"``, ...).
+        quantization: how the weights are held, resolved: ``"gguf"`` or ``"none"``
+            (:class:`engine.config.EngineConfig`).
         kv_pools: every rank's KV cache tensor, in rank order (one without tensor parallelism):
             ``[num_blocks, kv_heads_per_rank, num_layers, 2, block_size, head_dim]`` each, rank
             ``r`` holding KV heads ``[r * kv_heads_per_rank, (r + 1) * kv_heads_per_rank)``.
@@ -97,13 +101,15 @@ class LLMEngine:
         self.config = config = config or EngineConfig()
         self.device = resolve_device(config.device)
         use_device(self.device)
-        self.dtype = resolve_dtype(config.dtype, self.device)
+        self.quantization = resolve_quantization(config.quantization, gguf_file(model) if load_format != "dummy" else None,
+                                                 self.device, config.tensor_parallel_size)
+        self.dtype = resolve_dtype(config.dtype, self.device, self.quantization)
         torch.manual_seed(config.seed)
         self.ranks = FollowerRanks(model, config, load_format, self.device) if config.tensor_parallel_size > 1 else None
         try:
             shard = build_shard(model, config, load_format, self.device, self.dtype,
                                 self.ranks.group if self.ranks else None, self.ranks.store if self.ranks else None,
-                                started)
+                                started, self.quantization)
         except BaseException:
             if self.ranks is not None:
                 self.ranks.close()
@@ -120,7 +126,7 @@ class LLMEngine:
         bs = config.block_size
         self.block_pool = BlockPool(self.num_blocks)
         self.kv_cache_dtype = str(self.dtype).removeprefix("torch.")
-        self.hash_seed = hash_seed(self.model_id, bs, self.kv_cache_dtype)
+        self.hash_seed = hash_seed(self.model_id, bs, self.kv_cache_dtype, self.quantization)
         self.kv_manager = KVCacheManager(self.block_pool, bs, self.hash_seed, config.enable_prefix_caching)
         self.scheduler = Scheduler(self.kv_manager, config.max_num_seqs,
                                    config.max_num_batched_tokens, self.max_model_len)

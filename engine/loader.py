@@ -29,6 +29,7 @@ from engine.distributed import TPGroup
 from engine.model_config import ModelConfig
 from engine.model_source import merge_eos_token_ids, resolve_model
 from engine.models.llama import FUSED_PARAMS, LlamaForCausalLM
+from engine.quantized_loader import load_gguf_quantized
 from engine.tensor_parallel import checkpoint_rows, parallelize, shard_config, shard_dim
 from engine.tokenizer import Tokenizer
 
@@ -64,6 +65,7 @@ def load_model(
     attn_backend: PagedAttentionBackend | None = None,
     load_format: str = "auto",
     tp: TPGroup | None = None,
+    quantization: str = "none",
 ) -> LoadedModel:
     """Resolve ``model``, build :class:`LlamaForCausalLM` on ``device`` and load its weights.
 
@@ -75,6 +77,8 @@ def load_model(
         load_format: ``"auto"`` (read the checkpoint) or ``"dummy"`` (random normal weights,
             std 0.02, norms at 1).
         tp: this process's rank of a tensor-parallel engine (``None``: the whole model).
+        quantization: ``"gguf"`` keeps a GGUF model's quantized weights quantized
+            (:mod:`engine.quantized_loader`); ``"none"`` reads the dequantized checkpoint.
 
     Raises:
         ValueError: unknown preset, missing path, unreachable hub repository or a checkpoint
@@ -97,9 +101,12 @@ def load_model(
         parallelize(net, tp)
     net.to(dtype)
     net.materialize(device)
-    slots = _checkpoint_slots(net, config, tp)
-    tensors = _random_tensors(slots, device) if load_format == "dummy" else _safetensors(source.path, model)
-    _fill(slots, tensors, config.tie_word_embeddings, tp.rank if tp else 0, model)
+    if quantization == "gguf" and load_format != "dummy":
+        load_gguf_quantized(net, source.gguf, model)
+    else:
+        slots = _checkpoint_slots(net, config, tp)
+        tensors = _random_tensors(slots, device) if load_format == "dummy" else _safetensors(source.path, model)
+        _fill(slots, tensors, config.tie_word_embeddings, tp.rank if tp else 0, model)
     net.eval()
     tokenizer = source.tokenizer()
     config.eos_token_id = merge_eos_token_ids(config.eos_token_id, source.path, tokenizer)

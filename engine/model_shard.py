@@ -64,7 +64,7 @@ class ModelShard:
 
 def build_shard(model: str | dict | None, config: EngineConfig, load_format: str, device: torch.device,
                 dtype: torch.dtype, tp: TPGroup | None = None, store: dist.Store | None = None,
-                started: float | None = None) -> ModelShard:
+                started: float | None = None, quantization: str = "none") -> ModelShard:
     """Load, size, allocate and warm up one rank (call it on every rank with the same arguments
     but ``device``).
 
@@ -75,6 +75,7 @@ def build_shard(model: str | dict | None, config: EngineConfig, load_format: str
         tp: this process's rank of a tensor-parallel engine (``None``: the whole model).
         store: with ``tp``, the ranks' rendezvous store (KV pool handles go through it).
         started: the ``time.perf_counter()`` the engine's start-up began at (default: now).
+        quantization: ``"gguf"`` or ``"none"`` (resolved: :func:`engine.quantized_loader.resolve_quantization`).
 
     Raises:
         ValueError: a bad model or setting (from the loader), or no room for a single KV block.
@@ -82,7 +83,7 @@ def build_shard(model: str | dict | None, config: EngineConfig, load_format: str
     started = time.perf_counter() if started is None else started
     others_bytes = device_used_bytes(device) if device.type == "cuda" else 0
     loaded = load_model(model, dtype=dtype, device=device, attn_backend=get_attention_backend(device),
-                        load_format=load_format, tp=tp)
+                        load_format=load_format, tp=tp, quantization=quantization)
     net = loaded.model
     if packed_linear_available(device, dtype):
         net.pack_for_cpu()

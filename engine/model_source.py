@@ -42,11 +42,13 @@ class ModelSource:
         model_id: stable name of the weights (block-hash seed, logs, ``GetModelInfo``).
         hf_config: the ``config.json`` contents.
         path: the HF directory holding weights and tokenizer (``None`` for presets and dicts).
+        gguf: the GGUF file the directory was converted from (``None`` for other sources).
     """
 
     model_id: str
     hf_config: dict[str, Any]
     path: Path | None = None
+    gguf: Path | None = None
 
     def tokenizer(self) -> Tokenizer | None:
         """The model's tokenizer, or ``None`` when it has none (presets, config dicts)."""
@@ -61,7 +63,7 @@ def resolve_model(model: str | dict[str, Any] | None) -> ModelSource:
     """
     if model is None:
         gguf = default_gguf_path()
-        return _from_dir(gguf_hf_dir(gguf), gguf.stem)
+        return _from_dir(gguf_hf_dir(gguf), gguf.stem, gguf)
     if isinstance(model, dict):
         digest = hashlib.sha256(json.dumps(model, sort_keys=True).encode()).hexdigest()[:12]
         return ModelSource(f"config-{digest}", dict(model))
@@ -75,12 +77,22 @@ def resolve_model(model: str | dict[str, Any] | None) -> ModelSource:
     if path.is_file():
         if path.suffix != ".gguf":
             raise ValueError(f"model={model!r} is a file but not a .gguf checkpoint")
-        return _from_dir(gguf_hf_dir(path.resolve()), path.stem)
+        return _from_dir(gguf_hf_dir(path.resolve()), path.stem, path.resolve())
     if model.count("/") == 1 and not model.startswith((".", "/", "~")):
         return _from_dir(_hub_snapshot(model), model)
     raise ValueError(
         f"model={model!r} is not a preset {sorted(PRESETS)}, an existing path or an ORG/NAME repository"
     )
+
+
+def gguf_file(model: str | dict[str, Any] | None) -> Path | None:
+    """The GGUF file ``model`` names (``None`` is the default model's), or ``None`` when it names
+    none; cheap: nothing is resolved or converted."""
+    if model is None:
+        return default_gguf_path()
+    if isinstance(model, str) and model.endswith(".gguf") and Path(model).expanduser().is_file():
+        return Path(model).expanduser().resolve()
+    return None
 
 
 def default_gguf_path() -> Path:
@@ -143,8 +155,8 @@ def merge_eos_token_ids(config_eos: list[int], path: Path | None, tokenizer: Tok
     return list(dict.fromkeys(ids))
 
 
-def _from_dir(path: Path, model_id: str) -> ModelSource:
-    return ModelSource(model_id, json.loads((path / "config.json").read_text()), path)
+def _from_dir(path: Path, model_id: str, gguf: Path | None = None) -> ModelSource:
+    return ModelSource(model_id, json.loads((path / "config.json").read_text()), path, gguf)
 
 
 def _hub_snapshot(repo: str) -> Path:

@@ -39,7 +39,7 @@ def _generate(llm: LLM, prompts, params=GREEDY):
 
 @pytest.mark.parametrize("block_size", [8, 16, 32])
 def test_batched_greedy_matches_hf(block_size, prompts, expected):
-    llm = LLM(block_size=block_size, num_blocks=4096 // block_size * 4)
+    llm = LLM(quantization="none", block_size=block_size, num_blocks=4096 // block_size * 4)
     outs = _generate(llm, prompts)
     for prompt, out, ref in zip(prompts, outs, expected):
         assert out.prompt_token_ids == prompt
@@ -49,21 +49,21 @@ def test_batched_greedy_matches_hf(block_size, prompts, expected):
 
 
 def test_chunked_prefill_matches_hf(prompts, expected):
-    llm = LLM(block_size=16, max_num_batched_tokens=24)
+    llm = LLM(quantization="none", block_size=16, max_num_batched_tokens=24)
     outs = _generate(llm, prompts)
     assert [o.outputs[0].token_ids for o in outs] == expected
 
 
 def test_preemption_matches_hf(prompts, expected):
     # 10 sequences of up to ~140 tokens need ~80 blocks of 16; 30 force preemption.
-    llm = LLM(block_size=16, num_blocks=30)
+    llm = LLM(quantization="none", block_size=16, num_blocks=30)
     outs = _generate(llm, prompts)
     assert llm.engine.stats().num_preemptions > 0
     assert [o.outputs[0].token_ids for o in outs] == expected
 
 
 def test_prefix_cache_hits_keep_outputs(prompts, expected):
-    llm = LLM(block_size=16)
+    llm = LLM(quantization="none", block_size=16)
     first, second = prompts[6:8], prompts[8:10]
     outs = _generate(llm, first)
     assert all(o.num_cached_tokens == 0 for o in outs)
