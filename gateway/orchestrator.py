@@ -273,7 +273,8 @@ class Orchestrator:
                     worker_sampling.CopyFrom(sampling)
                     worker_sampling.max_tokens = params.max_tokens - len(sent)
                     with tracing.span("resume", {"tandem.resume": resumes, "tandem.tokens_sent": len(sent),
-                                                 "tandem.lost_worker": lost.worker_id}):
+                                                 "tandem.lost_worker": lost.worker_id,
+                                                 "tandem.lost_reason": str(lost)}):
                         attempt, first = await self._prefill_with_retry(
                             request_id, worker_prompt, hash_blocks(worker_prompt, pool.block_size, hash_seed),
                             worker_sampling, pool, time_left, cache_salt, avoid=frozenset({lost.worker_id}))
@@ -531,7 +532,7 @@ class Orchestrator:
             if exc.code() in _RETRYABLE:
                 raise _DecodeLost(StatusError(grpc.StatusCode.UNAVAILABLE,
                                               f"decode worker {route.decode.worker_id} failed mid-stream: "
-                                              f"{exc.details()}"), route.decode.worker_id) from exc
+                                              f"{exc.code().name} {exc.details()}"), route.decode.worker_id) from exc
             raise _status_from_worker(_WorkerCallError("Decode", exc.code(), exc.details() or "", False)) from exc
         else:
             if all(s.done for s in samples) and call.done():

@@ -11,12 +11,14 @@ from dataclasses import dataclass
 
 import grpc
 from opentelemetry.proto.collector.trace.v1 import trace_service_pb2, trace_service_pb2_grpc
+from opentelemetry.proto.trace.v1 import trace_pb2
 
 
 @dataclass(frozen=True)
 class ReceivedSpan:
     """One exported span: ids as hex (``parent_id`` empty for a root), its name, the sending
-    process's ``service.name`` and its string and integer attributes."""
+    process's ``service.name``, its string and integer attributes, and its status (``status``:
+    ``UNSET``, ``OK`` or ``ERROR``; ``status_message``: the description of an ERROR)."""
 
     trace_id: str
     span_id: str
@@ -24,6 +26,8 @@ class ReceivedSpan:
     name: str
     service: str
     attributes: dict
+    status: str
+    status_message: str
 
 
 class OtlpReceiver(trace_service_pb2_grpc.TraceServiceServicer):
@@ -46,8 +50,9 @@ class OtlpReceiver(trace_service_pb2_grpc.TraceServiceServicer):
             for scope_spans in resource_spans.scope_spans:
                 for span in scope_spans.spans:
                     attributes = {a.key: a.value.string_value or a.value.int_value for a in span.attributes}
+                    status = trace_pb2.Status.StatusCode.Name(span.status.code).removeprefix("STATUS_CODE_")
                     received.append(ReceivedSpan(span.trace_id.hex(), span.span_id.hex(), span.parent_span_id.hex(),
-                                                 span.name, service, attributes))
+                                                 span.name, service, attributes, status, span.status.message))
         with self._lock:
             self._spans += received
         return trace_service_pb2.ExportTraceServiceResponse()

@@ -1,7 +1,8 @@
 """OpenTelemetry traces through a real gateway in front of a real worker pair (one process, the
 SDK's in-memory exporter): one trace per request with the spans of every hop linked parent to
-child, request id and tenant as attributes and no prompt text, each failed try visible; and,
-with the standard variables unset, tracing stays off without loading the tracing SDK."""
+child, request id and tenant as attributes and no prompt text, each failed try visible, a decode
+stream lost mid-stream visible with its status and the resume that follows it; and, with the
+standard variables unset, tracing stays off without loading the tracing SDK."""
 
 from __future__ import annotations
 
@@ -16,9 +17,11 @@ from opentelemetry.sdk.trace.export import SimpleSpanProcessor
 from opentelemetry.sdk.trace.export.in_memory_span_exporter import InMemorySpanExporter
 
 from cluster import tracing
+from cluster.registry import Role
 from gateway.auth import hash_key
 from gateway.server import Gateway, load_served_model
 from gateway.settings import GatewaySettings
+from gateway.static_cluster import static_worker_id
 from protos.tandem.v1 import gateway_pb2, gateway_pb2_grpc
 
 from .conftest import pair
@@ -122,6 +125,60 @@ def test_one_request_is_one_trace_across_gateway_prefill_transfer_and_decode(eng
     assert {s.parent.span_id for s in admits} == {t.context.span_id for t in tries}
     assert all(s.attributes["rpc.grpc.status_code"] == grpc.StatusCode.UNAVAILABLE.value[0] for s in admits)
     assert failed_named["tandem.v1.Gateway/Generate"][0].status.status_code.name == "ERROR"
+
+
+def test_a_decode_stream_lost_mid_stream_is_marked_and_its_resume_names_the_lost_worker_and_why(engines, spans):
+    """The decode worker stops (no drain time) after the client has 4 tokens: its stream ends
+    UNAVAILABLE. The gateway's ``decode`` span is ERROR with that status and the worker; a
+    ``resume`` span (child of the request's span) names the lost worker, the reason and the
+    tokens already sent, and holds the tries of the resume (which fail here: no other decode
+    worker), so the request ends UNAVAILABLE. The e2e test resumes one for real."""
+    async def main():
+        async with pair(engines, drain_timeout_s=0.0) as p:
+            settings = GatewaySettings(listen="127.0.0.1:0", metrics_port=0, insecure=True,
+                                       static_prefill=[p.prefill.address], static_decode=[p.decode.address],
+                                       api_keys=[f"{hash_key(KEY)}:carol"], refresh_interval_s=0.1,
+                                       local_prefill_max_tokens=0, max_retries=2)
+            gateway = Gateway(settings, load_served_model(settings))
+            port = await gateway.start()
+            try:
+                async with grpc.aio.insecure_channel(f"127.0.0.1:{port}") as channel:
+                    call = gateway_pb2_grpc.GatewayStub(channel).Generate(gateway_pb2.GenerateRequest(
+                        request_id="traced-lost", prompt=PROMPT,
+                        sampling=gateway_pb2.SamplingParams(max_tokens=200, temperature=0, ignore_eos=True)),
+                        metadata=(("x-api-key", KEY),), timeout=60)
+                    received = 0
+                    while received < 4:
+                        received += len((await call.read()).token_ids)
+                    await p.decode.server.shutdown()  # no drain time: its streams end UNAVAILABLE
+                    with pytest.raises(grpc.aio.AioRpcError) as err:
+                        while await call.read() != grpc.aio.EOF:
+                            pass
+                    assert err.value.code() == grpc.StatusCode.UNAVAILABLE
+            finally:
+                await gateway.stop(grace_s=1)
+        return received, static_worker_id(Role.DECODE, p.decode.address)
+
+    received, decode_id = asyncio.run(main())
+
+    finished = list(spans.get_finished_spans())
+    assert len({s.context.trace_id for s in finished}) == 1
+    named = by_name(finished)
+    (generate,) = named["tandem.v1.Gateway/Generate"]
+    (lost,) = named["decode"]  # the resume found no decode worker to go on with
+    assert lost.parent.span_id == generate.context.span_id
+    assert lost.status.status_code.name == "ERROR"
+    assert "UNAVAILABLE" in lost.status.description and decode_id in lost.status.description, lost.status.description
+    (resume,) = named["resume"]
+    assert resume.parent.span_id == generate.context.span_id
+    assert resume.attributes["tandem.resume"] == 1
+    assert resume.attributes["tandem.lost_worker"] == decode_id
+    assert "UNAVAILABLE" in resume.attributes["tandem.lost_reason"], resume.attributes
+    assert received <= resume.attributes["tandem.tokens_sent"] < 200
+    assert resume.status.status_code.name == "ERROR"
+    tries = [s for s in named.get("attempt", []) + named.get("retry", []) if s.parent.span_id == resume.context.span_id]
+    assert tries and all(t.status.status_code.name == "ERROR" for t in tries)
+    assert generate.status.status_code.name == "ERROR"
 
 
 @pytest.mark.parametrize("environ, on", [({}, False), ({"OTEL_EXPORTER_OTLP_ENDPOINT": "http://127.0.0.1:9"}, True),
