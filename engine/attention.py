@@ -11,6 +11,7 @@ from dataclasses import dataclass
 from types import ModuleType
 
 import torch
+import torch.nn.functional as F
 
 import kernels.reference
 from engine.layers.ops import ops_for
@@ -74,24 +75,112 @@ class PagedAttentionBackend:
         Returns:
             ``[num_tokens, num_q_heads, head_dim]`` in query's dtype.
         """
-        ops, md = self.ops, metadata
-        ops.write_kv_cache(key, value, k_cache, v_cache, md.slot_mapping)
+        md = metadata
+        self.write_kv(key, value, k_cache, v_cache, md)
         out = torch.empty_like(query)
         nd = md.num_decodes
         if nd:
-            ops.paged_decode_attention(
-                query[:nd], k_cache, v_cache, md.block_tables[:nd], md.seq_lens[:nd], scale,
-                out=out[:nd], max_seq_len=md.max_decode_seq_len,
-            )
+            self.decode(query[:nd], k_cache, v_cache, md, scale, out[:nd])
         if md.max_query_len:
-            ops.paged_prefill_attention(
+            self.ops.paged_prefill_attention(
                 query[nd:], k_cache, v_cache, md.block_tables[nd:],
                 md.query_start_loc[nd:] - nd, md.seq_lens[nd:], scale,
                 out=out[nd:], max_query_len=md.max_query_len, max_seq_len=md.max_seq_len,
             )
         return out
 
+    def write_kv(self, key: torch.Tensor, value: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
+                 metadata: AttentionMetadata) -> None:
+        """Write the step's new K/V (``[num_tokens, num_kv_heads, head_dim]``) at their slots."""
+        self.ops.write_kv_cache(key, value, k_cache, v_cache, metadata.slot_mapping)
+
+    def decode(self, query: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
+               metadata: AttentionMetadata, scale: float, out: torch.Tensor) -> None:
+        """Attention of the step's ``num_decodes`` decode tokens (``query``
+        ``[num_decodes, num_q_heads, head_dim]``) into ``out``, like it."""
+        nd = metadata.num_decodes
+        self.ops.paged_decode_attention(query, k_cache, v_cache, metadata.block_tables[:nd], metadata.seq_lens[:nd],
+                                        scale, out=out, max_seq_len=metadata.max_decode_seq_len)
+
+
+class CpuPagedAttentionBackend(PagedAttentionBackend):
+    """The CPU backend: :mod:`kernels.reference`'s computation, with the step's indexing (slots
+    to block and offset, the decode sequences' block gather, their padding mask) worked out once
+    per step and shared by every layer rather than redone in each. A decode step of a small
+    model on the CPU is bound by such per-op overhead, not by arithmetic (SmolLM2-135M: ~40 ops
+    per layer for attention alone, a few µs each).
+
+    The decode attention runs in the cache's dtype (PyTorch's CPU flash attention accumulates
+    in float32 for half-precision inputs); in float32 it computes exactly what the reference does.
+    """
+
+    def __init__(self) -> None:
+        super().__init__(kernels.reference)
+        self._metadata: AttentionMetadata | None = None
+        self._plan: _StepPlan | None = None
+
+    def write_kv(self, key: torch.Tensor, value: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
+                 metadata: AttentionMetadata) -> None:
+        plan = self._plan_for(metadata, k_cache)
+        if plan.write_rows is not None:
+            key, value = key[plan.write_rows], value[plan.write_rows]
+        k_cache[plan.write_blocks, plan.write_offsets] = key.to(k_cache.dtype)
+        v_cache[plan.write_blocks, plan.write_offsets] = value.to(v_cache.dtype)
+
+    def decode(self, query: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
+               metadata: AttentionMetadata, scale: float, out: torch.Tensor) -> None:
+        plan = self._plan_for(metadata, k_cache)
+        # [num_decodes, num_kv_heads, blocks, block_size, head_dim] -> one context row per head
+        k = k_cache.transpose(1, 2)[plan.decode_blocks, plan.heads].flatten(2, 3)
+        v = v_cache.transpose(1, 2)[plan.decode_blocks, plan.heads].flatten(2, 3)
+        q = query.to(k.dtype).unsqueeze(2)  # [num_decodes, num_q_heads, 1, head_dim]
+        result = F.scaled_dot_product_attention(q, k, v, attn_mask=plan.decode_mask, scale=scale, enable_gqa=True)
+        out.copy_(result.squeeze(2))
+
+    def _plan_for(self, metadata: AttentionMetadata, k_cache: torch.Tensor) -> _StepPlan:
+        """This step's :class:`_StepPlan`, computed at the step's first layer."""
+        if metadata is not self._metadata:
+            self._plan, self._metadata = _StepPlan.of(metadata, k_cache), metadata
+        return self._plan
+
+
+@dataclass
+class _StepPlan:
+    """One step's cache indexing, shared by every layer.
+
+    Attributes:
+        write_rows: ``[n]`` int64 rows of the step's tokens written to the cache (``None``: all).
+        write_blocks, write_offsets: ``[n]`` int64 block and offset of each written token.
+        decode_blocks: ``[num_decodes, 1, blocks]`` int64, the decode sequences' first blocks
+            (enough for the longest context).
+        heads: ``[1, num_kv_heads, 1]`` int64.
+        decode_mask: ``[num_decodes, 1, 1, blocks * block_size]`` bool, True at context positions.
+    """
+
+    write_rows: torch.Tensor | None
+    write_blocks: torch.Tensor
+    write_offsets: torch.Tensor
+    decode_blocks: torch.Tensor
+    heads: torch.Tensor
+    decode_mask: torch.Tensor
+
+    @staticmethod
+    def of(md: AttentionMetadata, k_cache: torch.Tensor) -> _StepPlan:
+        block_size, num_kv_heads = k_cache.shape[1], k_cache.shape[2]
+        slots = md.slot_mapping
+        keep = slots >= 0
+        rows = None if bool(keep.all()) else keep.nonzero().squeeze(1)
+        if rows is not None:
+            slots = slots[rows]
+        nd = md.num_decodes
+        num_blocks = -(-md.max_decode_seq_len // block_size)
+        positions = torch.arange(num_blocks * block_size)
+        mask = positions[None, :] < md.seq_lens[:nd, None].long()
+        return _StepPlan(rows, slots // block_size, slots % block_size,
+                         md.block_tables[:nd, None, :num_blocks].long(), torch.arange(num_kv_heads)[None, :, None],
+                         mask[:, None, None, :])
+
 
 def get_attention_backend(device: torch.device) -> PagedAttentionBackend:
-    """Return the Triton backend on CUDA, the PyTorch reference backend elsewhere."""
-    return PagedAttentionBackend(ops_for(device))
+    """Return the Triton backend on CUDA, the CPU backend (:class:`CpuPagedAttentionBackend`) elsewhere."""
+    return PagedAttentionBackend(ops_for(device)) if device.type == "cuda" else CpuPagedAttentionBackend()

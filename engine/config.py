@@ -32,10 +32,9 @@ class EngineConfig:
         gpu_memory_utilization: on CUDA, the fraction of the GPU's memory that weights,
             activations and the KV cache may use together.
         enable_prefix_caching: reuse cached full blocks across requests.
-        dtype: ``"auto"`` (bfloat16 on CUDA and for GGUF-quantized weights, else float32 on
-            CPU), ``"float32"``, ``"bfloat16"``, ``"float16"``.
+        dtype: ``"auto"`` (bfloat16 on CUDA, float32 on CPU), ``"float32"``, ``"bfloat16"``, ``"float16"``.
         quantization: ``"gguf"``: keep a GGUF file's Q4_0/Q4_1/Q8_0 weights quantized and
-            compute with them (CPU only, in bfloat16); ``"none"``: dequantize every weight to
+            compute with them (CPU only; the matmuls in bfloat16); ``"none"``: dequantize every weight to
             ``dtype`` (the path that matches HF transformers); ``"auto"``: ``"gguf"`` for a GGUF
             model on the CPU, else ``"none"``.
         device: ``"auto"`` (CUDA when available), ``"cpu"`` or ``"cuda[:N]"``.

@@ -23,18 +23,10 @@ def resolve_device(name: str) -> torch.device:
     return torch.device("cuda", 0) if device.type == "cuda" and device.index is None else device
 
 
-def resolve_dtype(name: str, device: torch.device, quantization: str = "none") -> torch.dtype:
-    """``"auto"`` → bfloat16 on CUDA or with ``quantization="gguf"``, float32 elsewhere.
-
-    Raises:
-        ValueError: naming ``dtype``, for a dtype other than bfloat16 with ``quantization="gguf"``
-            (PyTorch's CPU int4 kernel runs fast in bfloat16 only: :mod:`engine.layers.quantized`).
-    """
+def resolve_dtype(name: str, device: torch.device) -> torch.dtype:
+    """``"auto"`` → bfloat16 on CUDA, float32 elsewhere."""
     if name == "auto":
-        return torch.bfloat16 if device.type == "cuda" or quantization == "gguf" else torch.float32
-    if quantization == "gguf" and name != "bfloat16":
-        raise ValueError(f"dtype={name!r}: quantization='gguf' computes in bfloat16 (dtype auto or bfloat16, "
-                         "or quantization='none' to dequantize)")
+        return torch.bfloat16 if device.type == "cuda" else torch.float32
     return DTYPES[name]
 
 

@@ -103,7 +103,7 @@ class LLMEngine:
         use_device(self.device)
         self.quantization = resolve_quantization(config.quantization, gguf_file(model) if load_format != "dummy" else None,
                                                  self.device, config.tensor_parallel_size)
-        self.dtype = resolve_dtype(config.dtype, self.device, self.quantization)
+        self.dtype = resolve_dtype(config.dtype, self.device)
         torch.manual_seed(config.seed)
         self.ranks = FollowerRanks(model, config, load_format, self.device) if config.tensor_parallel_size > 1 else None
         try:

@@ -71,7 +71,7 @@ def load_gguf_quantized(net: LlamaForCausalLM, path: Path, model: object) -> dic
     if isinstance(table, GroupQuantized):
         net.model.embed_tokens = QuantizedEmbedding(table, dtype)
         if net.lm_head is None:  # tied: the head computes with the embedding's quantized table
-            net.lm_head = Int4Linear(table, None, dtype)
+            net.lm_head = Int4Linear(table)
     else:
         embed.weight.copy_(table)
     for name, module in list(net.named_modules()):
@@ -104,7 +104,7 @@ def _load_linear(net: LlamaForCausalLM, name: str, module: nn.Linear, take, dtyp
 
 def _linear(weight: GroupQuantized | torch.Tensor, bias: torch.Tensor | None, dtype: torch.dtype) -> nn.Module:
     if isinstance(weight, GroupQuantized):
-        return Int4Linear(weight, bias, dtype)
+        return Int4Linear(weight, bias)
     layer = nn.Linear(weight.shape[1], weight.shape[0], bias=bias is not None, dtype=dtype)
     layer.weight.copy_(weight)
     if bias is not None:

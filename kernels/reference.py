@@ -203,9 +203,11 @@ def rotary_embedding(
         cos, sin: ``[num_tokens, 1, head_dim // 2]``.
 
     Returns:
-        New ``(q, k)``: ``x * cat(cos, cos) + rotate_half(x) * cat(sin, sin)`` without the cats.
+        New ``(q, k)``: ``x * cat(cos, cos) + rotate_half(x) * cat(sin, sin)`` without the cats,
+        both heads rotated in one pass (views of one tensor: half the ops of a decode step's RoPE).
     """
-    return _rotate_half(q, cos, sin), _rotate_half(k, cos, sin)
+    rotated = _rotate_half(torch.cat([q, k], dim=1), cos, sin)
+    return rotated.split([q.shape[1], k.shape[1]], dim=1)
 
 
 def silu_and_mul(x: torch.Tensor) -> torch.Tensor:

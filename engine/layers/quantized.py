@@ -6,9 +6,11 @@ The kernel is ``torch.ops.aten._weight_int4pack_mm_for_cpu`` (with its packing o
 layout (``Int4CPULayout``) dispatches to; we call it directly rather than through torchao, whose
 tensor subclasses would bring a dependency for one op. It computes ``x @ W^T`` with
 ``W[n, k] = (q[n, k] - 8) * scale[k // group, n] + zero[k // group, n]``, ``q`` in ``[0, 16)``,
-and reads 4 bits per weight plus the group's scale and zero. It runs in bfloat16 (measured on a
-2-core Zen 4: 15 µs for a 1536 x 576 matrix at one token, where its float32 path takes 620 µs
-and oneDNN's float32 sgemm 35 µs), so a quantized model computes its activations in bfloat16.
+and reads 4 bits per weight plus the group's scale and zero. It is fast in bfloat16 only
+(measured on a 2-core Zen 4: 15 µs for a 1536 x 576 matrix at one token, where its float32
+path takes 620 µs and oneDNN's float32 sgemm 35 µs), so :class:`Int4Linear` casts its input to
+bfloat16 and its output back; the rest of the model (norms, attention, the KV cache) keeps its
+own dtype, float32 on the CPU, where PyTorch's CPU attention is 2-5x faster than in bfloat16.
 
 8-bit codes (GGUF's Q8_0) run losslessly as two int4 planes, ``c = 16 * hi + lo`` with ``hi``
 in ``[-8, 8)`` and ``lo`` in ``[0, 16)``: two int4 matmuls summed, the same bytes as int8.
@@ -96,30 +98,33 @@ class Int4Linear(nn.Module):
     Args:
         weight: ``[out_features, in_features]``; ``in_features`` a multiple of its group size.
         bias: ``[out_features]`` or ``None``.
-        dtype: the activations' dtype (the kernel needs scales of the same): bfloat16.
+        compute_dtype: the matmul's dtype (its input, scales and output): bfloat16.
 
-    ``forward`` takes ``[num_tokens, in_features]`` and returns ``[num_tokens, out_features]``,
-    both ``dtype``. Memory: 4 bits per weight and plane, plus a scale and a zero per group.
+    ``forward`` takes ``[num_tokens, in_features]`` and returns ``[num_tokens, out_features]`` in
+    the input's dtype. Memory: 4 bits per weight and plane, plus a scale and a zero per group.
     """
 
     def __init__(self, weight: GroupQuantized, bias: torch.Tensor | None = None,
-                 dtype: torch.dtype = torch.bfloat16) -> None:
+                 compute_dtype: torch.dtype = torch.bfloat16) -> None:
         super().__init__()
         self.out_features, self.in_features = weight.shape
-        self.bias = None if bias is None else bias.to(dtype)
+        self.compute_dtype = compute_dtype
+        self.bias = bias
         self.group_size = weight.group_size
         self.planes = [
             (torch.ops.aten._convert_weight_to_int4pack_for_cpu(q.int().contiguous(), 1),
-             torch.stack([scale.t(), zero.t()], dim=-1).to(dtype).contiguous())  # [groups, out, 2]
+             torch.stack([scale.t(), zero.t()], dim=-1).to(compute_dtype).contiguous())  # [groups, out, 2]
             for q, scale, zero in weight.int4_planes()
         ]
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
+        x_in = x.to(self.compute_dtype)
         out = None
         for packed, scales_and_zeros in self.planes:
-            y = torch.ops.aten._weight_int4pack_mm_for_cpu(x, packed, self.group_size, scales_and_zeros)
+            y = torch.ops.aten._weight_int4pack_mm_for_cpu(x_in, packed, self.group_size, scales_and_zeros)
             out = y if out is None else out.add_(y)
-        return out if self.bias is None else out.add_(self.bias)
+        out = out.to(x.dtype)
+        return out if self.bias is None else out.add_(self.bias.to(x.dtype))
 
 
 class QuantizedEmbedding(nn.Module):
@@ -133,7 +138,7 @@ class QuantizedEmbedding(nn.Module):
     ``forward`` takes ``[num_tokens]`` int64 ids and returns ``[num_tokens, hidden_size]``.
     """
 
-    def __init__(self, weight: GroupQuantized, dtype: torch.dtype = torch.bfloat16) -> None:
+    def __init__(self, weight: GroupQuantized, dtype: torch.dtype = torch.float32) -> None:
         super().__init__()
         self.weight = weight
         self.dtype = dtype
