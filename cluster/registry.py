@@ -125,6 +125,8 @@ class WorkerConfig:
         tensor_parallel_size: the worker's ranks; rank ``r`` holds KV heads ``[r H/T, (r+1) H/T)``
             of every block (the worker's KV layout: :mod:`kvtransfer.pool`).
         kv_transports: the KV transports the worker moves blocks with, preferred first.
+        quantization: how the worker holds the weights (``engine.config.QUANTIZATIONS``,
+            resolved: ``"none"`` or ``"gguf"``); workers of a pool agree on it.
     """
 
     model_id: str
@@ -135,6 +137,7 @@ class WorkerConfig:
     vocab_size: int
     tensor_parallel_size: int = 1
     kv_transports: tuple[str, ...] = ("grpc",)
+    quantization: str = "none"
 
     def differences(self, other: WorkerConfig) -> list[str]:
         """Names of the fields where ``other`` differs and may not: every field but
@@ -192,6 +195,7 @@ class WorkerInfo:
             "model_id": c.model_id, "block_size": c.block_size, "max_model_len": c.max_model_len,
             "kv_cache_dtype": c.kv_cache_dtype, "hash_seed": c.hash_seed.hex(), "vocab_size": c.vocab_size,
             "tensor_parallel_size": c.tensor_parallel_size, "kv_transports": ",".join(c.kv_transports),
+            "quantization": c.quantization,
             "running": load.running, "waiting": load.waiting, "free_blocks": load.free_blocks,
             "total_blocks": load.total_blocks,
         }
@@ -206,7 +210,7 @@ class WorkerInfo:
         f = {k.decode(): v.decode() for k, v in zip(flat[::2], flat[1::2])}
         config = WorkerConfig(f["model_id"], int(f["block_size"]), int(f["max_model_len"]), f["kv_cache_dtype"],
                               bytes.fromhex(f["hash_seed"]), int(f["vocab_size"]), int(f["tensor_parallel_size"]),
-                              tuple(f["kv_transports"].split(",")))
+                              tuple(f["kv_transports"].split(",")), f["quantization"])
         load = WorkerLoad(int(f["running"]), int(f["waiting"]), int(f["free_blocks"]), int(f["total_blocks"]))
         return cls(f["worker_id"], Role(f["role"]), f["address"], config, load)
 

@@ -22,7 +22,7 @@ from typing import Annotated, TypeVar
 from pydantic import Field, ValidationError, field_validator
 from pydantic_settings import BaseSettings, NoDecode, SettingsConfigDict
 
-from engine.config import DTYPE_NAMES, SUPPORTED_BLOCK_SIZES, EngineConfig
+from engine.config import DTYPE_NAMES, QUANTIZATIONS, SUPPORTED_BLOCK_SIZES, EngineConfig
 
 S = TypeVar("S", bound="TandemSettings")
 
@@ -173,6 +173,10 @@ class WorkerSettings(TandemSettings):
                                                            "divide the model's attention and KV heads")
     dtype: typing.Literal["auto", *DTYPE_NAMES] = Field(
         "auto", description="model and KV cache dtype; auto: bfloat16 on CUDA, float32 on CPU")
+    quantization: typing.Literal[*QUANTIZATIONS] = Field(
+        "auto", description="gguf: keep a GGUF model's Q4_0/Q4_1/Q8_0 weights quantized and compute with them "
+                            "(CPU; the matmuls in bfloat16); none: dequantize (the HF-parity path); auto: gguf for a GGUF model "
+                            "on the CPU")
     seed: int = Field(0, ge=0, description="seed of the engine's shared randomness")
     lease_s: float = Field(30.0, gt=0, le=600, description="decode: seconds a reservation lives with no transfer "
                                                            "stream open on it and no Decode claiming it (the "
@@ -205,7 +209,8 @@ class WorkerSettings(TandemSettings):
             max_num_batched_tokens=self.max_num_batched_tokens, max_model_len=self.max_model_len,
             num_blocks=self.num_blocks, kv_cache_memory_bytes=self.kv_cache_memory_bytes,
             gpu_memory_utilization=self.gpu_memory_utilization,
-            enable_prefix_caching=self.enable_prefix_caching, dtype=self.dtype, device=self.device,
+            enable_prefix_caching=self.enable_prefix_caching, dtype=self.dtype, quantization=self.quantization,
+            device=self.device,
             seed=self.seed, enforce_eager=self.enforce_eager, cuda_graph_batch_sizes=self.cuda_graph_batch_sizes,
             tensor_parallel_size=self.tensor_parallel_size,
         )

@@ -83,7 +83,8 @@ def published_config(llm: LLMEngine, kv_transports: list[str]) -> WorkerConfig:
     """The cache settings a worker owns, as it publishes them (registry entry, ``GetStats``), with
     the KV transports it moves blocks with."""
     return WorkerConfig(llm.model_id, llm.config.block_size, llm.max_model_len, llm.kv_cache_dtype,
-                        llm.hash_seed, llm.vocab_size, llm.config.tensor_parallel_size, tuple(kv_transports))
+                        llm.hash_seed, llm.vocab_size, llm.config.tensor_parallel_size, tuple(kv_transports),
+                        llm.quantization)
 
 
 class WorkerServicer(Protocol):

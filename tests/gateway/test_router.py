@@ -367,14 +367,17 @@ def test_workers_that_disagree_with_the_pool_are_refused(key_prefix, redis_url, 
         await registry.heartbeat(WorkerInfo("d2", Role.DECODE, "d2:5000", shorter, WorkerLoad(free_blocks=100)))
         other_model = dataclasses.replace(CONFIG, model_id="another/model")
         await registry.heartbeat(WorkerInfo("p1", Role.PREFILL, "p1:5000", other_model))
+        quantized = dataclasses.replace(CONFIG, quantization="gguf")  # the same model, other weights: other KV
+        await registry.heartbeat(WorkerInfo("d3", Role.DECODE, "d3:5000", quantized, WorkerLoad(free_blocks=100)))
         view = ClusterView(registry, PrefixIndex(client, _ns(key_prefix)), CONFIG.model_id)
         await view.refresh()
         assert view.pool == dataclasses.replace(CONFIG, max_model_len=512) and view.routable
         assert [w.worker_id for role in Role for w in view.workers(role)] == ["p0", "d0", "d2"]
-        assert metrics.REFUSED_WORKERS._value.get() == 2
+        assert metrics.REFUSED_WORKERS._value.get() == 3
         text = caplog.text
         assert "refusing decode worker d1" in text and "block_size (32 vs 4)" in text
         assert "refusing prefill worker p1" in text and "another/model" in text
+        assert "refusing decode worker d3" in text and "quantization" in text
         await client.aclose()
 
     asyncio.run(main())

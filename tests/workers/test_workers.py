@@ -12,7 +12,7 @@ from protos.grpc.health.v1 import health_pb2, health_pb2_grpc
 
 from engine import LLM, SamplingParams
 from engine.async_engine import AsyncEngine, EngineError
-from engine.block_hash import hash_blocks, hash_seed
+from engine.block_hash import hash_blocks
 from cluster.prefix_index import PrefixIndex
 from cluster.registry import ClusterNamespace, Role, WorkerRegistry, redis_client
 from kvtransfer import KVPool, encode_chunk
@@ -180,7 +180,7 @@ def test_admit_beyond_capacity_is_resource_exhausted(engines):
                 await asyncio.sleep(0.02)
             assert (stats.num_free_blocks, stats.num_waiting, stats.config.block_size) == (total - granted, 3, 16)
             assert (stats.config.role, stats.config.model_id, stats.config.kv_cache_dtype) == \
-                ("decode", engines[1].model_id, "float32")
+                ("decode", engines[1].model_id, engines[1].kv_cache_dtype)
             for i in range(3):
                 assert (await stub.Abort(worker_pb2.AbortRequest(request_id=f"cap{i}"))).found
             assert not (await stub.Abort(worker_pb2.AbortRequest(request_id="cap0"))).found
@@ -319,7 +319,7 @@ def test_shutdown_drains_in_flight_and_refuses_new_work(engines, key_prefix, red
                 request_id="drain", prompt_token_ids=prompt, sampling=sampling,
                 destination=destination_of(p, admit)))
             # The prefill worker published the prompt's full block to the prefix index.
-            index, hashes = PrefixIndex(client, ns), hash_blocks(prompt, 16, hash_seed(engines[0].model_id, 16, "float32"))
+            index, hashes = PrefixIndex(client, ns), hash_blocks(prompt, 16, engines[0].hash_seed)
             for _ in range(200):
                 if (await index.cached_runs([p.prefill.server.worker_id], hashes)) == {p.prefill.server.worker_id: 1}:
                     break
