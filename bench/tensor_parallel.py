@@ -44,6 +44,7 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
+from bench.agreement import agreement, greedy_rows  # noqa: E402
 from bench.common import gpu_tag, write_result  # noqa: E402
 from bench.throughput import full_batch_decodes, make_prompts, run_tandem  # noqa: E402
 
@@ -75,10 +76,10 @@ def measure(tp: int, quick: bool, agreement_only: bool) -> dict:
     params = SamplingParams(max_tokens=AGREEMENT_TOKENS, temperature=0, ignore_eos=True, logprobs=5)
     prompts = agreement_prompts(engine.vocab_size)
     start = time.perf_counter()
-    out["greedy"] = _greedy(llm.generate(prompts, params, use_tqdm=False))
+    out["greedy"] = greedy_rows(llm.generate(prompts, params, use_tqdm=False))
     _log(f"TP={tp}: greedy outputs in {time.perf_counter() - start:.1f} s")
     if tp == 1:
-        out["greedy_single"] = _greedy([llm.generate([p], params, use_tqdm=False)[0] for p in prompts])
+        out["greedy_single"] = greedy_rows([llm.generate([p], params, use_tqdm=False)[0] for p in prompts])
     if not agreement_only:
         for batch in DECODE_BATCHES:
             _, _, stats = run_tandem(llm, make_prompts(batch, engine.vocab_size, seed=batch), 64)
@@ -110,18 +111,6 @@ def gpu_busy_ms(llm, prompts: list[list[int]]) -> float:
     return sum(event.self_device_time_total for event in prof.key_averages()) / 1e3 / len(stats)
 
 
-def _greedy(outputs: list) -> list[list[tuple[int, float, list[int], float]]]:
-    """Per sequence and position: ``(token, its log-prob, the top-5 tokens, top-1 minus top-2 log-prob)``."""
-    rows = []
-    for completion in (o.outputs[0] for o in outputs):
-        row = []
-        for token, top in zip(completion.token_ids, completion.logprobs):
-            ranked = sorted(top, key=top.get, reverse=True)
-            row.append((token, top[token], ranked, top[ranked[0]] - top[ranked[1]]))
-        rows.append(row)
-    return rows
-
-
 def run_setting(tp: int, quick: bool = False, agreement_only: bool = False, timeout_s: float = 300) -> dict:
     """:func:`measure` of one tensor-parallel size in a child process (its GPUs' memory is all
     its own, and freed when it exits). A child still running after ``timeout_s`` is killed with
@@ -144,29 +133,6 @@ def run_setting(tp: int, quick: bool = False, agreement_only: bool = False, time
     if line is None or (child.returncode and not hung):
         raise RuntimeError(f"TP={tp} child {'overran' if hung else 'failed'} (exit {child.returncode})")
     return {**json.loads(line.removeprefix("RESULT ")), "shutdown_hung": hung}
-
-
-def agreement(one: list, two: list) -> dict[str, float]:
-    """How two runs' greedy outputs (:func:`_greedy`) agree: ``agreement`` (share of positions
-    with the same token), ``max_logprob_diff`` and ``mean_logprob_diff`` (|Δ log-prob| of the
-    picked token before a sequence's first disagreement), ``disagreements_in_top5`` (share of
-    first disagreements where each side's token is in the other's top 5)."""
-    same = total = near = flips = 0
-    diffs = []
-    for a, b in zip(one, two):
-        diverged = False
-        for (ta, la, top_a, _), (tb, lb, top_b, _) in zip(a, b):
-            total += 1
-            same += ta == tb
-            if ta != tb and not diverged:
-                flips += 1
-                near += tb in top_a and ta in top_b
-                diverged = True
-            if not diverged:
-                diffs.append(abs(la - lb))
-    return {"agreement": same / total, "max_logprob_diff": max(diffs, default=0.0),
-            "mean_logprob_diff": statistics.fmean(diffs) if diffs else 0.0,
-            "disagreements_in_top5": near / flips if flips else 1.0}
 
 
 def main() -> None:

@@ -104,7 +104,8 @@ def test_tp2_llama3_8b_bf16_greedy_agrees_with_tp1() -> None:
     flips a near-tie and the sequences part: every first disagreement must be a near-tie (each
     side's token in the other's top 5: a mis-sharded weight gives unrelated tokens), the
     log-probabilities before it as close as the control's, and agreement of the control's order."""
-    from bench.tensor_parallel import agreement, run_setting
+    from bench.agreement import agreement
+    from bench.tensor_parallel import run_setting
 
     one, two = run_setting(1, agreement_only=True), run_setting(2, agreement_only=True)
     assert two["cuda_graphs"] > 0 and not two["shutdown_hung"] and not one["shutdown_hung"]
