@@ -6,7 +6,8 @@ services it lists where enabled (:mod:`cluster.reflection`), and ``INVALID_ARGUM
 request that does not parse (:mod:`cluster.interceptors`); where asked, a plaintext port of
 health ``Check`` alone for probes that speak no TLS (:meth:`ServerScaffold.serve_probes`). A
 listen address or metrics port that cannot be bound raises :class:`BindError`, one line naming
-the address and the setting; the entry points print it and exit 1. This module loads no torch: the gateway process uses it too.
+the address and the setting; the entry points print it and exit 1. This module loads no torch:
+the gateway process uses it too.
 """
 
 from __future__ import annotations
