@@ -66,7 +66,9 @@ def deploy_dir(tmp_path_factory, ca_dir) -> Path:
     """A copy of deploy/kubernetes whose secrets/ holds what an operator puts there, and the
     CA's key besides (which must reach no Secret)."""
     copy = tmp_path_factory.mktemp("deploy") / "kubernetes"
-    shutil.copytree(ROOT / "deploy" / "kubernetes", copy)
+    # Not the files a developer may have put in secrets/ for a real cluster: only the generator.
+    shutil.copytree(ROOT / "deploy" / "kubernetes", copy, ignore=lambda d, names: [
+        n for n in names if Path(d).name == "secrets" and n != "kustomization.yaml"])
     for pem in ca_dir.iterdir():
         shutil.copy(pem, copy / "secrets" / pem.name)
     (copy / "secrets" / "redis.env").write_text("password=s3cret\n")
