@@ -3,9 +3,11 @@
 :class:`ServerScaffold` builds the ``grpc.aio`` server with health checking (``Check``, ``List``
 and a ``Watch`` that ends on shutdown, :mod:`cluster.health`), reflection v1/v1alpha of the
 services it lists where enabled (:mod:`cluster.reflection`), and ``INVALID_ARGUMENT`` for a
-request that does not parse (:mod:`cluster.interceptors`). A listen address or metrics port that cannot be
-bound raises :class:`BindError`, one line naming the address and the setting; the entry points
-print it and exit 1. This module loads no torch: the gateway process uses it too.
+request that does not parse (:mod:`cluster.interceptors`); where asked, a plaintext port of
+health ``Check`` alone for probes that speak no TLS (:meth:`ServerScaffold.serve_probes`). A
+listen address or metrics port that cannot be bound raises :class:`BindError`, one line naming
+the address and the setting; the entry points print it and exit 1. This module loads no torch:
+the gateway process uses it too.
 """
 
 from __future__ import annotations
@@ -20,7 +22,7 @@ import grpc
 from prometheus_client import CollectorRegistry, start_http_server
 
 from cluster import tracing
-from cluster.health import HealthServicer
+from cluster.health import HealthServicer, ProbeHealthServicer
 from cluster.interceptors import MalformedRequestInterceptor
 from cluster.reflection import add_reflection
 from protos.grpc.health.v1 import health_pb2, health_pb2_grpc
@@ -110,6 +112,7 @@ class ServerScaffold:
         health_pb2_grpc.add_HealthServicer_to_server(self.health, self.server)
         if reflection:
             add_reflection(self.server, [*services, HEALTH_SERVICE])
+        self._probes: grpc.aio.Server | None = None
 
     def bind(self, address: str, setting: str, credentials: grpc.ServerCredentials | None = None) -> int:
         """Listen on ``address`` (``host:port``; port 0 picks a free one) and return the port;
@@ -118,24 +121,52 @@ class ServerScaffold:
         Raises:
             BindError: the address is taken or invalid; names ``address`` and ``setting``.
         """
-        _check_free(address, setting)
-        try:
-            port = (self.server.add_insecure_port(address) if credentials is None
-                    else self.server.add_secure_port(address, credentials))
-        except RuntimeError as exc:  # grpcio reports a failed bind this way
-            raise BindError(f"cannot listen on {address} ({setting}): {exc}") from None
-        if not port:
-            raise BindError(f"cannot listen on {address} ({setting})")
-        return port
+        return _add_port(self.server, address, setting, credentials)
+
+    def serve_probes(self, host: str, port: int, setting: str) -> int:
+        """Also serve health ``Check`` in plaintext on ``host:port`` (port 0: any free one), for
+        probes that cannot speak TLS, such as Kubernetes' ``grpc`` probes
+        (:class:`~cluster.health.ProbeHealthServicer`: the statuses of :attr:`health`, plus
+        ``liveness``); returns the bound port. Started and stopped with the server.
+
+        Raises:
+            BindError: the address is taken or invalid; names it and ``setting``.
+        """
+        self._probes = grpc.aio.server(options=[("grpc.so_reuseport", 0), ("grpc.max_concurrent_streams", 4)],
+                                       interceptors=[MalformedRequestInterceptor()])
+        health_pb2_grpc.add_HealthServicer_to_server(ProbeHealthServicer(self.health), self._probes)
+        return _add_port(self._probes, f"[{host}]:{port}" if ":" in host else f"{host}:{port}", setting)
 
     async def start(self) -> None:
         await self.server.start()
+        if self._probes is not None:
+            await self._probes.start()
 
     async def stop(self, grace_s: float) -> None:
         """End every health Watch stream (NOT_SERVING first), then stop the server, giving
-        in-flight calls ``grace_s`` seconds."""
+        in-flight calls ``grace_s`` seconds (the probe port, none)."""
         await self.health.shutdown()
+        if self._probes is not None:
+            await self._probes.stop(0)
         await self.server.stop(grace_s)
+
+
+def _add_port(server: grpc.aio.Server, address: str, setting: str,
+              credentials: grpc.ServerCredentials | None = None) -> int:
+    """Add a listening port to ``server`` (TLS with ``credentials``) and return its number.
+
+    Raises:
+        BindError: the address is taken or invalid; names ``address`` and ``setting``.
+    """
+    _check_free(address, setting)
+    try:
+        port = (server.add_insecure_port(address) if credentials is None
+                else server.add_secure_port(address, credentials))
+    except RuntimeError as exc:  # grpcio reports a failed bind this way
+        raise BindError(f"cannot listen on {address} ({setting}): {exc}") from None
+    if not port:
+        raise BindError(f"cannot listen on {address} ({setting})")
+    return port
 
 
 def _check_free(address: str, setting: str) -> None:

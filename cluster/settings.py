@@ -59,6 +59,9 @@ class TandemSettings(BaseSettings):
     redis_key_prefix: str = Field("default", min_length=1, description="deployment name in Redis keys (tandem:{prefix}:...)")
     registry_ttl_s: float = Field(3.0, gt=0, description="seconds a worker's Redis entries outlive its last heartbeat")
     metrics_port: int = Field(0, ge=0, le=65535, description="Prometheus /metrics port, on the listen host; 0: off")
+    health_port: int = Field(0, ge=0, le=65535, description="plaintext port of the gRPC health Check alone (plus "
+                                                             "the name liveness), on the listen host, for probes "
+                                                             "that speak no TLS (Kubernetes' grpc probes); 0: off")
     drain_timeout_s: float = Field(30.0, ge=0, description="on SIGTERM, seconds in-flight requests get before they are aborted")
     tls_dir: str = Field("", description="TLS directory of `tandem certs init` (ca.pem, {role}.pem, {role}-key.pem): "
                                          "the gateway serves TLS, workers require a cluster client certificate; "

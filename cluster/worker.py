@@ -163,6 +163,8 @@ class WorkerServer:
             reflection=s.reflection, interceptors=roles)
         self.servicer.add_to_server(scaffold.server)
         self.port = scaffold.bind(s.listen, setting_name(WorkerSettings, "listen"), credentials)
+        if s.health_port:
+            scaffold.serve_probes(s.listen_host, s.health_port, setting_name(WorkerSettings, "health_port"))
         self.metrics.serve(s.listen_host, s.metrics_port, setting_name(WorkerSettings, "metrics_port"))
         await scaffold.start()
         if credentials is None:

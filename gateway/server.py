@@ -283,6 +283,8 @@ class Gateway:
         grpc_service_pb2_grpc.add_GRPCInferenceServiceServicer_to_server(kserve.KServeServicer(self.servicer),
                                                                          self._scaffold.server)
         self.port = self._scaffold.bind(s.listen, setting_name(GatewaySettings, "listen"), credentials)
+        if s.health_port:
+            self._scaffold.serve_probes(s.listen_host, s.health_port, setting_name(GatewaySettings, "health_port"))
         if self._tls is None:
             logger.warning("insecure: the API and the worker channels are plaintext (no %s)",
                            setting_name(GatewaySettings, "tls_dir"))

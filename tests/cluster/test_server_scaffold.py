@@ -1,6 +1,7 @@
 """What every Tandem server's scaffold does for callers it does not trust: bytes that do not parse
 get INVALID_ARGUMENT with a generic message (unary and streaming methods), reflection is served
-only when enabled, and /metrics binds the listen host."""
+only when enabled, /metrics binds the listen host, and the plaintext probe port answers health
+Check alone, beside a TLS-only API port."""
 
 from __future__ import annotations
 
@@ -11,9 +12,10 @@ import grpc
 import pytest
 from prometheus_client import CollectorRegistry
 
-from cluster.health import SERVING
+from cluster.health import LIVENESS, NOT_SERVING, SERVING
 from cluster.interceptors import MALFORMED_MESSAGE
-from cluster.server import ServerScaffold, serve_metrics
+from cluster.server import BindError, ServerScaffold, serve_metrics
+from cluster.tls import init_certs, server_credentials
 from protos.grpc.health.v1 import health_pb2, health_pb2_grpc
 from protos.grpc.reflection.v1 import reflection_pb2, reflection_pb2_grpc
 
@@ -95,3 +97,46 @@ def test_metrics_bind_the_listen_host_only():
         assert server.server_address[:2] == ("127.0.0.1", port)
     finally:
         server.shutdown()
+
+
+def test_the_probe_port_answers_check_in_plaintext_beside_a_tls_only_port(tmp_path):
+    init_certs(str(tmp_path))
+
+    async def main():
+        scaffold = ServerScaffold(["tandem.v1.Test"], reflection=False)
+        port = scaffold.bind("127.0.0.1:0", "listen", server_credentials(str(tmp_path), "decode", True, "tls_dir"))
+        probe_port = scaffold.serve_probes("127.0.0.1", 0, "health_port")
+        with pytest.raises(BindError, match="health_port"):  # a taken port is refused, naming the setting
+            ServerScaffold(["tandem.v1.Test"]).serve_probes("127.0.0.1", probe_port, "health_port")
+        await scaffold.start()
+        api, probes = grpc.aio.insecure_channel(f"127.0.0.1:{port}"), grpc.aio.insecure_channel(f"127.0.0.1:{probe_port}")
+        try:
+            def check(channel, service=""):
+                return health_pb2_grpc.HealthStub(channel).Check(health_pb2.HealthCheckRequest(service=service),
+                                                                 timeout=2)
+
+            with pytest.raises(grpc.aio.AioRpcError) as err:  # what a kubelet grpc probe gets from a TLS port
+                await check(api)
+            assert err.value.code() == grpc.StatusCode.UNAVAILABLE
+            # the probe port: the server's statuses, and liveness SERVING whatever they are
+            assert (await check(probes)).status == NOT_SERVING
+            assert (await check(probes, LIVENESS)).status == SERVING
+            await scaffold.health.set_all(SERVING)
+            assert (await check(probes, "tandem.v1.Test")).status == SERVING
+            with pytest.raises(grpc.aio.AioRpcError) as err:
+                await check(probes, "no.such.Service")
+            assert err.value.code() == grpc.StatusCode.NOT_FOUND
+            for method in ("List", "Watch"):  # Check alone: no streams held on a port open to every pod
+                call = getattr(health_pb2_grpc.HealthStub(probes), method)(
+                    health_pb2.HealthListRequest() if method == "List" else health_pb2.HealthCheckRequest(), timeout=2)
+                with pytest.raises(grpc.aio.AioRpcError) as err:
+                    await (call if method == "List" else _drain(call))
+                assert err.value.code() == grpc.StatusCode.UNIMPLEMENTED
+            await scaffold.health.shutdown()  # a drain: liveness goes too
+            assert (await check(probes, LIVENESS)).status == NOT_SERVING
+        finally:
+            await api.close()
+            await probes.close()
+            await scaffold.stop(0)
+
+    asyncio.run(main())

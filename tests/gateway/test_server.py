@@ -1,6 +1,6 @@
 """The gateway server as an outside client sees it: health that tells the truth (NOT_SERVING
-until a request can be routed), ``Health/List``, watch streams that end on drain instead of
-holding it, and reflection v1 and v1alpha that list the services and carry the proto
+until a request can be routed; on the probe port, liveness apart from it), ``Health/List``,
+watch streams that end on drain instead of holding it, and reflection v1 and v1alpha that list the services and carry the proto
 comments (what ``grpcurl describe`` shows)."""
 
 from __future__ import annotations
@@ -12,6 +12,8 @@ import grpc
 import pytest
 from google.protobuf import descriptor_pb2
 
+from cli.launcher import free_port
+from cluster.health import LIVENESS
 from cluster.registry import WorkerConfig
 from engine.block_hash import hash_seed
 from gateway.server import Gateway, load_served_model
@@ -29,13 +31,13 @@ SERVING, NOT_SERVING = health_pb2.HealthCheckResponse.SERVING, health_pb2.Health
 @pytest.fixture
 def gateway(redis_url):
     prefix = f"test-server-{uuid.uuid4().hex[:8]}"
-    settings = GatewaySettings(listen="127.0.0.1:0", metrics_port=0, insecure=True, redis_url=redis_url,
-                               redis_key_prefix=prefix,
+    settings = GatewaySettings(listen="127.0.0.1:0", metrics_port=0, health_port=free_port(), insecure=True,
+                               redis_url=redis_url, redis_key_prefix=prefix,
                                registry_ttl_s=3600, refresh_interval_s=0.1)
     model = load_served_model(settings)
     config = WorkerConfig(model.model_id, 16, 2048, "float32", hash_seed(model.model_id, 16, "float32"), 49152)
     with ServerThread(Gateway(settings, model)) as server:
-        server.prefix, server.config = prefix, config
+        server.prefix, server.config, server.health_port = prefix, config, settings.health_port
         with grpc.insecure_channel(f"127.0.0.1:{server.port}") as channel:
             server.channel = channel
             yield server
@@ -63,6 +65,19 @@ def test_not_serving_until_a_request_can_be_routed(gateway, redis_url):
     statuses = health.List(health_pb2.HealthListRequest(), timeout=2).statuses
     assert {name: s.status for name, s in statuses.items()} == {"": SERVING, "tandem.v1.Gateway": SERVING,
                                                                     "inference.GRPCInferenceService": SERVING}
+
+
+def test_the_probe_port_tells_liveness_apart_from_readiness(gateway, redis_url):
+    """Kubernetes' grpc probes (no TLS) ask the probe port: ``liveness`` is SERVING while the
+    gateway runs, even with no worker to route to (a liveness probe must not restart it then);
+    ``""`` follows readiness, as on the API port."""
+    with grpc.insecure_channel(f"127.0.0.1:{gateway.health_port}") as channel:
+        probe = health_pb2_grpc.HealthStub(channel)
+        assert probe.Check(health_pb2.HealthCheckRequest(service=LIVENESS), timeout=2).status == SERVING
+        assert probe.Check(health_pb2.HealthCheckRequest(), timeout=2).status == NOT_SERVING
+        register_workers(redis_url, gateway.prefix, gateway.config)
+        wait_status(probe, SERVING)
+        assert probe.Check(health_pb2.HealthCheckRequest(service="tandem.v1.Gateway"), timeout=2).status == SERVING
 
 
 def test_a_watch_stream_ends_on_drain_instead_of_holding_it(gateway):

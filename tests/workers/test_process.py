@@ -1,6 +1,6 @@
 """``python -m prefill_worker`` / ``python -m decode_worker`` as processes, the way the launcher
 runs them: configured by flags and TANDEM_* variables, a ``listening on`` line, gRPC health
-SERVING, and a clean exit 0 on SIGTERM."""
+SERVING (on the plaintext probe port too, as Kubernetes asks), and a clean exit 0 on SIGTERM."""
 
 from __future__ import annotations
 
@@ -15,6 +15,9 @@ import urllib.request
 
 import grpc
 import pytest
+
+from cli.launcher import free_port
+from cluster.health import LIVENESS
 from protos.grpc.health.v1 import health_pb2, health_pb2_grpc
 
 from protos.tandem.v1 import worker_pb2, worker_pb2_grpc
@@ -22,10 +25,9 @@ from protos.tandem.v1 import worker_pb2, worker_pb2_grpc
 
 @pytest.mark.parametrize("module", ["prefill_worker", "decode_worker"])
 def test_worker_process_serves_and_exits_cleanly_on_sigterm(module):
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        metrics_port = sock.getsockname()[1]
-    env = {**os.environ, "TANDEM_NUM_BLOCKS": "8", "TANDEM_REDIS_URL": "", "TANDEM_LOG_LEVEL": "INFO"}
+    metrics_port, health_port = free_port(), free_port()
+    env = {**os.environ, "TANDEM_NUM_BLOCKS": "8", "TANDEM_REDIS_URL": "", "TANDEM_LOG_LEVEL": "INFO",
+           "TANDEM_HEALTH_PORT": str(health_port)}
     proc = subprocess.Popen(
         [sys.executable, "-m", module, "--listen", "127.0.0.1:0", "--model", "smollm2-135m",
          "--load-format", "dummy", "--block-size", "16", "--metrics-port", str(metrics_port), "--insecure"],
@@ -46,6 +48,11 @@ def test_worker_process_serves_and_exits_cleanly_on_sigterm(module):
             stub_cls = worker_pb2_grpc.PrefillWorkerStub if module == "prefill_worker" else worker_pb2_grpc.DecodeWorkerStub
             stats = stub_cls(channel).GetStats(worker_pb2.GetStatsRequest(), timeout=5)
             assert (stats.num_total_blocks, stats.config.block_size) == (8, 16)
+        with grpc.insecure_channel(f"127.0.0.1:{health_port}") as channel:
+            probe = health_pb2_grpc.HealthStub(channel)
+            for service in ("", LIVENESS):
+                assert probe.Check(health_pb2.HealthCheckRequest(service=service), timeout=5).status == \
+                    health_pb2.HealthCheckResponse.SERVING, service
         with urllib.request.urlopen(f"http://127.0.0.1:{metrics_port}/metrics", timeout=5) as reply:
             text = reply.read().decode()
         assert 'tandem_kv_blocks_free{role="' in text and "tandem_time_to_first_token_seconds" in text
@@ -64,7 +71,8 @@ def test_a_taken_port_is_one_line_naming_the_address_and_the_setting():
         taken.listen()
         port = taken.getsockname()[1]
         for flags, setting in ((["--listen", f"127.0.0.1:{port}"], "--listen / TANDEM_LISTEN"),
-                               (["--metrics-port", str(port)], "--metrics-port / TANDEM_METRICS_PORT")):
+                               (["--metrics-port", str(port)], "--metrics-port / TANDEM_METRICS_PORT"),
+                               (["--health-port", str(port)], "--health-port / TANDEM_HEALTH_PORT")):
             out = subprocess.run(
                 [sys.executable, "-m", "decode_worker", "--model", "smollm2-135m", "--load-format", "dummy",
                  "--num-blocks", "8", "--log-level", "WARNING", *flags],
