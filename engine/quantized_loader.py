@@ -3,8 +3,8 @@
 
 Every projection whose checkpoint tensors are group-quantized becomes an
 :class:`engine.layers.quantized.Int4Linear` (a fused ``qkv_proj``/``gate_up_proj`` stacks its
-parts' rows), a quantized embedding a :class:`QuantizedEmbedding`; with tied embeddings the
-logits head computes with the embedding's quantized table. Tensors of other types (norms,
+parts' rows), a quantized embedding a :class:`QuantizedEmbedding`, a quantized logits head a
+:class:`QuantizedLogitsHead` (with tied embeddings, over the embedding's quantized table). Tensors of other types (norms,
 K-quants) are dequantized into the model's dense parameters.
 """
 
@@ -17,7 +17,7 @@ from torch import nn
 
 from engine.config import QUANTIZATIONS
 from engine.gguf_tensors import read_gguf
-from engine.layers.quantized import GroupQuantized, Int4Linear, QuantizedEmbedding
+from engine.layers.quantized import GroupQuantized, Int4Linear, QuantizedEmbedding, QuantizedLogitsHead
 from engine.models.llama import FUSED_PARAMS, LlamaForCausalLM
 
 
@@ -71,9 +71,11 @@ def load_gguf_quantized(net: LlamaForCausalLM, path: Path, model: object) -> dic
     if isinstance(table, GroupQuantized):
         net.model.embed_tokens = QuantizedEmbedding(table, dtype)
         if net.lm_head is None:  # tied: the head computes with the embedding's quantized table
-            net.lm_head = Int4Linear(table)
+            net.lm_head = QuantizedLogitsHead(table)
     else:
         embed.weight.copy_(table)
+    if isinstance(net.lm_head, nn.Linear) and isinstance(pending.get("lm_head.weight"), GroupQuantized):
+        net.lm_head = QuantizedLogitsHead(take("lm_head.weight", (net.lm_head.out_features, net.lm_head.in_features)))
     for name, module in list(net.named_modules()):
         if isinstance(module, nn.Linear):
             _replace(net, name, _load_linear(net, name, module, take, dtype))

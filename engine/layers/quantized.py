@@ -145,3 +145,39 @@ class QuantizedEmbedding(nn.Module):
 
     def forward(self, input_ids: torch.Tensor) -> torch.Tensor:
         return self.weight.rows(input_ids).dequantize().to(self.dtype)
+
+
+class QuantizedLogitsHead(nn.Module):
+    """The logits head over a :class:`GroupQuantized` ``[vocab_size, hidden_size]`` weight, with
+    float32 logits where they decide the output.
+
+    The int4 matmul's output is bfloat16: logits of 16-32 come out on a grid of 0.125, where
+    near-ties become exact ties (greedy and ``top_k=1`` then pick different tokens) and the top
+    log-probabilities lose their third digit. So the bfloat16 logits only shortlist each row's
+    ``refine`` best tokens; their logits are recomputed in float32 from the dequantized rows of
+    the weight (the same weights, so exact up to float32 summation) and written over the
+    coarse ones. The rest of the row keeps the bfloat16 values (its error, ~2^-9 of a logit,
+    moves the softmax's normalizer by far less than the float32 recomputation corrects).
+    Measured on a 2-core Zen 4: ~70 µs per row at one row (top-k over 49152 and 64 rows
+    dequantized), beside ~0.8 ms for the matmul.
+
+    Args:
+        weight: ``[vocab_size, hidden_size]``.
+        refine: tokens per row recomputed in float32.
+
+    ``forward`` takes ``[num_rows, hidden_size]`` and returns ``[num_rows, vocab_size]`` float32.
+    """
+
+    def __init__(self, weight: GroupQuantized, refine: int = 64) -> None:
+        super().__init__()
+        self.weight = weight
+        self.linear = Int4Linear(weight)
+        self.refine = min(refine, weight.shape[0])
+
+    def forward(self, hidden: torch.Tensor) -> torch.Tensor:
+        hidden = hidden.float()
+        logits = self.linear(hidden)  # float32 values on bfloat16's grid
+        top = logits.topk(self.refine, dim=-1).indices  # [num_rows, refine]
+        rows = self.weight.rows(top.flatten()).dequantize().view(*top.shape, -1)  # [num_rows, refine, hidden]
+        exact = torch.bmm(rows, hidden.unsqueeze(2)).squeeze(2)
+        return logits.scatter_(1, top, exact)

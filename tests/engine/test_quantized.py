@@ -8,9 +8,11 @@ import torch
 from gguf import GGMLQuantizationType
 from gguf.quants import dequantize, quantize
 
+from engine import EngineConfig, LLMEngine
+from engine.block_hash import hash_seed
 from engine.gguf_tensors import decode, read_gguf
-from engine.layers.quantized import GroupQuantized, Int4Linear, QuantizedEmbedding
-from engine.model_source import default_gguf_path, resolve_model
+from engine.layers.quantized import GroupQuantized, Int4Linear, QuantizedEmbedding, QuantizedLogitsHead
+from engine.model_source import default_gguf_path
 
 BLOCK_TYPES = [GGMLQuantizationType.Q4_0, GGMLQuantizationType.Q4_1, GGMLQuantizationType.Q8_0]
 
@@ -68,6 +70,21 @@ def test_quantized_embedding_returns_the_dequantized_rows():
     assert torch.equal(QuantizedEmbedding(weight, torch.bfloat16)(ids), weight.dequantize()[ids].bfloat16())
 
 
+def test_the_logits_head_gives_each_rows_best_tokens_float32_logits():
+    """bfloat16 logits tie and misorder near-equal tokens; the head's shortlist is recomputed in
+    float32, so its best tokens' logits (and the argmax) are the float32 matmul's."""
+    weight = decode(_quantized(GGMLQuantizationType.Q8_0, rows=4096, cols=64), GGMLQuantizationType.Q8_0)
+    hidden = torch.randn(3, 64, generator=torch.Generator().manual_seed(2)) * 20
+    expected = hidden @ weight.dequantize().T
+    logits = QuantizedLogitsHead(weight, refine=16)(hidden)
+    assert logits.dtype == torch.float32 and logits.shape == (3, 4096)
+    best = expected.topk(8, dim=-1).indices
+    torch.testing.assert_close(logits.gather(1, best), expected.gather(1, best), rtol=1e-5, atol=1e-4)
+    assert torch.equal(logits.argmax(-1), expected.argmax(-1))
+    coarse = Int4Linear(weight)(hidden)  # the bfloat16 grid alone: far coarser
+    assert (coarse.gather(1, best) - expected.gather(1, best)).abs().max() > 1e-3
+
+
 def test_fusing_weights_of_different_formats_is_refused():
     four = decode(_quantized(GGMLQuantizationType.Q4_1), GGMLQuantizationType.Q4_1)
     eight = decode(_quantized(GGMLQuantizationType.Q8_0), GGMLQuantizationType.Q8_0)
@@ -78,17 +95,43 @@ def test_fusing_weights_of_different_formats_is_refused():
 
 
 @pytest.mark.slow
-def test_the_real_gguf_reads_as_transformers_converts_it():
+def test_the_real_gguf_reads_as_transformers_dequantizes_it(hf_model):
     """Every tensor of the shipped Q4_1 GGUF, decoded (q/k rows put back in HF's order), equals
-    transformers' float32 conversion bit for bit; the projections stay quantized."""
-    from safetensors import safe_open
-
+    transformers' float32 model read from the same file, bit for bit; the projections stay
+    quantized."""
     weights = read_gguf(default_gguf_path())
     assert weights.architecture == "llama"
     assert weights.types["model.layers.0.self_attn.q_proj.weight"] == "Q4_1"
     assert weights.types["model.embed_tokens.weight"] == "Q8_0"
-    with safe_open(resolve_model(None).path / "model.safetensors", framework="pt") as converted:
-        assert set(converted.keys()) == set(weights.tensors)
-        for name, tensor in weights.tensors.items():
-            dense = tensor.dequantize() if isinstance(tensor, GroupQuantized) else tensor
-            assert torch.equal(dense, converted.get_tensor(name)), name
+    state = hf_model[0].state_dict()
+    assert set(state) - {"lm_head.weight"} == set(weights.tensors)  # lm_head: tied to the embedding
+    for name, tensor in weights.tensors.items():
+        dense = tensor.dequantize() if isinstance(tensor, GroupQuantized) else tensor
+        assert torch.equal(dense, state[name]), name
+
+
+def test_an_unknown_quantization_or_gguf_without_a_gguf_model_is_refused_by_name():
+    with pytest.raises(ValueError, match="quantization"):
+        EngineConfig(quantization="awq")
+    with pytest.raises(ValueError, match="quantization='gguf' needs a .gguf model"):
+        LLMEngine("smollm2-135m", EngineConfig(num_blocks=8, quantization="gguf"), load_format="dummy")
+
+
+@pytest.mark.slow
+def test_the_default_model_runs_quantized_on_the_cpu_and_its_kv_is_another_models():
+    """On the CPU a GGUF loads quantized by default: the projections and the tied logits head
+    are int4 layers holding about a seventh of the float32 bytes, and the prefix cache's seed
+    differs from the dequantized model's (their KV differs)."""
+    engine = LLMEngine(None, EngineConfig(num_blocks=64))
+    layers = dict(engine.model.named_modules())
+    assert engine.quantization == "gguf" and engine.kv_cache_dtype == "float32"
+    assert isinstance(layers["model.layers.0.self_attn.qkv_proj"], Int4Linear)
+    assert isinstance(layers["model.layers.29.mlp.down_proj"], Int4Linear)
+    assert isinstance(layers["lm_head"], QuantizedLogitsHead) and isinstance(layers["model.embed_tokens"], QuantizedEmbedding)
+    assert not any(isinstance(m, torch.nn.Linear) for m in layers.values())
+    int4_bytes = sum(t.numel() * t.element_size() for layer in layers.values() if isinstance(layer, Int4Linear)
+                     for plane in layer.planes for t in plane)
+    params = sum(layer.in_features * layer.out_features for layer in layers.values() if isinstance(layer, Int4Linear))
+    assert int4_bytes < params * 4 / 5  # float32 would be params * 4
+    assert engine.hash_seed != hash_seed(engine.model_id, 16, "float32")
+    assert hash_seed(engine.model_id, 16, "float32") == hash_seed(engine.model_id, 16, "float32", "none")
