@@ -79,14 +79,14 @@ def test_a_dead_rank_fails_the_next_step_and_never_hangs(tiny_llama: str) -> Non
 
 @pytest.mark.slow
 def test_tp3_on_the_default_model_equals_tp1() -> None:
-    """SmolLM2-135M has 9 query and 3 KV heads: three ranks (TP=1 itself matches transformers:
+    """SmolLM2-135M (dequantized) has 9 query and 3 KV heads: three ranks (TP=1 itself matches transformers:
     tests/engine/test_parity.py)."""
     chats = [[{"role": "user", "content": "What is the capital of France?"}],
              [{"role": "user", "content": "Write a haiku about autumn leaves."}]]
     params = SamplingParams(max_tokens=16, temperature=0)
     outputs = []
     for tp in (1, 3):
-        llm = LLM(None, num_blocks=64, tensor_parallel_size=tp)
+        llm = LLM(None, num_blocks=64, tensor_parallel_size=tp, quantization="none")
         try:
             outputs.append([o.outputs[0].token_ids for o in llm.chat(chats, params, use_tqdm=False)])
         finally:
