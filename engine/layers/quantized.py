@@ -82,7 +82,8 @@ class GroupQuantized:
         planes, rest, weight = [], self.codes.int(), 1
         for top in [False] * (self.bits // 4 - 1) + [True]:
             nibble = rest if top else rest & 15
-            rest = rest >> 4
+            if not top:
+                rest = rest >> 4
             scale = self.scale * weight
             if top and signed:  # nibble in [-8, 8): (nibble + 8 - 8) * scale
                 planes.append((nibble + 8, scale, self.offset))
