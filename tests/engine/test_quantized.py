@@ -10,9 +10,9 @@ from gguf.quants import dequantize, quantize
 
 from engine import EngineConfig, LLMEngine
 from engine.block_hash import hash_seed
-from engine.gguf_tensors import decode, read_gguf
+from engine.gguf_tensors import decode, read_gguf, tensor_table
 from engine.layers.quantized import GroupQuantized, Int4Linear, QuantizedEmbedding, QuantizedLogitsHead
-from engine.model_source import default_gguf_path
+from engine.model_source import default_gguf_path, resolve_model
 
 BLOCK_TYPES = [GGMLQuantizationType.Q4_0, GGMLQuantizationType.Q4_1, GGMLQuantizationType.Q8_0]
 
@@ -135,3 +135,12 @@ def test_the_default_model_runs_quantized_on_the_cpu_and_its_kv_is_another_model
     assert int4_bytes < params * 4 / 5  # float32 would be params * 4
     assert engine.hash_seed != hash_seed(engine.model_id, 16, "float32")
     assert hash_seed(engine.model_id, 16, "float32") == hash_seed(engine.model_id, 16, "float32", "none")
+
+
+@pytest.mark.slow
+def test_the_converted_directory_keeps_the_gguf_tensor_table_a_load_reads():
+    source = resolve_model(None)
+    assert source.gguf == default_gguf_path()
+    assert source.gguf_tensor_table() == tensor_table(source.gguf)
+    assert {"config.json", "tokenizer.json"} <= {p.name for p in source.path.iterdir()}
+    assert not list(source.path.glob("*.safetensors"))  # the weights stay in the GGUF file
