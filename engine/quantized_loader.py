@@ -10,6 +10,7 @@ K-quants) are dequantized into the model's dense parameters.
 
 from __future__ import annotations
 
+import logging
 from pathlib import Path
 from typing import Any
 
@@ -20,6 +21,8 @@ from engine.config import QUANTIZATIONS
 from engine.gguf_tensors import read_gguf
 from engine.layers.quantized import GroupQuantized, Int4Linear, QuantizedEmbedding, QuantizedLogitsHead
 from engine.models.llama import FUSED_PARAMS, LlamaForCausalLM
+
+logger = logging.getLogger(__name__)
 
 
 def resolve_quantization(name: str, gguf: Path | None, device: torch.device, tensor_parallel_size: int = 1) -> str:
@@ -43,13 +46,9 @@ def resolve_quantization(name: str, gguf: Path | None, device: torch.device, ten
 
 @torch.no_grad()
 def load_gguf_quantized(net: LlamaForCausalLM, path: Path, model: object,
-                        table: dict[str, Any] | None = None) -> dict[str, int]:
+                        table: dict[str, Any] | None = None) -> None:
     """Fill ``net`` (materialized, in its compute dtype) from GGUF file ``path`` (whose
     :func:`engine.gguf_tensors.tensor_table` is ``table``, when known).
-
-    Returns:
-        How many checkpoint tensors were kept quantized and how many dequantized:
-        ``{"quantized": n, "dense": m}``.
 
     Raises:
         ValueError: naming ``model``, for a tensor with no place in the model, a shape mismatch
@@ -70,13 +69,13 @@ def load_gguf_quantized(net: LlamaForCausalLM, path: Path, model: object,
         return tensor
 
     embed = net.model.embed_tokens
-    table = take("model.embed_tokens.weight", tuple(embed.weight.shape))
-    if isinstance(table, GroupQuantized):
-        net.model.embed_tokens = QuantizedEmbedding(table, dtype)
+    embedding = take("model.embed_tokens.weight", tuple(embed.weight.shape))
+    if isinstance(embedding, GroupQuantized):
+        net.model.embed_tokens = QuantizedEmbedding(embedding, dtype)
         if net.lm_head is None:  # tied: the head computes with the embedding's quantized table
-            net.lm_head = QuantizedLogitsHead(table)
+            net.lm_head = QuantizedLogitsHead(embedding)
     else:
-        embed.weight.copy_(table)
+        embed.weight.copy_(embedding)
     if isinstance(net.lm_head, nn.Linear) and isinstance(pending.get("lm_head.weight"), GroupQuantized):
         net.lm_head = QuantizedLogitsHead(take("lm_head.weight", (net.lm_head.out_features, net.lm_head.in_features)))
     for name, module in list(net.named_modules()):
@@ -87,7 +86,7 @@ def load_gguf_quantized(net: LlamaForCausalLM, path: Path, model: object,
             param.copy_(take(name, tuple(param.shape)))
     if pending:
         raise ValueError(f"model={model!r}: GGUF tensors {sorted(pending)[:5]} have no place in the model")
-    return counts
+    logger.info("%s: %d tensors kept quantized, %d dequantized", path.name, counts["quantized"], counts["dense"])
 
 
 def _load_linear(net: LlamaForCausalLM, name: str, module: nn.Linear, take, dtype: torch.dtype) -> nn.Module:
