@@ -1,0 +1,56 @@
+"""The CPU attention backend (each step's cache indexing worked out once for all layers) computes
+what the reference backend computes, layer after layer of one step, in float32 and bfloat16."""
+
+import pytest
+import torch
+
+import kernels.reference
+from engine.attention import AttentionMetadata, CpuPagedAttentionBackend, PagedAttentionBackend
+
+BLOCK_SIZE, KV_HEADS, Q_HEADS, HEAD_DIM, NUM_BLOCKS, LAYERS = 4, 2, 6, 16, 24, 3
+
+
+def _step() -> tuple[AttentionMetadata, int]:
+    """Three decode sequences (contexts of 3, 9 and 14 tokens), then a 5-token prefill chunk of
+    a sequence with 2 tokens cached; the second decode token's slot is -1 (not written)."""
+    tables = torch.tensor([[5, 0, 0, 0, 0], [7, 2, 11, 0, 0], [1, 3, 4, 9, 0], [20, 21, 0, 0, 0]], dtype=torch.int32)
+    seq_lens = torch.tensor([3, 9, 14, 7], dtype=torch.int32)
+    slots = [5 * 4 + 2, -1, 9 * 4 + 1] + [20 * 4 + 2, 20 * 4 + 3, 21 * 4 + 0, 21 * 4 + 1, 21 * 4 + 2]
+    metadata = AttentionMetadata(
+        slot_mapping=torch.tensor(slots), block_tables=tables, seq_lens=seq_lens,
+        query_start_loc=torch.tensor([0, 1, 2, 3, 8], dtype=torch.int32), num_decodes=3,
+        max_query_len=5, max_seq_len=14, max_decode_seq_len=14)
+    return metadata, len(slots)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_the_cpu_backend_equals_the_reference_over_the_layers_of_a_step(dtype):
+    metadata, num_tokens = _step()
+    generator = torch.Generator().manual_seed(0)
+    pool = torch.randn(NUM_BLOCKS, KV_HEADS, LAYERS, 2, BLOCK_SIZE, HEAD_DIM, generator=generator).to(dtype)
+    pools, before = [pool, pool.clone()], pool.clone()
+    fast, reference = CpuPagedAttentionBackend(), PagedAttentionBackend(kernels.reference)
+    for layer in range(LAYERS):  # one step: the fast backend's plan, made at layer 0, serves them all
+        q = torch.randn(num_tokens, Q_HEADS, HEAD_DIM, generator=generator).to(dtype)
+        k, v = (torch.randn(num_tokens, KV_HEADS, HEAD_DIM, generator=generator).to(dtype) for _ in range(2))
+        outs = []
+        for backend, pool in zip((fast, reference), pools):
+            k_cache, v_cache = (pool[:, :, layer, i].transpose(1, 2) for i in (0, 1))  # [blocks, bs, heads, dim]
+            outs.append(backend.forward(q, k, v, k_cache, v_cache, metadata, HEAD_DIM ** -0.5))
+        assert torch.equal(pools[0], pools[1])  # the same K/V written at the same slots, -1 skipped
+        assert torch.equal(outs[0], outs[1])
+    written = (pools[0] != before).any(dim=(1, 2, 3, 5)).nonzero().tolist()  # [block, offset] pairs
+    assert written == [[5, 2], [9, 1], [20, 2], [20, 3], [21, 0], [21, 1], [21, 2]]
+
+
+def test_a_new_step_gets_a_new_plan():
+    metadata, num_tokens = _step()
+    backend = CpuPagedAttentionBackend()
+    pool = torch.zeros(NUM_BLOCKS, KV_HEADS, LAYERS, 2, BLOCK_SIZE, HEAD_DIM)
+    k_cache, v_cache = (pool[:, :, 0, i].transpose(1, 2) for i in (0, 1))
+    q = torch.randn(num_tokens, Q_HEADS, HEAD_DIM)
+    kv = torch.ones(num_tokens, KV_HEADS, HEAD_DIM)
+    backend.forward(q, kv, kv, k_cache, v_cache, metadata, 1.0)
+    moved = AttentionMetadata(**{**metadata.__dict__, "slot_mapping": metadata.slot_mapping + 4})
+    backend.forward(q, 2 * kv, 2 * kv, k_cache, v_cache, moved, 1.0)
+    assert k_cache[5, 2].eq(1).all() and k_cache[6, 2].eq(2).all()  # slot 22 from step 1, slot 26 from step 2
