@@ -175,9 +175,22 @@ class Conversations:
             self.ready[request.conversation].set()
 
 
-async def closed_loop(address: str, requests: list[Request], concurrency: int) -> tuple[list[Result], float]:
-    """``concurrency`` streams, each taking the next request when its last one ended."""
-    channel = grpc.aio.insecure_channel(address, options=[("grpc.max_receive_message_length", 64 << 20)])
+def aio_channel(address: str, ca_file: str = "") -> grpc.aio.Channel:
+    """An asyncio channel to the gateway: TLS verified against the CA file ``ca_file`` when
+    there is one (a ``LocalCluster`` with a ``tls_dir``: its ``ca.pem``), else plaintext."""
+    options = [("grpc.max_receive_message_length", 64 << 20)]
+    if not ca_file:
+        return grpc.aio.insecure_channel(address, options=options)
+    with open(ca_file, "rb") as f:
+        return grpc.aio.secure_channel(address, grpc.ssl_channel_credentials(root_certificates=f.read()),
+                                       options=options)
+
+
+async def closed_loop(address: str, requests: list[Request], concurrency: int,
+                      ca_file: str = "") -> tuple[list[Result], float]:
+    """``concurrency`` streams, each taking the next request when its last one ended (over TLS
+    when ``ca_file`` is given, see :func:`aio_channel`)."""
+    channel = aio_channel(address, ca_file)
     stub = gateway_pb2_grpc.GatewayStub(channel)
     queue = list(reversed(requests))
     conversations = Conversations(requests)
@@ -200,7 +213,7 @@ async def closed_loop(address: str, requests: list[Request], concurrency: int) -
 async def open_loop(address: str, requests: list[Request], rate: float, seed: int = 0) -> tuple[list[Result], float]:
     """Requests sent at Poisson arrivals of ``rate`` per second (conversations' later turns
     wait for their previous turn)."""
-    channel = grpc.aio.insecure_channel(address, options=[("grpc.max_receive_message_length", 64 << 20)])
+    channel = aio_channel(address)
     stub = gateway_pb2_grpc.GatewayStub(channel)
     conversations = Conversations(requests)
     rng = random.Random(seed)
