@@ -6,7 +6,7 @@ prompts of ``bench/offline_cpu.py``, 64 new tokens each, greedy, EOS ignored. Ea
 the prompts one at a time (one stream) and all at once (batched):
 
 - ``tandem``: ``LLM(quantization="gguf")``, the CPU default: Q4_1 weights kept quantized,
-  computed in bfloat16; ``tandem_none``: ``quantization="none"``, dequantized to float32 (the
+  their matmuls in bfloat16; ``tandem_none``: ``quantization="none"``, dequantized to float32 (the
   HF-parity path);
 - ``gateway``: a ``tandem serve --local`` cluster (``cli.launcher.LocalCluster``: gateway, one
   prefill and one decode worker, with their default settings), driven through the public gRPC

