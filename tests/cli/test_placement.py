@@ -32,3 +32,15 @@ def test_the_cluster_gives_each_worker_its_device_and_size() -> None:
         "decode-0": {"TANDEM_TENSOR_PARALLEL_SIZE": "1", "TANDEM_DEVICE": "cuda:2"},
         "decode-1": {"TANDEM_TENSOR_PARALLEL_SIZE": "1", "TANDEM_DEVICE": "cuda:3"},  # what the caller set wins
     }
+
+
+def test_cpu_workers_share_the_hosts_cores_unless_the_user_set_the_threads(monkeypatch) -> None:
+    monkeypatch.delenv("OMP_NUM_THREADS", raising=False)
+    monkeypatch.setattr("os.sched_getaffinity", lambda pid: set(range(8)))
+    cluster = LocalCluster(num_prefill=1, num_decode=3)
+    assert {env["OMP_NUM_THREADS"] for env in cluster.worker_env.values()} == {"2"}
+    assert LocalCluster(num_prefill=8, num_decode=8).worker_env["decode-7"]["OMP_NUM_THREADS"] == "1"
+    assert "OMP_NUM_THREADS" not in LocalCluster(num_prefill=1, num_decode=1, gpus=2).worker_env["decode-0"]
+    assert "OMP_NUM_THREADS" not in LocalCluster(env={"OMP_NUM_THREADS": "4"}).worker_env["decode-0"]
+    monkeypatch.setenv("OMP_NUM_THREADS", "3")
+    assert "OMP_NUM_THREADS" not in LocalCluster().worker_env["prefill-0"]
