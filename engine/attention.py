@@ -139,7 +139,9 @@ class CpuPagedAttentionBackend(PagedAttentionBackend):
         out.copy_(result.squeeze(2))
 
     def _plan_for(self, metadata: AttentionMetadata, k_cache: torch.Tensor) -> _StepPlan:
-        """This step's :class:`_StepPlan`, computed at the step's first layer."""
+        """This step's :class:`_StepPlan`, computed at the step's first layer. A step is one
+        :class:`AttentionMetadata` object (the model runner builds one per step; the one held
+        here keeps its identity from being reused by the next)."""
         if metadata is not self._metadata:
             self._plan, self._metadata = _StepPlan.of(metadata, k_cache), metadata
         return self._plan
