@@ -22,6 +22,11 @@ from cluster.tls import TlsFiles, init_certs, role_name
 from protos.tandem.v1 import gateway_pb2, gateway_pb2_grpc, worker_pb2, worker_pb2_grpc
 
 SP = gateway_pb2.SamplingParams
+# Workers whose resumed streams equal an undisturbed run token for token: re-prefilling a token
+# computes what decoding it did only with float32 weights. The quantized path's bfloat16 matmul
+# inputs round the two paths' last-bit differences apart, and after a near-tie a resumed stream
+# may part from the undisturbed one (docs/engine.md, "GGUF weights kept quantized").
+EXACT_RESUME = {"TANDEM_QUANTIZATION": "none"}
 
 
 def start_cluster(tmp: Path, key_prefix: str, redis_url: str | None, num_prefill: int, num_decode: int,

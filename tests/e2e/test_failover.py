@@ -23,7 +23,9 @@ import pytest
 
 from protos.tandem.v1 import gateway_pb2
 
-from .cluster_helpers import SP, ClosedLoop, collect, free_blocks, shared_redis_cluster, stats, wait_free_blocks
+from .cluster_helpers import (
+    EXACT_RESUME, SP, ClosedLoop, collect, free_blocks, shared_redis_cluster, stats, wait_free_blocks,
+)
 
 pytestmark = pytest.mark.slow
 HOP_TIMEOUT_S = 8.0
@@ -38,7 +40,7 @@ LIVENESS = {"TANDEM_KEEPALIVE_TIME_S": "1", "TANDEM_KEEPALIVE_TIMEOUT_S": "1",
 @pytest.fixture(scope="module")
 def cluster(tmp_path_factory, redis_url):
     with shared_redis_cluster(tmp_path_factory.mktemp("failover"), "failover", redis_url, num_prefill=2, num_decode=2,
-                              kv_transport="grpc", env=LIVENESS,
+                              kv_transport="grpc", env={**LIVENESS, **EXACT_RESUME},
                               worker_env={"prefill-1": {"TANDEM_DRAIN_TIMEOUT_S": "0"}}) as cluster:
         yield cluster
 

@@ -13,7 +13,7 @@ import pytest
 
 from protos.tandem.v1 import gateway_pb2
 
-from .cluster_helpers import SP, collect, shared_redis_cluster, stats
+from .cluster_helpers import EXACT_RESUME, SP, collect, shared_redis_cluster, stats
 from .otlp_receiver import OtlpReceiver, ReceivedSpan
 
 pytestmark = pytest.mark.slow
@@ -75,7 +75,7 @@ def test_a_stream_resumed_after_its_decode_worker_is_killed_is_one_trace_showing
     worker exported before it died is not looked at (its spans in flight are never exported)."""
     with OtlpReceiver() as receiver:
         with shared_redis_cluster(tmp_path, "tracing-failover", redis_url, num_prefill=1, num_decode=2,
-                                  kv_transport="grpc", env=otlp_env(receiver)) as cluster:
+                                  kv_transport="grpc", env={**otlp_env(receiver), **EXACT_RESUME}) as cluster:
             request = gateway_pb2.GenerateRequest(request_id="e2e-reference",
                                                   prompt="Tell a long story about a lighthouse keeper.",
                                                   sampling=SP(max_tokens=64, temperature=0, ignore_eos=True))

@@ -132,7 +132,7 @@ def test_gguf_conversion_is_cached_and_race_safe(tmp_path, monkeypatch):
     gguf = tmp_path / "tiny.gguf"
     gguf.write_bytes(b"GGUF")
     stat = gguf.stat()
-    final = tmp_path / "cache" / f"tiny-{stat.st_size}-{stat.st_mtime_ns}"
+    final = tmp_path / "cache" / f"tiny-{stat.st_size}-{stat.st_mtime_ns}-{engine.model_source.GGUF_DIR_FORMAT}"
     calls = []
 
     def convert_while_another_process_wins(path, out):
