@@ -83,14 +83,22 @@ def test_redis_outage_keeps_serving_and_recovers(env):
     assert "routing on last-known workers" in log_text(cluster.tmp, "gateway")
     private.start()
     client = redis.Redis.from_url(private.url)
+    ids = [worker.env["TANDEM_WORKER_ID"] for worker in cluster.workers.values()]
+
+    def unregistered() -> list[str]:
+        return [i for i in ids if not list(client.scan_iter(match=f"tandem:*:worker:{i}"))]
+
+    # Every worker, not the first one back: the next test kills the one serving its stream and
+    # needs the other one routable (it once started with a single decode worker registered).
     deadline = time.monotonic() + 10
-    while time.monotonic() < deadline and not list(client.scan_iter(match="tandem:*:worker:decode-*")):
+    while time.monotonic() < deadline and unregistered():
         time.sleep(0.2)
-    assert list(client.scan_iter(match="tandem:*:worker:decode-*")), "workers did not re-register"
+    assert not unregistered(), f"workers did not re-register: {unregistered()}"
     deadline = time.monotonic() + 10
     while time.monotonic() < deadline and "Redis reachable again" not in log_text(cluster.tmp, "gateway"):
         time.sleep(0.2)
     assert "Redis reachable again" in log_text(cluster.tmp, "gateway")
+    time.sleep(1.0)  # two of the gateway's registry reads (every 0.5 s) after the last worker came back
     out = collect(stub, _req("Redis is back:", 4))
     assert len(out["samples"][0]["token_ids"]) == 4
 
