@@ -535,8 +535,11 @@ class Orchestrator:
                                               f"{exc.code().name} {exc.details()}"), route.decode.worker_id) from exc
             raise _status_from_worker(_WorkerCallError("Decode", exc.code(), exc.details() or "", False)) from exc
         else:
-            if all(s.done for s in samples) and call.done():
-                attempt.decode_holds = False  # the worker ended the stream itself: nothing left to free
+            if all(s.done for s in samples):
+                # The worker finished every sample (its finish reasons came): it holds nothing of
+                # the request, whether or not the stream's status has arrived yet (it usually has
+                # not when the last message is read: an Abort went out after every request).
+                attempt.decode_holds = False
             for index, sample in enumerate(samples):
                 if not sample.done:  # the worker ended the stream without finishing this sample
                     yield self._piece(request_id, output, index, [], [], ABORT)
