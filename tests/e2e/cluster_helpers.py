@@ -7,6 +7,7 @@ from __future__ import annotations
 import contextlib
 import itertools
 import os
+import signal
 import threading
 import time
 import uuid
@@ -117,6 +118,40 @@ def collect(stub, request, timeout_s: float = 120) -> dict:
     with_usage = [i for i, m in enumerate(messages) if m.HasField("usage")]
     assert with_usage == [len(messages) - 1], f"usage on messages {with_usage} of {len(messages)}"
     return {"samples": samples, "usage": messages[-1].usage}
+
+
+@dataclass
+class KilledStream:
+    """What a client saw of a stream whose decode worker was SIGKILLed mid-stream
+    (:func:`stream_killing_its_decode_worker`)."""
+
+    token_ids: list[int]
+    text: str
+    finish: int
+    usage: object
+    code: str  # the call's status name ("OK" when it ended well)
+    victim: str | None  # the killed worker's name
+    tokens_at_kill: int
+
+
+def stream_killing_its_decode_worker(cluster, request, after_tokens: int, timeout_s: float = 120) -> KilledStream:
+    """Stream ``request`` and SIGKILL the decode worker running it once the client holds
+    ``after_tokens`` tokens; read the stream to its end (or its error)."""
+    seen = KilledStream([], "", 0, None, "OK", None, 0)
+    try:
+        for message in cluster.stub.Generate(request, timeout=timeout_s):
+            seen.token_ids += message.token_ids
+            seen.text += message.text
+            seen.finish = message.finish_reason or seen.finish
+            seen.usage = message.usage if message.HasField("usage") else seen.usage
+            if seen.victim is None and len(seen.token_ids) >= after_tokens:
+                (seen.victim,) = [name for name, w in cluster.workers.items() if name.startswith("decode")
+                                  and stats(cluster, w.address, "decode").num_running]
+                cluster.workers[seen.victim].proc.send_signal(signal.SIGKILL)
+                seen.tokens_at_kill = len(seen.token_ids)
+    except grpc.RpcError as exc:
+        seen.code = exc.code().name
+    return seen
 
 
 def log_text(tmp: Path, name: str) -> str:

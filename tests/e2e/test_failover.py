@@ -18,13 +18,13 @@ from __future__ import annotations
 import signal
 import time
 
-import grpc
 import pytest
 
 from protos.tandem.v1 import gateway_pb2
 
 from .cluster_helpers import (
-    EXACT_RESUME, SP, ClosedLoop, collect, free_blocks, shared_redis_cluster, stats, wait_free_blocks,
+    EXACT_RESUME, SP, ClosedLoop, collect, free_blocks, shared_redis_cluster, stats, stream_killing_its_decode_worker,
+    wait_free_blocks,
 )
 
 pytestmark = pytest.mark.slow
@@ -149,19 +149,9 @@ def test_a_stream_whose_decode_worker_dies_is_resumed_elsewhere_when_reproducibl
                                           sampling=RESUME_SAMPLING[kind])
     reference = collect(cluster.stub, request)["samples"][0] if kind != "unseeded" else None
     before = free_blocks(cluster)
-    token_ids, text, finish, usage, code, victim = [], "", 0, None, "OK", None
-    try:
-        for message in cluster.stub.Generate(request, timeout=120):
-            token_ids += message.token_ids
-            text += message.text
-            finish = message.finish_reason or finish
-            usage = message.usage if message.HasField("usage") else usage
-            if victim is None and len(token_ids) >= 8:
-                (victim,) = [name for name, w in cluster.workers.items() if name.startswith("decode")
-                             and stats(cluster, w.address, "decode").num_running]
-                cluster.workers[victim].proc.send_signal(signal.SIGKILL)
-    except grpc.RpcError as exc:
-        code = exc.code().name
+    seen = stream_killing_its_decode_worker(cluster, request, after_tokens=8)
+    token_ids, text, finish, usage, code, victim = (seen.token_ids, seen.text, seen.finish, seen.usage, seen.code,
+                                                    seen.victim)
     assert victim is not None
     if kind == "unseeded":
         assert code == "UNAVAILABLE" and len(token_ids) >= 8, (code, len(token_ids))

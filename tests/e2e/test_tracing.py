@@ -7,14 +7,13 @@ other one stays one trace, with the lost decode, the resume and the new decode i
 from __future__ import annotations
 
 import os
-import signal
 import time
 
 import pytest
 
 from protos.tandem.v1 import gateway_pb2
 
-from .cluster_helpers import EXACT_RESUME, SP, collect, shared_redis_cluster, stats
+from .cluster_helpers import EXACT_RESUME, SP, collect, shared_redis_cluster, stream_killing_its_decode_worker
 from .otlp_receiver import OtlpReceiver, ReceivedSpan
 
 pytestmark = pytest.mark.slow
@@ -86,17 +85,10 @@ def test_a_stream_resumed_after_its_decode_worker_is_killed_is_one_trace_showing
                                                   sampling=SP(max_tokens=64, temperature=0, ignore_eos=True))
             reference = collect(cluster.stub, request)["samples"][0]
             request.request_id = "e2e-failover"
-            token_ids, text, finish, usage, victim, tokens_at_kill = [], "", 0, None, None, 0
-            for message in cluster.stub.Generate(request, timeout=120):
-                token_ids += message.token_ids
-                text += message.text
-                finish = message.finish_reason or finish
-                usage = message.usage if message.HasField("usage") else usage
-                if victim is None and len(token_ids) >= 4:
-                    (victim,) = [name for name, w in cluster.workers.items() if name.startswith("decode")
-                                 and stats(cluster, w.address, "decode").num_running]
-                    cluster.workers[victim].proc.send_signal(signal.SIGKILL)
-                    tokens_at_kill = len(token_ids)
+            seen = stream_killing_its_decode_worker(cluster, request, after_tokens=4)
+            token_ids, text, finish, usage, victim, tokens_at_kill = (
+                seen.token_ids, seen.text, seen.finish, seen.usage, seen.victim, seen.tokens_at_kill)
+            assert seen.code == "OK"
             assert (token_ids, text, finish) == (reference["token_ids"], reference["text"], reference["finish"])
             assert usage.completion_tokens == len(token_ids) == 64
             # The launcher's worker ids: "<name>-<the launching process's pid>".

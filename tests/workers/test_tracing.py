@@ -50,13 +50,19 @@ def by_name(finished) -> dict[str, list]:
     return names
 
 
+def _gateway_settings(p) -> GatewaySettings:
+    """A plaintext gateway in front of pair ``p``'s workers, tenant ``carol`` by :data:`KEY`,
+    never prefilling on the decode worker, retrying twice."""
+    return GatewaySettings(listen="127.0.0.1:0", metrics_port=0, insecure=True,
+                           static_prefill=[p.prefill.address], static_decode=[p.decode.address],
+                           api_keys=[f"{hash_key(KEY)}:carol"], refresh_interval_s=0.1,
+                           local_prefill_max_tokens=0, max_retries=2)
+
+
 def test_one_request_is_one_trace_across_gateway_prefill_transfer_and_decode(engines, spans):
     async def main():
         async with pair(engines) as p:
-            settings = GatewaySettings(listen="127.0.0.1:0", metrics_port=0, insecure=True,
-                                       static_prefill=[p.prefill.address], static_decode=[p.decode.address],
-                                       api_keys=[f"{hash_key(KEY)}:carol"], refresh_interval_s=0.1,
-                                       local_prefill_max_tokens=0, max_retries=2)
+            settings = _gateway_settings(p)
             gateway = Gateway(settings, load_served_model(settings))
             port = await gateway.start()
             try:
@@ -135,10 +141,7 @@ def test_a_decode_stream_lost_mid_stream_is_marked_and_its_resume_names_the_lost
     worker), so the request ends UNAVAILABLE. The e2e test resumes one for real."""
     async def main():
         async with pair(engines, drain_timeout_s=0.0) as p:
-            settings = GatewaySettings(listen="127.0.0.1:0", metrics_port=0, insecure=True,
-                                       static_prefill=[p.prefill.address], static_decode=[p.decode.address],
-                                       api_keys=[f"{hash_key(KEY)}:carol"], refresh_interval_s=0.1,
-                                       local_prefill_max_tokens=0, max_retries=2)
+            settings = _gateway_settings(p)
             gateway = Gateway(settings, load_served_model(settings))
             port = await gateway.start()
             try:
