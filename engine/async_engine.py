@@ -203,20 +203,22 @@ class AsyncEngine:
 
         def add() -> RequestOutput:
             try:
-                out = self.engine.add_prefilled_request(request_id, prompt_ids, first_token_ids,
-                                                        params, block_ids, cache_salt)
+                out = _snapshot(self.engine.add_prefilled_request(request_id, prompt_ids, first_token_ids,
+                                                                  params, block_ids, cache_salt))
             except BaseException:
                 self.engine.free_blocks(block_ids)
                 raise
             if not out.finished:
+                # Queued here, on the engine thread, ahead of every later step's output: put from
+                # the event loop, it could land after them and take the stream back a token.
+                stream.put(out)
                 self._streams[request_id] = stream
-            return _snapshot(out)
+            return out
 
         first = await self._call_owned(request_id, add)
         if first.finished:
             yield first
             return
-        stream.put(first)
         async for out in self._follow(request_id, stream):
             yield out
 

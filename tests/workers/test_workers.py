@@ -389,6 +389,39 @@ def test_engine_failure_fails_the_request_not_the_thread(engines, monkeypatch):
     asyncio.run(main())
 
 
+def test_a_prefilled_request_streams_forward_when_the_event_loop_lags(engines, monkeypatch):
+    """The engine thread steps a just-joined request while the event loop is busy: the request's
+    outputs still come in order, each with more tokens than the last (the first output, queued
+    from the event loop, once landed behind the steps' and took the stream back a token: the
+    decode worker sent its first token twice)."""
+    decode = engines[1]
+    free = decode.num_free_blocks
+    prompt, max_tokens = list(range(1, 21)), 24
+
+    async def main():
+        loop, engine = asyncio.get_running_loop(), AsyncEngine(decode)
+        add = decode.add_prefilled_request
+
+        def add_then_stall_the_loop(*args, **kwargs):
+            out = add(*args, **kwargs)
+            loop.call_soon_threadsafe(time.sleep, 0.3)  # the engine steps meanwhile
+            return out
+
+        monkeypatch.setattr(decode, "add_prefilled_request", add_then_stall_the_loop)
+        engine.start()
+        try:
+            blocks, _ = await engine.reserve_blocks(prompt)
+            params = SamplingParams(max_tokens=max_tokens, temperature=0, ignore_eos=True)
+            lengths = [len(out.outputs[0].token_ids)
+                       async for out in engine.add_prefilled("lagging", prompt, [42], params, blocks)]
+            assert lengths == sorted(set(lengths)) and lengths[-1] == max_tokens
+            assert await engine.num_free_blocks() == free
+        finally:
+            await engine.shutdown()
+
+    asyncio.run(main())
+
+
 def test_corrupted_kv_fails_that_request_only(engines):
     """A sender whose chunk fails its checksum gets DATA_LOSS and the reservation is freed; a
     request admitted beside it is untouched and completes."""
