@@ -23,6 +23,13 @@ REFUSED_WORKERS = Gauge("tandem_gateway_refused_workers",
                         "Live workers refused because their model or cache settings disagree with the pool.")
 PREFILLS = Counter("tandem_gateway_prefills", "Prompts prefilled, by where (remote: a prefill worker; local: the "
                    "decode worker itself) and the KV transport the blocks took.", ["where", "kv_transport"])
+PLACEMENTS = Counter("tandem_gateway_placements", "Prefills placed, by decision (gateway.placement): local_only (no "
+                     "prefill worker), local_short (few tokens left after the decode worker's prefix hit), "
+                     "local_predicted (the decode worker predicted to meet the SLOs better), remote.", ["kind"])
+PREFILL_PREDICTION = Histogram("tandem_gateway_prefill_prediction_ratio",
+                               "Measured over predicted time of each placed prefill whose worker's pace was known "
+                               "(1: exact; the prediction's queue counts this gateway's prefills only).",
+                               buckets=(0.25, 0.5, 0.8, 1.25, 2, 4, 8))
 AVOIDED_WORKERS = Gauge("tandem_gateway_avoided_workers", "Workers routing avoids: down (health probe failing) or "
                         "ejected (consecutive failed calls), as of the last change.", ["reason"])
 WORKER_FAILURES = Counter("tandem_gateway_worker_failures", "Worker calls counted as failures of the worker, by call.",

@@ -12,9 +12,11 @@ Who decides what: the workers decide when a sample ends on its tokens (EOS, stop
 after it); the gateway owns the text: it detokenizes and ends a sample whose text contains a
 stop string.
 
-Conditional disaggregation (as Dynamo does): ``Admit`` tells how many leading prompt blocks
-the decode worker already holds; when the tokens left are at most ``local_prefill_max_tokens``
-(or the pool has no prefill worker), the decode worker prefills them itself and no KV moves.
+Conditional disaggregation: ``Admit`` tells how many leading prompt blocks the decode worker
+already holds; the decode worker prefills the rest itself (no KV moves) when the pool has no
+prefill worker, when at most ``local_prefill_max_tokens`` are left (Dynamo's static
+threshold), or when that is predicted to meet the request's latency objectives better than a
+prefill worker would (:mod:`gateway.placement`).
 
 Failover (docs/architecture.md, "Failures"): a worker failure before the client has seen a
 token (UNAVAILABLE, a connection failure, a lost reservation, no answer within
@@ -48,7 +50,7 @@ import contextlib
 import logging
 import time
 import uuid
-from collections.abc import AsyncIterator, Callable
+from collections.abc import AsyncIterator, Callable, Iterator
 from dataclasses import dataclass, field
 
 import grpc
@@ -61,6 +63,7 @@ from engine.detokenizer import IncrementalDetokenizer
 from engine.sampling_params import SamplingParams
 from engine.tokenizer import Tokenizer
 from gateway import metrics
+from gateway.placement import Placement, PlacementModel, ServiceLevel
 from gateway.prefill_pace import PrefillPace
 from gateway.router import ClusterView, NoCapacityError, NoWorkerError, Route
 from protos.status import StatusError
@@ -158,6 +161,13 @@ class _Output:
     usage: gateway_pb2.Usage
 
 
+@dataclass
+class _Prefill:
+    """One prefill being timed: the prompt tokens it computes."""
+
+    tokens: int
+
+
 class _DecodeLost(Exception):
     """The Decode stream failed or stalled after the client had tokens (``status``: what the
     client gets unless the request is resumed elsewhere)."""
@@ -198,26 +208,29 @@ class Orchestrator:
             gets this plus its prompt's tokens at the worker's measured pace.
         decode_stall_timeout_s: seconds a Decode stream may go without a message.
         prefill_s_per_token: a prefill's seconds per prompt token before its worker's pace is measured.
+        slo: the latency objectives of a request that sets none (:mod:`gateway.placement`).
     """
 
     def __init__(self, view: ClusterView, clients: WorkerClients, tokenizer: Tokenizer | None,
                  admit_wait_s: float = 5.0, local_prefill_max_tokens: int = 0, max_retries: int = 2,
                  hop_timeout_s: float = 60.0, decode_stall_timeout_s: float = 15.0,
-                 prefill_s_per_token: float = 0.05) -> None:
+                 prefill_s_per_token: float = 0.05, slo: ServiceLevel = ServiceLevel()) -> None:
         self.view = view
         self.clients = clients
         self.tokenizer = tokenizer
         self.admit_wait_s = admit_wait_s
-        self.local_prefill_max_tokens = local_prefill_max_tokens
         self.max_retries = max_retries
         self.hop_timeout_s = hop_timeout_s
         self.decode_stall_timeout_s = decode_stall_timeout_s
         self.pace = PrefillPace(hop_timeout_s, prefill_s_per_token)
+        self.placement = PlacementModel(self.pace, local_prefill_max_tokens)
+        self.default_slo = slo
         self._background: set[asyncio.Task] = set()
 
     async def generate(
         self, request_id: str, prompt: list[int], sampling: gateway_pb2.SamplingParams, params: SamplingParams,
         pool: WorkerConfig, time_left: Callable[[], float | None], cache_salt: str = "",
+        slo: ServiceLevel = ServiceLevel(),
     ) -> AsyncIterator[gateway_pb2.GenerateResponse]:
         """Stream the request's ``GenerateResponse`` messages; the last one carries ``usage``.
 
@@ -232,16 +245,18 @@ class Orchestrator:
                 gets it as its timeout.
             cache_salt: the tenant's prefix-cache salt (``""``: none): routing and every
                 worker's prefix cache see the prompt's blocks under it only.
+            slo: the request's latency objectives (unset ones: the gateway's).
 
         Raises:
             StatusError: the status the client gets.
         """
         started = time.monotonic()
+        slo = slo.or_defaults(self.default_slo)
         hash_seed = salted_seed(pool.hash_seed, cache_salt)  # the prompt's block hashes under the tenant's salt
         with tracing.span("first_token"):  # routing, capacity, tries, prefill and KV transfer: the TTFT
             attempt, first = await self._prefill_with_retry(
                 request_id, prompt, hash_blocks(prompt, pool.block_size, hash_seed), sampling, pool, time_left,
-                cache_salt)
+                cache_salt, slo)
         backend = self.tokenizer.backend if self.tokenizer is not None else None
         output = _Output([_Sample(IncrementalDetokenizer(backend, prompt, params.stop) if backend else None)
                           for _ in range(params.n)],
@@ -277,14 +292,14 @@ class Orchestrator:
                                                  "tandem.lost_reason": str(lost)}):
                         attempt, first = await self._prefill_with_retry(
                             request_id, worker_prompt, hash_blocks(worker_prompt, pool.block_size, hash_seed),
-                            worker_sampling, pool, time_left, cache_salt, avoid=frozenset({lost.worker_id}))
+                            worker_sampling, pool, time_left, cache_salt, slo, avoid=frozenset({lost.worker_id}))
         finally:
             self._release(attempt, "request ended")
 
     # -- admission and prefill -------------------------------------------------------------
 
     async def _prefill_with_retry(self, request_id, prompt, hashes, sampling, pool: WorkerConfig, time_left,
-                                  cache_salt: str, avoid: frozenset[str] = frozenset()):
+                                  cache_salt: str, slo: ServiceLevel, avoid: frozenset[str] = frozenset()):
         retries = 0
         capacity = _Backoff(self.admit_wait_s)
         while True:
@@ -294,7 +309,7 @@ class Orchestrator:
             try:
                 with tracing.span("retry" if retries else "attempt", _trace_attributes(attempt, retries)) as tried:
                     try:
-                        first = await self._admit_and_prefill(attempt, prompt, sampling, pool, time_left)
+                        first = await self._admit_and_prefill(attempt, prompt, sampling, pool, time_left, slo)
                     except _WorkerCallError as failure:
                         tracing.fail(tried, str(failure))  # handled below: retried, waited or answered
                         raise
@@ -333,10 +348,11 @@ class Orchestrator:
                 if not await capacity.wait(time_left):
                     raise StatusError(grpc.StatusCode.RESOURCE_EXHAUSTED, f"over capacity: {exc}") from exc
 
-    async def _admit_and_prefill(self, attempt: _Attempt, prompt, sampling, pool: WorkerConfig,
-                                 time_left) -> worker_pb2.PrefillResponse | None:
+    async def _admit_and_prefill(self, attempt: _Attempt, prompt, sampling, pool: WorkerConfig, time_left,
+                                 slo: ServiceLevel) -> worker_pb2.PrefillResponse | None:
         """Admit, then Prefill on the prefill worker (its response), or start a Decode that
-        prefills locally and read its first message (``None``: the first tokens come with it)."""
+        prefills locally and read its first message (``None``: the first tokens come with it),
+        as the placement decides."""
         route, rid = attempt.route, attempt.worker_request_id
         decode = self.clients.decode(route.decode.address)
         admit = decode.Admit(worker_pb2.AdmitRequest(request_id=rid, prompt_token_ids=prompt,
@@ -346,36 +362,61 @@ class Orchestrator:
         admitted = await self._staged(admit, "Admit", route.decode, time_left)
         attempt.reservation_id = admitted.reservation_id
         attempt.decode_cached_tokens = admitted.num_cached_blocks * pool.block_size
-        if route.prefill is None or len(prompt) - attempt.decode_cached_tokens <= self.local_prefill_max_tokens:
+        local_tokens = len(prompt) - attempt.decode_cached_tokens
+        remote_tokens = len(prompt) - route.cached_blocks * pool.block_size
+        placement = self.placement.decide(route.prefill.worker_id if route.prefill else None, remote_tokens,
+                                          route.decode.worker_id, local_tokens, route.decode.load.running, slo)
+        metrics.PLACEMENTS.labels(placement.kind).inc()
+        tracing.annotate({"tandem.placement": placement.kind})
+        if placement.local:
             attempt.prefill_counted = attempt.prefill_holds = False
             self.view.prefill_done(route)
             call = self._decode_call(attempt, prompt, [], sampling, time_left, local_prefill=True)
-            new_tokens, started = len(prompt) - attempt.decode_cached_tokens, time.monotonic()
-            timeout_s = self._hop_timeout(time_left, self.pace.timeout_s(route.decode.worker_id, new_tokens))
-            first = await self._staged(self._next_message(call, timeout_s), "Decode", route.decode, time_left, timeout_s)
+            timeout_s = self._hop_timeout(time_left, self.pace.timeout_s(
+                route.decode.worker_id, self.placement.queued(route.decode.worker_id) + local_tokens))
+            with self._prefilling(route.decode.worker_id, local_tokens, placement):
+                first = await self._staged(self._next_message(call, timeout_s), "Decode", route.decode, time_left,
+                                           timeout_s)
             if first is grpc.aio.EOF:
                 raise StatusError(grpc.StatusCode.INTERNAL, "the decode worker ended the stream before a token")
             attempt.first_messages.append(first)
-            self.pace.observe(route.decode.worker_id, new_tokens, time.monotonic() - started)
             metrics.PREFILLS.labels("local", "none").inc()
             return None
         destination = worker_pb2.KVDestination(address=route.decode.address, reservation_id=admitted.reservation_id,
                                                layout=admitted.layout, num_cached_blocks=admitted.num_cached_blocks,
                                                kv_transports=admitted.kv_transports)
-        started = time.monotonic()
-        timeout_s = self._hop_timeout(time_left, self.pace.timeout_s(route.prefill.worker_id, len(prompt)))
+        timeout_s = self._hop_timeout(time_left, self.pace.timeout_s(
+            route.prefill.worker_id, self.placement.queued(route.prefill.worker_id) + len(prompt)))
         prefill = self.clients.prefill(route.prefill.address).Prefill(
             worker_pb2.PrefillRequest(request_id=rid, prompt_token_ids=prompt, sampling=sampling,
                                       destination=destination, cache_salt=attempt.cache_salt),
             timeout=timeout_s)
         attempt.calls.append(prefill)
-        response = await self._staged(prefill, "Prefill", route.prefill, time_left, timeout_s)
-        self.pace.observe(route.prefill.worker_id, len(prompt) - response.num_cached_tokens,
-                          time.monotonic() - started)
+        with self._prefilling(route.prefill.worker_id, remote_tokens, placement) as measured:
+            response = await self._staged(prefill, "Prefill", route.prefill, time_left, timeout_s)
+            measured.tokens = len(prompt) - response.num_cached_tokens
         attempt.prefill_counted = attempt.prefill_holds = False
         self.view.prefill_done(route)
         metrics.PREFILLS.labels("remote", response.kv_transport).inc()
         return response
+
+    @contextlib.contextmanager
+    def _prefilling(self, worker_id: str, tokens: int, placement: Placement) -> Iterator[_Prefill]:
+        """Count a prefill of ``tokens`` prompt tokens in ``worker_id``'s queue while the block
+        runs; when the block succeeds, record the worker's pace over the tokens it computed
+        meanwhile (the ones queued ahead, and ``tokens`` or what the block sets in the yielded
+        :class:`_Prefill`) and how the placement's prediction fared."""
+        prefill, ahead = _Prefill(tokens), self.placement.queued(worker_id)
+        self.placement.started(worker_id, tokens)
+        started = time.monotonic()
+        try:
+            yield prefill
+        finally:
+            self.placement.ended(worker_id, tokens)
+        elapsed = time.monotonic() - started
+        self.pace.observe(worker_id, ahead + prefill.tokens, elapsed)
+        if placement.predicted_ttft_s:
+            metrics.PREFILL_PREDICTION.observe(elapsed / placement.predicted_ttft_s)
 
     def _hop_timeout(self, time_left: Callable[[], float | None], hop_s: float | None = None) -> float:
         """The timeout of one worker call: ``hop_s`` (default ``hop_timeout_s``) or the
@@ -497,7 +538,9 @@ class Orchestrator:
             tracing.annotate({"tandem.output_tokens": max(s.tokens for s in samples)}, decoding)
         tokens_after_first = max(s.tokens for s in samples) - max(1, tokens_before)
         if tokens_after_first > 0:
-            metrics.TPOT.observe((time.monotonic() - first_token_at) / tokens_after_first)
+            tpot = (time.monotonic() - first_token_at) / tokens_after_first
+            metrics.TPOT.observe(tpot)
+            self.placement.observe_step(attempt.route.decode.worker_id, tpot)
 
     async def _decode_stream(self, request_id, attempt: _Attempt, call, output: _Output):
         """The Decode stream's tokens into ``output`` (after the first token).

@@ -3,9 +3,11 @@
 A constant timeout cannot fit both a 10-token prompt and the longest one the pool advertises
 (8191 tokens took 137 s on a CPU worker: a 60 s timeout failed it twice, each time counting
 against the worker). :class:`PrefillPace` keeps, per worker, a moving average of the seconds
-each prompt token took to prefill, measured by the gateway on the calls it makes, and gives
-a call ``hop_timeout_s`` plus the prompt's tokens at ``margin`` times that pace (before the
-first measurement: ``default_s_per_token``).
+each prompt token took to prefill, measured by the gateway on the calls it makes (over the
+call's own tokens and the ones the gateway had queued on the worker ahead of it), and gives a
+call ``hop_timeout_s`` plus its tokens and the ones queued ahead at ``margin`` times that pace
+(before the first measurement: ``default_s_per_token``). The same pace predicts where a
+prompt is best prefilled (:mod:`gateway.placement`).
 """
 
 from __future__ import annotations
@@ -37,6 +39,10 @@ class PrefillPace:
         pace = seconds / tokens
         old = self._s_per_token.get(worker_id)
         self._s_per_token[worker_id] = pace if old is None else (1 - _SMOOTHING) * old + _SMOOTHING * pace
+
+    def s_per_token(self, worker_id: str) -> float | None:
+        """``worker_id``'s measured seconds per prompt token (``None``: not measured yet)."""
+        return self._s_per_token.get(worker_id)
 
     def timeout_s(self, worker_id: str, tokens: int) -> float:
         """Seconds a prefill of ``tokens`` prompt tokens on ``worker_id`` may take."""

@@ -46,7 +46,9 @@ from gateway.prober import HealthProber
 from gateway.router import ClusterView
 from gateway.settings import GatewaySettings
 from gateway.tokenizer_pool import TokenizerPool
-from gateway.validation import check_input, check_prompt_bytes, check_request_size, input_field, render_prompt
+from gateway.placement import ServiceLevel
+from gateway.validation import (check_input, check_prompt_bytes, check_request_size, check_service_level,
+                                input_field, render_prompt)
 from protos.status import StatusError
 from protos.inference import grpc_service_pb2_grpc
 from protos.tandem.v1 import gateway_pb2, gateway_pb2_grpc
@@ -160,6 +162,7 @@ class GatewayServicer(gateway_pb2_grpc.GatewayServicer):
                     if on_prompt is not None:
                         on_prompt(len(prompt))
                     params = sampling_params_from_proto(request.sampling, len(prompt), pool, self.limits)
+                    slo = check_service_level(request)
                     if params.stop and self.model.tokenizer is None:
                         raise StatusError.invalid_argument("sampling.stop", "this model has no tokenizer to match text")
                     tracing.annotate({"tandem.prompt_tokens": len(prompt), "tandem.n": params.n,
@@ -167,7 +170,7 @@ class GatewayServicer(gateway_pb2_grpc.GatewayServicer):
                 logger.info("generate: %d prompt tokens, n=%d, max_tokens=%d, tenant %s", len(prompt), params.n,
                             params.max_tokens, tenant.name if tenant else "-")
                 stream = self.orchestrator.generate(request_id, prompt, request.sampling, params, pool,
-                                                    time_remaining, cache_salt=tenant.name if tenant else "")
+                                                    time_remaining, cache_salt=tenant.name if tenant else "", slo=slo)
                 async with contextlib.aclosing(stream):
                     async for response in stream:
                         yield response
@@ -243,7 +246,8 @@ class Gateway:
         self.orchestrator = Orchestrator(self.view, clients, self.model.tokenizer,
                                          settings.admit_wait_s, settings.local_prefill_max_tokens,
                                          settings.max_retries, settings.hop_timeout_s, settings.decode_stall_timeout_s,
-                                         settings.prefill_timeout_s_per_token)
+                                         settings.prefill_timeout_s_per_token,
+                                         ServiceLevel(settings.slo_ttft_s, settings.slo_itl_s))
         self.prober = HealthProber(self.view, clients, settings.health_probe_interval_s,
                                    settings.health_probe_timeout_s)
         self.tokenizer_pool = TokenizerPool(settings.tokenizer_threads, settings.tokenizer_queue)

@@ -29,6 +29,13 @@ class GatewaySettings(TandemSettings):
     local_prefill_max_tokens: int = Field(
         256, ge=0, description="conditional disaggregation: the decode worker prefills a prompt itself when at most "
                                "this many tokens are left after its prefix-cache hit (no prefill worker, no KV transfer)")
+    slo_ttft_s: float = Field(0.0, ge=0, allow_inf_nan=False,
+                              description="time-to-first-token objective of a request, seconds (0: none; a request's "
+                                          "slo.ttft_s overrides it): where a prompt is prefilled is chosen to meet it")
+    slo_itl_s: float = Field(0.0, ge=0, allow_inf_nan=False,
+                             description="inter-token latency objective, seconds (0: none; a request's slo.itl_s "
+                                         "overrides it): a decode worker running requests prefills a prompt itself "
+                                         "only when their predicted ITL stays within it")
     prefill_timeout_s_per_token: float = Field(
         0.05, gt=0, description="a prefill's timeout is hop_timeout_s plus this many seconds per prompt token until "
                                 "the gateway has measured the worker's own pace (then 4x that pace)")

@@ -8,7 +8,10 @@ cheapest first, so a request that is too large is refused before its prompt is t
 
 from __future__ import annotations
 
+import math
+
 from engine.tokenizer import Tokenizer
+from gateway.placement import ServiceLevel
 from protos.status import StatusError
 from protos.tandem.v1 import gateway_pb2
 
@@ -84,3 +87,17 @@ def render_prompt(request: Request, which: str, tokenizer: Tokenizer | None) -> 
         return tokenizer.apply_chat_template(messages)
     except ValueError as exc:  # no template, or the template refuses the conversation
         raise StatusError.invalid_argument("chat", str(exc)) from exc
+
+
+def check_service_level(request: gateway_pb2.GenerateRequest) -> ServiceLevel:
+    """The request's latency objectives (``0``: the gateway's default).
+
+    Raises:
+        StatusError: ``INVALID_ARGUMENT`` naming ``slo.ttft_s`` or ``slo.itl_s`` when one is
+            negative or not finite.
+    """
+    for name in ("ttft_s", "itl_s"):
+        value = getattr(request.slo, name)
+        if not math.isfinite(value) or value < 0:
+            raise StatusError.invalid_argument(f"slo.{name}", f"must be a finite number of seconds >= 0, got {value}")
+    return ServiceLevel(request.slo.ttft_s, request.slo.itl_s)

@@ -1,0 +1,174 @@
+"""Where a request's prompt is prefilled: on a prefill worker (its KV then moves to the decode
+worker) or on the decode worker itself, chosen per request against service-level objectives.
+
+Disaggregation exists to keep time to first token (TTFT) and inter-token latency (ITL) inside
+their SLOs under load (DistServe, OSDI'24, "goodput"); a fixed split loses whenever the prefill
+side is the bottleneck while the decode side idles. Dynamo's conditional disaggregation decides
+by two static thresholds (prompt length, prefill queue size). Here the decision comes from a
+prediction, from state this gateway measures on the calls it makes:
+
+- a worker's prefill pace ``p_w``, seconds per prompt token (:class:`PrefillPace`: a prefill
+  worker's Prefill calls, a decode worker's local prefills, each over its own tokens and the
+  ones queued ahead of it);
+- the prompt tokens this gateway sent each worker to prefill and has not seen done, ``q_w``
+  (another gateway's are not seen: with several gateways the queue is underestimated);
+- a decode worker's step time ``s_d``, a moving average of its streams' time per output token.
+
+TTFT if ``w`` prefills ``n_w`` tokens (the prompt's tokens it does not hold in its prefix
+cache): ``(q_w + n_w) * p_w``. A local prefill of ``n`` tokens on a decode worker that runs
+sequences stretches their steps while it lasts: ITL ``s_d + n * p_d`` (pessimistic: the
+engine's chunked prefill spreads it over several steps).
+
+The decision (:attr:`Placement.kind`, the ``tandem_gateway_placements`` metric's label):
+
+- ``local_only``: no prefill worker can take the request.
+- ``local_short``: at most ``local_prefill_max_tokens`` tokens left after the decode worker's
+  prefix hit: a static override, Dynamo's threshold (a KV transfer costs more than it saves).
+- ``local_predicted``: the local prefill is *safe* for the decode worker's running sequences
+  (it runs none, or the predicted ITL meets the ITL SLO; with no ITL SLO only an idle decode
+  worker is borrowed) and either (with a TTFT SLO) the remote prediction misses the SLO and the
+  local one meets it or is lower, or (without one) the local TTFT is below ``local_gain`` of the
+  remote one.
+- ``remote``: otherwise, and whenever either worker's pace is not measured yet (today's
+  behaviour: disaggregated).
+"""
+
+from __future__ import annotations
+
+import math
+from collections import Counter
+from dataclasses import dataclass
+
+from gateway.prefill_pace import PrefillPace
+
+_SMOOTHING = 0.3  # weight of the newest step time in a decode worker's moving average
+
+LOCAL_ONLY, LOCAL_SHORT, LOCAL_PREDICTED, REMOTE = "local_only", "local_short", "local_predicted", "remote"
+
+
+@dataclass(frozen=True)
+class ServiceLevel:
+    """A request's latency objectives, seconds; ``0``: none.
+
+    Attributes:
+        ttft_s: time to first token at most.
+        itl_s: inter-token latency at most (of the decode worker's running sequences too).
+    """
+
+    ttft_s: float = 0.0
+    itl_s: float = 0.0
+
+    def or_defaults(self, defaults: ServiceLevel) -> ServiceLevel:
+        """This objective where set, ``defaults``' elsewhere."""
+        return ServiceLevel(self.ttft_s or defaults.ttft_s, self.itl_s or defaults.itl_s)
+
+
+@dataclass(frozen=True)
+class Placement:
+    """Where one request's prompt is prefilled, and what was predicted.
+
+    Attributes:
+        kind: ``local_only``, ``local_short``, ``local_predicted`` or ``remote`` (module docstring).
+        predicted_ttft_s: the chosen worker's predicted prefill time, seconds (``None``: its
+            pace is not measured yet).
+    """
+
+    kind: str
+    predicted_ttft_s: float | None = None
+
+    @property
+    def local(self) -> bool:
+        """The decode worker prefills the prompt itself."""
+        return self.kind != REMOTE
+
+
+class PlacementModel:
+    """Per-request placement of the prefill (module docstring), and the state it predicts from.
+
+    Args:
+        pace: the measured prefill pace per worker (shared with the prefill timeouts).
+        local_prefill_max_tokens: at most this many tokens left after the decode worker's
+            prefix hit: always prefilled there.
+        local_gain: without a TTFT SLO, a local prefill is chosen only when its predicted TTFT
+            is below this fraction of the remote one (so near-equal predictions stay disaggregated).
+
+    Raises:
+        ValueError: ``local_prefill_max_tokens`` < 0 or ``local_gain`` outside ``(0, 1]``.
+    """
+
+    def __init__(self, pace: PrefillPace, local_prefill_max_tokens: int = 0, local_gain: float = 0.8) -> None:
+        if local_prefill_max_tokens < 0 or not 0 < local_gain <= 1:
+            raise ValueError(f"local_prefill_max_tokens={local_prefill_max_tokens} must be >= 0 and "
+                             f"local_gain={local_gain} in (0, 1]")
+        self.pace = pace
+        self.local_prefill_max_tokens = local_prefill_max_tokens
+        self.local_gain = local_gain
+        self._queued: Counter[str] = Counter()
+        self._step_s: dict[str, float] = {}
+
+    def decide(self, remote_worker: str | None, remote_tokens: int, decode_worker: str, local_tokens: int,
+               decode_running: int, slo: ServiceLevel) -> Placement:
+        """Place one prefill.
+
+        Args:
+            remote_worker: the prefill worker routing chose (``None``: none can take it).
+            remote_tokens: prompt tokens it would compute (not in its prefix cache).
+            decode_worker: the decode worker routing chose.
+            local_tokens: prompt tokens the decode worker would compute (not in its prefix cache).
+            decode_running: sequences the decode worker runs (as it last reported).
+            slo: the request's objectives.
+        """
+        local_ttft = self.predict_ttft(decode_worker, local_tokens)
+        if remote_worker is None:
+            return Placement(LOCAL_ONLY, local_ttft)
+        if local_tokens <= self.local_prefill_max_tokens:
+            return Placement(LOCAL_SHORT, local_ttft)
+        remote_ttft = self.predict_ttft(remote_worker, remote_tokens)
+        if local_ttft is None or remote_ttft is None or not self._safe(decode_worker, local_tokens, decode_running,
+                                                                        slo.itl_s):
+            return Placement(REMOTE, remote_ttft)
+        if slo.ttft_s:
+            local = remote_ttft > slo.ttft_s and (local_ttft <= slo.ttft_s or local_ttft < remote_ttft)
+        else:
+            local = local_ttft < self.local_gain * remote_ttft
+        return Placement(LOCAL_PREDICTED, local_ttft) if local else Placement(REMOTE, remote_ttft)
+
+    def predict_ttft(self, worker_id: str, tokens: int) -> float | None:
+        """Seconds until ``worker_id`` has prefilled ``tokens`` more prompt tokens behind the
+        ones this gateway already sent it (``None``: its pace is not measured yet)."""
+        pace = self.pace.s_per_token(worker_id)
+        return None if pace is None else (self.queued(worker_id) + tokens) * pace
+
+    def predict_itl(self, decode_worker: str, tokens: int) -> float | None:
+        """The decode worker's step time, seconds, while it prefills ``tokens`` prompt tokens
+        (``None``: its pace is not measured yet)."""
+        pace = self.pace.s_per_token(decode_worker)
+        return None if pace is None else self._step_s.get(decode_worker, 0.0) + tokens * pace
+
+    def _safe(self, decode_worker: str, tokens: int, running: int, itl_s: float) -> bool:
+        """A local prefill keeps the decode worker's running sequences within the ITL SLO."""
+        if running == 0:
+            return True
+        itl = self.predict_itl(decode_worker, tokens)
+        return bool(itl_s) and itl is not None and itl <= itl_s
+
+    def queued(self, worker_id: str) -> int:
+        """Prompt tokens this gateway sent ``worker_id`` to prefill and has not seen done."""
+        return self._queued[worker_id]
+
+    def started(self, worker_id: str, tokens: int) -> None:
+        """``worker_id`` was sent ``tokens`` prompt tokens to prefill (call :meth:`ended` once)."""
+        self._queued[worker_id] += tokens
+
+    def ended(self, worker_id: str, tokens: int) -> None:
+        """The prefill :meth:`started` with these arguments ended (done, failed or cancelled)."""
+        self._queued[worker_id] -= tokens
+        if self._queued[worker_id] <= 0:
+            del self._queued[worker_id]
+
+    def observe_step(self, decode_worker: str, seconds: float) -> None:
+        """A stream on ``decode_worker`` took ``seconds`` per output token after its first."""
+        if not math.isfinite(seconds) or seconds < 0:
+            return
+        old = self._step_s.get(decode_worker)
+        self._step_s[decode_worker] = seconds if old is None else (1 - _SMOOTHING) * old + _SMOOTHING * seconds

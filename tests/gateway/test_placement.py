@@ -1,0 +1,86 @@
+"""Per-request placement of the prefill: the predictions and the decisions they lead to."""
+
+from __future__ import annotations
+
+import pytest
+
+from gateway.placement import LOCAL_ONLY, LOCAL_PREDICTED, LOCAL_SHORT, REMOTE, PlacementModel, ServiceLevel
+from gateway.prefill_pace import PrefillPace
+
+PREFILL, DECODE = "prefill-0", "decode-0"
+NONE = ServiceLevel()
+
+
+def model(prefill_s_per_token: float | None = 1e-3, decode_s_per_token: float | None = 1e-3,
+          local_prefill_max_tokens: int = 16) -> PlacementModel:
+    pace = PrefillPace(base_s=60, default_s_per_token=0.05)
+    for worker, s_per_token in ((PREFILL, prefill_s_per_token), (DECODE, decode_s_per_token)):
+        if s_per_token is not None:
+            pace.observe(worker, 1000, 1000 * s_per_token)
+    return PlacementModel(pace, local_prefill_max_tokens)
+
+
+def test_static_overrides_come_first():
+    m = model()
+    assert m.decide(None, 0, DECODE, 4000, decode_running=8, slo=NONE).kind == LOCAL_ONLY
+    assert m.decide(PREFILL, 4000, DECODE, 16, decode_running=8, slo=NONE).kind == LOCAL_SHORT
+    assert m.decide(PREFILL, 17, DECODE, 17, decode_running=0, slo=NONE).kind == REMOTE  # equal paces, no queue
+
+
+def test_unmeasured_workers_stay_disaggregated():
+    m = model(decode_s_per_token=None)
+    m.started(PREFILL, 100_000)  # a long prefill queue: a measured idle decode worker would be borrowed
+    placement = m.decide(PREFILL, 1000, DECODE, 1000, decode_running=0, slo=NONE)
+    assert placement.kind == REMOTE and placement.predicted_ttft_s == pytest.approx(101.0)
+    assert model(prefill_s_per_token=None).decide(PREFILL, 1000, DECODE, 1000, 0, NONE).kind == REMOTE
+
+
+def test_an_idle_decode_worker_is_borrowed_while_the_prefill_queue_is_long():
+    m = model()
+    m.started(PREFILL, 3000)
+    placement = m.decide(PREFILL, 1000, DECODE, 1000, decode_running=0, slo=NONE)
+    assert placement.kind == LOCAL_PREDICTED and placement.predicted_ttft_s == pytest.approx(1.0)
+    m.ended(PREFILL, 3000)
+    assert m.queued(PREFILL) == 0
+    assert m.decide(PREFILL, 1000, DECODE, 1000, decode_running=0, slo=NONE).kind == REMOTE
+
+
+def test_a_busy_decode_worker_prefills_only_within_the_itl_objective():
+    m = model()
+    m.started(PREFILL, 3000)
+    m.observe_step(DECODE, 0.020)
+    # 1000 local tokens at 1 ms each would make its running sequences' next step ~1.02 s.
+    assert m.predict_itl(DECODE, 1000) == pytest.approx(1.02)
+    assert m.decide(PREFILL, 1000, DECODE, 1000, decode_running=4, slo=NONE).kind == REMOTE
+    assert m.decide(PREFILL, 1000, DECODE, 1000, 4, ServiceLevel(itl_s=0.5)).kind == REMOTE
+    assert m.decide(PREFILL, 1000, DECODE, 1000, 4, ServiceLevel(itl_s=1.5)).kind == LOCAL_PREDICTED
+
+
+def test_a_ttft_objective_keeps_requests_disaggregated_while_the_prefill_worker_meets_it():
+    m = model(decode_s_per_token=0.5e-3)  # the decode worker prefills twice as fast
+    assert m.decide(PREFILL, 1000, DECODE, 1000, 0, NONE).kind == LOCAL_PREDICTED  # 0.5 s < 0.8 * 1 s
+    assert m.decide(PREFILL, 1000, DECODE, 1000, 0, ServiceLevel(ttft_s=2.0)).kind == REMOTE  # 1 s meets it
+    m.started(PREFILL, 2000)  # remote: 3 s, local: 0.5 s
+    assert m.decide(PREFILL, 1000, DECODE, 1000, 0, ServiceLevel(ttft_s=2.0)).kind == LOCAL_PREDICTED
+    # Both miss a 0.1 s objective: the lower prediction wins.
+    assert m.decide(PREFILL, 1000, DECODE, 1000, 0, ServiceLevel(ttft_s=0.1)).kind == LOCAL_PREDICTED
+
+
+def test_step_times_average_and_bad_samples_are_ignored():
+    m = model()
+    m.observe_step(DECODE, 0.010)
+    m.observe_step(DECODE, 0.020)
+    m.observe_step(DECODE, float("nan"))
+    m.observe_step(DECODE, -1.0)
+    assert m.predict_itl(DECODE, 0) == pytest.approx(0.7 * 0.010 + 0.3 * 0.020)
+
+
+def test_a_request_objective_overrides_the_default_one_by_one():
+    assert ServiceLevel(ttft_s=1.0).or_defaults(ServiceLevel(2.0, 0.05)) == ServiceLevel(1.0, 0.05)
+
+
+def test_bad_knobs_are_refused():
+    with pytest.raises(ValueError, match="local_gain"):
+        PlacementModel(PrefillPace(1, 1), local_gain=0)
+    with pytest.raises(ValueError, match="local_prefill_max_tokens"):
+        PlacementModel(PrefillPace(1, 1), local_prefill_max_tokens=-1)
