@@ -63,5 +63,6 @@ def compare(reference: tuple[list, float], candidate: tuple[list, float], names:
     candidate's) and ``perplexity_ratio`` (candidate / reference), rounded to 4 places."""
     (rows_ref, ppl_ref), (rows, ppl) = reference, candidate
     metrics = {f"greedy_{k}" if k == "agreement" else k: v for k, v in agreement(rows_ref, rows).items()}
-    metrics.update({f"perplexity_{names[0]}": ppl_ref, f"perplexity_{names[1]}": ppl, "perplexity_ratio": ppl / ppl_ref})
+    metrics.update({f"perplexity_{names[0]}": ppl_ref, f"perplexity_{names[1]}": ppl,
+                    "perplexity_ratio": ppl / ppl_ref})
     return {name: round(value, 4) for name, value in metrics.items()}

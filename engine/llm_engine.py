@@ -139,10 +139,10 @@ class LLMEngine:
             self.runner.broadcast = self.ranks.group.broadcast_step
             self._close_ranks = weakref.finalize(self, self.ranks.close)
         num_graphs = len(self.runner.graphs.graphs) if self.runner.graphs is not None else 0
-        logger.info("engine ready: %s on %s (%s, KV cache %s), %d KV blocks of %d tokens (%d tokens), max_model_len %d, "
-                    "tensor parallel size %d, %d CUDA graphs, start-up %.1f s", self.model_id, self.device, self.dtype,
-                    self.kv_cache_dtype, self.num_blocks, bs, self.num_blocks * bs, self.max_model_len, config.tensor_parallel_size,
-                    num_graphs, self.startup.total_s)
+        logger.info("engine ready: %s on %s (%s, KV cache %s), %d KV blocks of %d tokens (%d tokens), "
+                    "max_model_len %d, tensor parallel size %d, %d CUDA graphs, start-up %.1f s", self.model_id,
+                    self.device, self.dtype, self.kv_cache_dtype, self.num_blocks, bs, self.num_blocks * bs,
+                    self.max_model_len, config.tensor_parallel_size, num_graphs, self.startup.total_s)
 
     def shutdown(self) -> None:
         """Stop the other tensor-parallel ranks (nothing to do without them); the engine cannot

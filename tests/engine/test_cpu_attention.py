@@ -9,6 +9,7 @@ import kernels.reference
 from engine.attention import AttentionMetadata, CpuPagedAttentionBackend, PagedAttentionBackend
 
 BLOCK_SIZE, KV_HEADS, Q_HEADS, HEAD_DIM, NUM_BLOCKS, LAYERS = 4, 2, 6, 16, 24, 3
+FP8 = torch.float8_e4m3fn
 
 
 def _step() -> tuple[AttentionMetadata, int]:
@@ -25,7 +26,7 @@ def _step() -> tuple[AttentionMetadata, int]:
 
 
 @pytest.mark.parametrize("dtype,kv_dtype", [(torch.float32, torch.float32), (torch.bfloat16, torch.bfloat16),
-                                            (torch.float32, torch.float8_e4m3fn), (torch.bfloat16, torch.float8_e4m3fn)])
+                                            (torch.float32, FP8), (torch.bfloat16, FP8)])
 def test_the_cpu_backend_equals_the_reference_over_the_layers_of_a_step(dtype, kv_dtype):
     metadata, num_tokens = _step()
     generator = torch.Generator().manual_seed(0)
