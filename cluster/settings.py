@@ -22,7 +22,7 @@ from typing import Annotated, TypeVar
 from pydantic import Field, ValidationError, field_validator
 from pydantic_settings import BaseSettings, NoDecode, SettingsConfigDict
 
-from engine.config import DTYPE_NAMES, QUANTIZATIONS, SUPPORTED_BLOCK_SIZES, EngineConfig
+from engine.config import DTYPE_NAMES, KV_CACHE_DTYPES, QUANTIZATIONS, SUPPORTED_BLOCK_SIZES, EngineConfig
 
 S = TypeVar("S", bound="TandemSettings")
 
@@ -175,7 +175,12 @@ class WorkerSettings(TandemSettings):
                                                            "parallelism), one process and one GPU each; it must "
                                                            "divide the model's attention and KV heads")
     dtype: typing.Literal["auto", *DTYPE_NAMES] = Field(
-        "auto", description="model and KV cache dtype; auto: bfloat16 on CUDA, float32 on CPU")
+        "auto", description="model dtype (and the KV cache's, unless kv_cache_dtype says otherwise); auto: "
+                            "bfloat16 on CUDA, float32 on CPU")
+    kv_cache_dtype: typing.Literal[*KV_CACHE_DTYPES] = Field(
+        "auto", description="KV cache dtype: auto (the model's dtype) or fp8_e4m3 (float8 e4m3, scale 1.0, "
+                            "saturated to ±448: twice the blocks in the same memory; CUDA needs compute capability "
+                            ">= 8.9); published, and a pool's workers must agree")
     quantization: typing.Literal[*QUANTIZATIONS] = Field(
         "auto", description="gguf: keep a GGUF model's Q4_0/Q4_1/Q8_0 weights quantized and compute with them "
                             "(CPU; the matmuls in bfloat16); none: dequantize (the HF-parity path); auto: gguf for a GGUF model "
@@ -213,7 +218,7 @@ class WorkerSettings(TandemSettings):
             num_blocks=self.num_blocks, kv_cache_memory_bytes=self.kv_cache_memory_bytes,
             gpu_memory_utilization=self.gpu_memory_utilization,
             enable_prefix_caching=self.enable_prefix_caching, dtype=self.dtype, quantization=self.quantization,
-            device=self.device,
+            kv_cache_dtype=self.kv_cache_dtype, device=self.device,
             seed=self.seed, enforce_eager=self.enforce_eager, cuda_graph_batch_sizes=self.cuda_graph_batch_sizes,
             tensor_parallel_size=self.tensor_parallel_size,
         )

@@ -112,7 +112,8 @@ class CpuPagedAttentionBackend(PagedAttentionBackend):
 
     Like the reference, the decode attention runs in float32 whatever the cache's dtype
     (PyTorch's CPU attention is also 2-5x faster in float32 than in bfloat16 at decode sizes):
-    both backends compute the same values.
+    both backends compute the same values. An fp8 cache is written with the reference's
+    saturating cast and read upcast to float32, as the reference does.
     """
 
     def __init__(self) -> None:
@@ -125,8 +126,8 @@ class CpuPagedAttentionBackend(PagedAttentionBackend):
         plan = self._plan_for(metadata, k_cache)
         if plan.write_rows is not None:
             key, value = key[plan.write_rows], value[plan.write_rows]
-        k_cache[plan.write_blocks, plan.write_offsets] = key.to(k_cache.dtype)
-        v_cache[plan.write_blocks, plan.write_offsets] = value.to(v_cache.dtype)
+        k_cache[plan.write_blocks, plan.write_offsets] = kernels.reference.to_cache_dtype(key, k_cache.dtype)
+        v_cache[plan.write_blocks, plan.write_offsets] = kernels.reference.to_cache_dtype(value, v_cache.dtype)
 
     def decode(self, query: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
                metadata: AttentionMetadata, scale: float, out: torch.Tensor) -> None:

@@ -14,6 +14,8 @@ NVLINK_MULTICAST_OFF = {"NCCL_NVLS_ENABLE": "0", "TORCH_SYMM_MEM_DISABLE_MULTICA
 DTYPE_NAMES = ("float32", "bfloat16", "float16")
 # How a quantized checkpoint's weights are held (``engine.quantized_loader``).
 QUANTIZATIONS = ("auto", "gguf", "none")
+# KV cache dtypes (vLLM's names): "auto" is the model's dtype (``engine.devices.resolve_kv_cache_dtype``).
+KV_CACHE_DTYPES = ("auto", "fp8_e4m3")
 
 
 @dataclass
@@ -37,6 +39,11 @@ class EngineConfig:
             compute with them (CPU only; the matmuls in bfloat16); ``"none"``: dequantize every weight to
             ``dtype`` (the path that matches HF transformers); ``"auto"``: ``"gguf"`` for a GGUF
             model on the CPU, else ``"none"``.
+        kv_cache_dtype: ``"auto"``: the KV cache holds K and V in the model's ``dtype``;
+            ``"fp8_e4m3"``: in float8 e4m3 (``torch.float8_e4m3fn``), half a bfloat16 cache's bytes
+            per block, so twice the blocks in the same memory; values are saturated to ±448 with
+            a fixed scale of 1.0 (:mod:`engine.kv_cache`). On CUDA it needs a GPU with float8
+            support in Triton (compute capability 8.9 or later).
         device: ``"auto"`` (CUDA when available), ``"cpu"`` or ``"cuda[:N]"``.
         seed: seed of the generator of the per-step seeds of requests without their own seed.
         cuda_graph_batch_sizes: on CUDA, the batch sizes at which decode-only steps are captured
@@ -62,6 +69,7 @@ class EngineConfig:
     enable_prefix_caching: bool = True
     dtype: str = "auto"
     quantization: str = "auto"
+    kv_cache_dtype: str = "auto"
     device: str = "auto"
     seed: int = 0
     cuda_graph_batch_sizes: list[int] | None = None
@@ -82,6 +90,7 @@ class EngineConfig:
             ("gpu_memory_utilization", 0 < self.gpu_memory_utilization <= 1, "must be in (0, 1]"),
             ("dtype", self.dtype == "auto" or self.dtype in DTYPE_NAMES, f"must be auto or one of {DTYPE_NAMES}"),
             ("quantization", self.quantization in QUANTIZATIONS, f"must be one of {QUANTIZATIONS}"),
+            ("kv_cache_dtype", self.kv_cache_dtype in KV_CACHE_DTYPES, f"must be one of {KV_CACHE_DTYPES}"),
             ("cuda_graph_batch_sizes", self.cuda_graph_batch_sizes is None or (
                 self.cuda_graph_batch_sizes
                 and all(isinstance(n, int) and 1 <= n <= self.max_num_batched_tokens for n in self.cuda_graph_batch_sizes)),

@@ -12,6 +12,10 @@ import torch
 from engine.config import DTYPE_NAMES
 
 DTYPES = {name: getattr(torch, name) for name in DTYPE_NAMES}  # names from engine.config, a fixed list
+# The KV cache dtypes that are no model dtype, by their ``engine.config.KV_CACHE_DTYPES`` name.
+FP8_KV_DTYPES = {"fp8_e4m3": torch.float8_e4m3fn}
+# Every dtype a KV pool may have, by torch's name (what a shared-memory handle carries).
+KV_POOL_DTYPES = {**DTYPES, **{str(d).removeprefix("torch."): d for d in FP8_KV_DTYPES.values()}}
 
 
 def resolve_device(name: str) -> torch.device:
@@ -28,6 +32,15 @@ def resolve_dtype(name: str, device: torch.device) -> torch.dtype:
     if name == "auto":
         return torch.bfloat16 if device.type == "cuda" else torch.float32
     return DTYPES[name]
+
+
+def resolve_kv_cache_dtype(name: str, model_dtype: torch.dtype) -> tuple[str, torch.dtype]:
+    """The KV cache's published name and its torch dtype for the setting ``name``
+    (``engine.config.KV_CACHE_DTYPES``): ``"auto"`` → the model's dtype under its own name
+    (``"bfloat16"``, ...); ``"fp8_e4m3"`` → ``torch.float8_e4m3fn`` under that name."""
+    if name == "auto":
+        return str(model_dtype).removeprefix("torch."), model_dtype
+    return name, FP8_KV_DTYPES[name]
 
 
 def rank_device(device: torch.device, rank: int) -> torch.device:

@@ -7,6 +7,23 @@ KV heads are the block's outermost dimension, so any range of heads is one conti
 too: a rank of a tensor-parallel worker holds its heads' slice of every block, and a KV transfer
 between workers of different TP sizes moves each rank's head range of a block as one piece.
 Kernels see per-layer strided views ``[num_blocks, block_size, num_kv_heads, head_dim]``.
+
+The cache's dtype is the model's, or float8 e4m3 (``kv_cache_dtype="fp8_e4m3"``,
+``torch.float8_e4m3fn``): one byte per value, half a bfloat16 block's bytes. An fp8 cache
+stores K and V with one fixed per-tensor scale of 1.0 for each (vLLM's default ``k_scale`` /
+``v_scale`` for a checkpoint that has none; Tandem reads none), for three reasons:
+
+- KV bytes move between workers (a prefill worker's blocks are a decode worker's), so both
+  must read them with the same scale; a constant needs no agreement, no message and no
+  calibration, and cannot drift between workers or between the blocks of a prefix cache;
+- e4m3's relative precision (3 mantissa bits: a rounding error of at most 2^-4, about 6%, of
+  a normal value) does not depend on a scale: a scale only moves the range, and 1.0 already
+  spans ±448, normal down to 2^-6 (SmolLM2-135M's K and V, measured: |x| <= 20, 1-4% of them
+  below 2^-6);
+- values beyond ±448 saturate to ±448 when written (a saturating cast:
+  :func:`kernels.reference.to_cache_dtype`), rather than becoming NaN and poisoning attention.
+
+Reads upcast fp8 exactly to float32 (CPU) or the query's dtype (the Triton kernels).
 """
 
 from __future__ import annotations
@@ -23,7 +40,7 @@ class KVCache:
         config: the model as this rank holds it (layers, this rank's KV heads, head_dim).
         num_blocks: physical blocks in the pool.
         block_size: tokens per block.
-        dtype: cache dtype.
+        dtype: cache dtype: the model's, or ``torch.float8_e4m3fn`` (scale 1.0, see above).
         device: where the cache lives.
         tensor: memory to use instead of allocating it, of :meth:`shape` and ``dtype`` on
             ``device`` (a pool another process allocated and shares, :mod:`engine.shared_memory`).

@@ -21,7 +21,7 @@ import torch
 from engine.block_hash import hash_seed
 from engine.block_pool import BlockPool, cdiv
 from engine.config import EngineConfig
-from engine.devices import resolve_device, resolve_dtype, use_device
+from engine.devices import resolve_device, resolve_dtype, resolve_kv_cache_dtype, use_device
 from engine.distributed import RankFailedError
 from engine.kv_cache_manager import KVCacheManager
 from engine.model_shard import build_shard
@@ -77,7 +77,9 @@ class LLMEngine:
             for presets and config dicts).
         max_model_len: tokens per sequence at most (the setting, lowered to what the KV cache
             holds).
-        kv_cache_dtype: the KV cache's dtype name (``"bfloat16"``, ...).
+        kv_cache_dtype: the KV cache's dtype name (``"bfloat16"``, ..., ``"fp8_e4m3"``): published
+            by workers and part of the prefix cache's hash seed, so caches of other dtypes
+            never share blocks or a pool.
         quantization: how the weights are held, resolved: ``"gguf"`` or ``"none"``
             (:class:`engine.config.EngineConfig`).
         kv_pools: every rank's KV cache tensor, in rank order (one without tensor parallelism):
@@ -125,7 +127,7 @@ class LLMEngine:
 
         bs = config.block_size
         self.block_pool = BlockPool(self.num_blocks)
-        self.kv_cache_dtype = str(self.dtype).removeprefix("torch.")
+        self.kv_cache_dtype = resolve_kv_cache_dtype(config.kv_cache_dtype, self.dtype)[0]
         self.hash_seed = hash_seed(self.model_id, bs, self.kv_cache_dtype, self.quantization)
         self.kv_manager = KVCacheManager(self.block_pool, bs, self.hash_seed, config.enable_prefix_caching)
         self.scheduler = Scheduler(self.kv_manager, config.max_num_seqs,
@@ -137,10 +139,10 @@ class LLMEngine:
             self.runner.broadcast = self.ranks.group.broadcast_step
             self._close_ranks = weakref.finalize(self, self.ranks.close)
         num_graphs = len(self.runner.graphs.graphs) if self.runner.graphs is not None else 0
-        logger.info("engine ready: %s on %s (%s), %d KV blocks of %d tokens (%d tokens), max_model_len %d, "
-                    "tensor parallel size %d, %d CUDA graphs, start-up %.1f s", self.model_id, self.device, self.dtype,
-                    self.num_blocks, bs, self.num_blocks * bs, self.max_model_len, config.tensor_parallel_size,
-                    num_graphs, self.startup.total_s)
+        logger.info("engine ready: %s on %s (%s, KV cache %s), %d KV blocks of %d tokens (%d tokens), "
+                    "max_model_len %d, tensor parallel size %d, %d CUDA graphs, start-up %.1f s", self.model_id,
+                    self.device, self.dtype, self.kv_cache_dtype, self.num_blocks, bs, self.num_blocks * bs,
+                    self.max_model_len, config.tensor_parallel_size, num_graphs, self.startup.total_s)
 
     def shutdown(self) -> None:
         """Stop the other tensor-parallel ranks (nothing to do without them); the engine cannot

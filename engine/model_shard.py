@@ -21,7 +21,7 @@ import torch.distributed as dist
 from engine.attention import get_attention_backend
 from engine.config import EngineConfig
 from engine.cuda_graphs import cuda_graph_sizes
-from engine.devices import rank_device
+from engine.devices import rank_device, resolve_kv_cache_dtype
 from engine.distributed import TPGroup
 from engine.kv_cache import KVCache
 from engine.layers.linear import packed_linear_available
@@ -71,7 +71,8 @@ def build_shard(model: str | dict | None, config: EngineConfig, load_format: str
     Args:
         model, load_format: as :func:`engine.loader.load_model`.
         config: the engine's settings.
-        device, dtype: this rank's device and the model's dtype.
+        device, dtype: this rank's device and the model's dtype (the KV cache's is
+            ``config.kv_cache_dtype``'s: :func:`engine.devices.resolve_kv_cache_dtype`).
         tp: this process's rank of a tensor-parallel engine (``None``: the whole model).
         store: with ``tp``, the ranks' rendezvous store (KV pool handles go through it).
         started: the ``time.perf_counter()`` the engine's start-up began at (default: now).
@@ -90,11 +91,12 @@ def build_shard(model: str | dict | None, config: EngineConfig, load_format: str
     load_s = time.perf_counter() - started
 
     bs = config.block_size
+    kv_dtype = resolve_kv_cache_dtype(config.kv_cache_dtype, dtype)[1]
     graph_sizes = cuda_graph_sizes(config, device)
     memory_profile = None
     if device.type == "cuda" and not config.num_blocks:
-        memory_profile = profile_memory(net, config, dtype, device, graph_sizes, others_bytes)
-    per_block = KVCache.bytes_per_block(net.config, bs, dtype)
+        memory_profile = profile_memory(net, config, kv_dtype, device, graph_sizes, others_bytes)
+    per_block = KVCache.bytes_per_block(net.config, bs, kv_dtype)
     budget = memory_profile.kv_cache_bytes if memory_profile is not None else config.kv_cache_memory_bytes
     num_blocks = config.num_blocks or budget // per_block
     if tp is not None:
@@ -107,8 +109,8 @@ def build_shard(model: str | dict | None, config: EngineConfig, load_format: str
     if config.max_model_len and max_len < config.max_model_len and (tp is None or tp.is_driver):
         logger.warning("max_model_len lowered to %d: the KV cache holds %d blocks of %d tokens", max_len, num_blocks, bs)
 
-    pools = _kv_pools(KVCache.shape(net.config, num_blocks, bs), dtype, device, tp, store)
-    kv_cache = KVCache(net.config, num_blocks, bs, dtype, device, tensor=pools[0])
+    pools = _kv_pools(KVCache.shape(net.config, num_blocks, bs), kv_dtype, device, tp, store)
+    kv_cache = KVCache(net.config, num_blocks, bs, kv_dtype, device, tensor=pools[0])
     runner = ModelRunner(net, kv_cache, config.max_num_batched_tokens, config.max_num_seqs, max_len, config.seed)
     startup = start_up(runner, config, graph_sizes, started, load_s, profile_s)
     return ModelShard(loaded, kv_cache, pools, runner, num_blocks, max_len, memory_profile, startup)

@@ -22,7 +22,7 @@ import uuid
 
 import torch
 
-from engine.devices import DTYPES
+from engine.devices import KV_POOL_DTYPES
 
 _SHM_DIR = "/dev/shm"
 
@@ -65,7 +65,7 @@ def allocate_shared(shape: tuple[int, ...], dtype: torch.dtype, device: torch.de
 
 def open_shared(handle: dict) -> torch.Tensor:
     """Map the tensor of :func:`allocate_shared`'s ``handle`` in this process."""
-    shape, dtype = tuple(handle["shape"]), DTYPES[handle["dtype"]]
+    shape, dtype = tuple(handle["shape"]), KV_POOL_DTYPES[handle["dtype"]]
     if handle["kind"] == "file":
         return torch.from_file(handle["path"], shared=True, size=math.prod(shape), dtype=dtype).view(shape)
     storage = torch.UntypedStorage._new_shared_cuda(

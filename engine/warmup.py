@@ -57,10 +57,11 @@ def warm_up(runner: ModelRunner, max_num_batched_tokens: int, max_num_seqs: int)
 
     config, cache = runner.model.config, runner.kv_cache
     k_cache, v_cache = cache.layer(0)
-    device, dtype = cache.tensor.device, cache.tensor.dtype
-    for num_seqs, max_seq_len in launch_variants(config.num_key_value_heads, config.head_dim, dtype, device,
+    device, kv_dtype = cache.tensor.device, cache.tensor.dtype
+    q_dtype = next(runner.model.parameters()).dtype  # the model's: an fp8 cache's queries are not fp8
+    for num_seqs, max_seq_len in launch_variants(config.num_key_value_heads, config.head_dim, kv_dtype, device,
                                                  max_num_seqs, runner.max_model_len):
-        q = torch.zeros(num_seqs, config.num_attention_heads, config.head_dim, dtype=dtype, device=device)
+        q = torch.zeros(num_seqs, config.num_attention_heads, config.head_dim, dtype=q_dtype, device=device)
         block_tables = torch.zeros(num_seqs, runner.max_blocks_per_seq, dtype=torch.int32, device=device)
         seq_lens = torch.ones(num_seqs, dtype=torch.int32, device=device)
         paged_decode_attention(q, k_cache, v_cache, block_tables, seq_lens, 1.0, max_seq_len=max_seq_len)

@@ -9,6 +9,7 @@ import torch
 import triton.language as tl
 
 _TL_DTYPES = {torch.float32: tl.float32, torch.float16: tl.float16, torch.bfloat16: tl.bfloat16}
+_CACHE_DTYPES = (*_TL_DTYPES, torch.float8_e4m3fn)
 
 
 def check_device(*tensors: torch.Tensor) -> torch.device:
@@ -32,23 +33,29 @@ def check_device(*tensors: torch.Tensor) -> torch.device:
 
 
 def check_cache(k_cache: torch.Tensor, v_cache: torch.Tensor) -> None:
-    """Raise ValueError unless K and V caches are matching 4-D float tensors."""
+    """Raise ValueError unless K and V caches are matching 4-D tensors of a KV cache dtype
+    (float32, float16, bfloat16, float8_e4m3fn)."""
     if k_cache.dim() != 4 or k_cache.shape != v_cache.shape:
         raise ValueError(
             "k_cache and v_cache must both be [num_blocks, block_size, num_kv_heads, head_dim], "
             f"got {tuple(k_cache.shape)} and {tuple(v_cache.shape)}"
         )
-    if k_cache.dtype not in _TL_DTYPES or v_cache.dtype != k_cache.dtype:
-        raise ValueError(f"cache dtype must be float32, float16 or bfloat16, got {k_cache.dtype}/{v_cache.dtype}")
+    if k_cache.dtype not in _CACHE_DTYPES or v_cache.dtype != k_cache.dtype:
+        raise ValueError("cache dtype must be float32, float16, bfloat16 or float8_e4m3fn, got "
+                         f"{k_cache.dtype}/{v_cache.dtype}")
 
 
-def dot_inputs(dtype: torch.dtype, device: torch.device) -> tuple[tl.dtype, str]:
-    """Return the dtype fed to ``tl.dot`` and its ``input_precision`` for a cache of ``dtype``.
+def dot_inputs(cache_dtype: torch.dtype, query_dtype: torch.dtype, device: torch.device) -> tuple[tl.dtype, str]:
+    """Return the dtype fed to ``tl.dot`` and its ``input_precision`` for a cache of
+    ``cache_dtype`` attended by queries of ``query_dtype``.
 
-    float32 uses exact ("ieee") products rather than tf32. Under the CPU interpreter bfloat16 is
-    widened to float32 because the interpreter's ``tl.dot`` multiplies the raw bf16 bit
-    patterns (seen with Triton 3.9).
+    An fp8 cache's tiles are upcast after their load to the query's dtype (every e4m3 value is
+    exact in float32, float16 and bfloat16), and the dot then runs as over a cache of that
+    dtype. float32 uses exact ("ieee") products rather than tf32. Under the CPU interpreter
+    bfloat16 is widened to float32 because the interpreter's ``tl.dot`` multiplies the raw bf16
+    bit patterns (seen with Triton 3.9).
     """
+    dtype = query_dtype if cache_dtype == torch.float8_e4m3fn else cache_dtype
     if dtype == torch.bfloat16 and device.type == "cpu":
         return tl.float32, "ieee"
     return _TL_DTYPES[dtype], "ieee" if dtype == torch.float32 else "tf32"

@@ -7,6 +7,7 @@ import triton
 import triton.language as tl
 
 from kernels._launch import check_cache, check_device
+from kernels.reference import FP8_E4M3_MAX
 
 __all__ = ["write_kv_cache"]
 
@@ -19,7 +20,7 @@ def _write_kv_kernel(
     stride_kcb, stride_kct, stride_kch, stride_kcd,
     stride_vcb, stride_vct, stride_vch, stride_vcd,
     NUM_KV_HEADS: tl.constexpr, HEAD_DIM: tl.constexpr, PAGE: tl.constexpr,
-    BLOCK_H: tl.constexpr, BLOCK_D: tl.constexpr,
+    BLOCK_H: tl.constexpr, BLOCK_D: tl.constexpr, SATURATE_AT: tl.constexpr,
 ):
     token = tl.program_id(0).to(tl.int64)
     slot = tl.load(slot_mapping_ptr + token).to(tl.int64)
@@ -31,6 +32,9 @@ def _write_kv_kernel(
         mask = (offs_h < NUM_KV_HEADS) & (offs_d < HEAD_DIM)
         k = tl.load(key_ptr + token * stride_kt + offs_h * stride_kh + offs_d * stride_kd, mask=mask)
         v = tl.load(value_ptr + token * stride_vt + offs_h * stride_vh + offs_d * stride_vd, mask=mask)
+        if SATURATE_AT > 0:  # fp8: clamped in float32, as kernels.reference.to_cache_dtype, never NaN
+            k = tl.minimum(tl.maximum(k.to(tl.float32), -SATURATE_AT), SATURATE_AT)
+            v = tl.minimum(tl.maximum(v.to(tl.float32), -SATURATE_AT), SATURATE_AT)
         k_dst = k_cache_ptr + block * stride_kcb + row * stride_kct + offs_h * stride_kch + offs_d * stride_kcd
         v_dst = v_cache_ptr + block * stride_vcb + row * stride_vct + offs_h * stride_vch + offs_d * stride_vcd
         tl.store(k_dst, k.to(k_cache_ptr.dtype.element_ty), mask=mask)
@@ -49,8 +53,10 @@ def write_kv_cache(
     One program per token writes all its KV heads; a token whose slot is -1 is skipped.
 
     Args:
-        key, value: ``[num_tokens, num_kv_heads, head_dim]``, any strides; cast to the cache dtype.
-        k_cache, v_cache: ``[num_blocks, block_size, num_kv_heads, head_dim]``, any strides.
+        key, value: ``[num_tokens, num_kv_heads, head_dim]``, any strides; cast to the cache dtype
+            (to float8 e4m3 saturating at ±448, bit for bit :func:`kernels.reference.to_cache_dtype`).
+        k_cache, v_cache: ``[num_blocks, block_size, num_kv_heads, head_dim]``, any strides,
+            float32/float16/bfloat16 or float8_e4m3fn.
         slot_mapping: ``[num_tokens]`` int64; slot = block * block_size + offset; -1 skips the token.
 
     Raises:
@@ -73,6 +79,6 @@ def write_kv_cache(
         key, value, k_cache, v_cache, slot_mapping,
         *key.stride(), *value.stride(), *k_cache.stride(), *v_cache.stride(),
         NUM_KV_HEADS=num_kv_heads, HEAD_DIM=head_dim, PAGE=k_cache.shape[1],
-        BLOCK_H=block_h, BLOCK_D=block_d,
+        BLOCK_H=block_h, BLOCK_D=block_d, SATURATE_AT=FP8_E4M3_MAX if k_cache.dtype == torch.float8_e4m3fn else 0.0,
         num_warps=max(1, min(8, block_h * block_d // 256)) if key.device.type == "cuda" else 1,
     )

@@ -236,7 +236,7 @@ def launch_paged_decode(
     default_n, default_warps, default_stages = _default_config(
         device, head_dim, k_cache.dtype, programs_per_sm)
     block_n = block_n or default_n
-    dot_dtype, precision = dot_inputs(k_cache.dtype, device)
+    dot_dtype, precision = dot_inputs(k_cache.dtype, q.dtype, device)
     group = num_q_heads // num_kv_heads
     block_d = triton.next_power_of_2(head_dim)
     meta = dict(
@@ -297,7 +297,8 @@ def paged_decode_attention(
     Args:
         q: ``[num_seqs, num_q_heads, head_dim]``, any strides.
         k_cache, v_cache: ``[num_blocks, block_size, num_kv_heads, head_dim]``, any strides,
-            float32/float16/bfloat16; ``num_q_heads % num_kv_heads == 0`` (MHA, GQA, MQA).
+            float32/float16/bfloat16 or float8_e4m3fn (upcast after each tile's load);
+            ``num_q_heads % num_kv_heads == 0`` (MHA, GQA, MQA).
         block_tables: ``[num_seqs, max_blocks_per_seq]`` int32.
         seq_lens: ``[num_seqs]`` int32, tokens in the cache including the new one (>= 1; a
             padding slot of a CUDA-graph batch may hold 0 and gets output 0, LSE -inf).

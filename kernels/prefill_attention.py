@@ -158,7 +158,7 @@ def launch_paged_prefill(
     if max_query_len is None:
         max_query_len = int((cu_seqlens_q[1:] - cu_seqlens_q[:-1]).max())
     block_m, block_n, num_warps, num_stages = config or _default_config(device, head_dim, k_cache.dtype)
-    dot_dtype, precision = dot_inputs(k_cache.dtype, device)
+    dot_dtype, precision = dot_inputs(k_cache.dtype, q.dtype, device)
     grid = (triton.cdiv(max_query_len, block_m), num_seqs, num_q_heads)
     _prefill_kernel[grid](
         q, k_cache, v_cache, out, block_tables, cu_seqlens_q, seq_lens, scale * _LOG2E,
@@ -192,7 +192,8 @@ def paged_prefill_attention(
     Args:
         q: ``[total_q_tokens, num_q_heads, head_dim]``, any strides.
         k_cache, v_cache: ``[num_blocks, block_size, num_kv_heads, head_dim]``, any strides,
-            float32/float16/bfloat16; ``num_q_heads % num_kv_heads == 0``.
+            float32/float16/bfloat16 or float8_e4m3fn (upcast after each tile's load);
+            ``num_q_heads % num_kv_heads == 0``.
         block_tables: ``[num_seqs, max_blocks_per_seq]`` int32.
         cu_seqlens_q: ``[num_seqs + 1]`` int32 prefix sums of query lengths (starts at 0).
         seq_lens: ``[num_seqs]`` int32, context length including the new tokens.

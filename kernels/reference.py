@@ -4,7 +4,8 @@ Same signatures as the Triton entry points in :mod:`kernels`. The attention func
 sequence's blocks through its block table (PagedAttention, Kwon et al., SOSP 2023) into a
 padded batch and run one masked ``scaled_dot_product_attention``: no Python loop over
 sequences, and no host sync when the caller passes ``max_seq_len``/``max_query_len``.
-Softmax runs in float32 whatever the cache dtype. The layer functions (``rms_norm``,
+Softmax runs in float32 whatever the cache dtype; an fp8 cache's K and V are upcast to float32
+as they are gathered. The layer functions (``rms_norm``,
 ``rotary_embedding``, ``silu_and_mul``) are the unfused PyTorch formulas the CPU path has
 always run; ``sample_tokens`` computes the sampling kernel's counter-based noise bit for bit
 with int64 arithmetic.
@@ -16,7 +17,19 @@ import torch
 import torch.nn.functional as F
 
 __all__ = ["paged_decode_attention", "paged_prefill_attention", "rms_norm", "rotary_embedding",
-           "sample_tokens", "silu_and_mul", "write_kv_cache"]
+           "sample_tokens", "silu_and_mul", "to_cache_dtype", "write_kv_cache"]
+
+# The largest finite float8 e4m3 value (e4m3fn has no infinity): what an fp8 cache saturates to.
+FP8_E4M3_MAX = float(torch.finfo(torch.float8_e4m3fn).max)  # 448.0
+
+
+def to_cache_dtype(x: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+    """``x`` cast to a KV cache's ``dtype``; to float8 e4m3 saturating: clamped to
+    ``±FP8_E4M3_MAX`` in float32 first (the scale is a fixed 1.0: ``engine.kv_cache``), so an
+    outlier is stored as ±448 rather than NaN, the same bits as the Triton write kernel's."""
+    if dtype == torch.float8_e4m3fn:
+        return x.float().clamp(-FP8_E4M3_MAX, FP8_E4M3_MAX).to(dtype)
+    return x.to(dtype)
 
 
 def write_kv_cache(
@@ -29,16 +42,17 @@ def write_kv_cache(
     """Scatter new tokens' K and V into the paged cache, in place.
 
     Args:
-        key, value: ``[num_tokens, num_kv_heads, head_dim]``.
-        k_cache, v_cache: ``[num_blocks, block_size, num_kv_heads, head_dim]``, any strides.
+        key, value: ``[num_tokens, num_kv_heads, head_dim]``; cast by :func:`to_cache_dtype`.
+        k_cache, v_cache: ``[num_blocks, block_size, num_kv_heads, head_dim]``, any strides,
+            float32/float16/bfloat16 or float8_e4m3fn.
         slot_mapping: ``[num_tokens]`` int64; slot = block * block_size + offset; -1 skips the token.
     """
     block_size = k_cache.shape[1]
     keep = slot_mapping >= 0
     slots = slot_mapping[keep]
     blocks, offsets = slots // block_size, slots % block_size
-    k_cache[blocks, offsets] = key[keep].to(k_cache.dtype)
-    v_cache[blocks, offsets] = value[keep].to(v_cache.dtype)
+    k_cache[blocks, offsets] = to_cache_dtype(key[keep], k_cache.dtype)
+    v_cache[blocks, offsets] = to_cache_dtype(value[keep], v_cache.dtype)
 
 
 def _gather_context(

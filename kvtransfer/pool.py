@@ -71,12 +71,14 @@ class KVPool:
                          dim=1)
 
     def scatter(self, block_ids: Sequence[int], blocks: torch.Tensor) -> None:
-        """Write ``blocks`` ``[len(block_ids), *layout.block_shape]`` (any device) into blocks
+        """Write ``blocks`` ``[len(block_ids), *layout.block_shape]`` of ``layout.dtype`` (any device) into blocks
         ``block_ids``, each rank its heads; returns once every rank's copy has landed (another
         process computes on the other ranks' tensors)."""
         for part in self.ranks:
             tensor = part.tensor
             index = torch.tensor(list(block_ids), dtype=torch.long, device=tensor.device)
-            tensor.index_copy_(0, index, blocks[:, part.first_head:part.first_head + part.num_heads].to(tensor.device))
+            heads = blocks[:, part.first_head:part.first_head + part.num_heads].to(tensor.device)
+            # Copied as bytes, the same copy for every dtype: index_copy_ has no float8 kernel.
+            tensor.view(torch.uint8).index_copy_(0, index, heads.view(torch.uint8))
             if tensor.is_cuda and part is not self.ranks[0]:
                 torch.cuda.synchronize(tensor.device)

@@ -28,3 +28,10 @@ def test_explicit_sizes_are_sorted_and_graphs_are_off_where_they_cannot_run():
     assert cuda_graph_sizes(config, CUDA) == [1, 8, 32]
     assert cuda_graph_sizes(config, CPU) == []
     assert cuda_graph_sizes(EngineConfig(enforce_eager=True), CUDA) == []
+
+
+def test_kv_cache_dtype_is_auto_or_fp8_e4m3_and_a_bad_one_names_the_field():
+    assert EngineConfig().kv_cache_dtype == "auto"
+    assert EngineConfig(kv_cache_dtype="fp8_e4m3").kv_cache_dtype == "fp8_e4m3"
+    with pytest.raises(ValueError, match="kv_cache_dtype"):
+        EngineConfig(kv_cache_dtype="fp8_e5m2")

@@ -1,5 +1,6 @@
 """The CPU attention backend (each step's cache indexing worked out once for all layers) computes
-what the reference backend computes, layer after layer of one step, in float32 and bfloat16."""
+what the reference backend computes, layer after layer of one step, in float32 and bfloat16, over
+caches of those dtypes and float8 e4m3."""
 
 import pytest
 import torch
@@ -8,6 +9,7 @@ import kernels.reference
 from engine.attention import AttentionMetadata, CpuPagedAttentionBackend, PagedAttentionBackend
 
 BLOCK_SIZE, KV_HEADS, Q_HEADS, HEAD_DIM, NUM_BLOCKS, LAYERS = 4, 2, 6, 16, 24, 3
+FP8 = torch.float8_e4m3fn
 
 
 def _step() -> tuple[AttentionMetadata, int]:
@@ -23,23 +25,28 @@ def _step() -> tuple[AttentionMetadata, int]:
     return metadata, len(slots)
 
 
-@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
-def test_the_cpu_backend_equals_the_reference_over_the_layers_of_a_step(dtype):
+@pytest.mark.parametrize("dtype,kv_dtype", [(torch.float32, torch.float32), (torch.bfloat16, torch.bfloat16),
+                                            (torch.float32, FP8), (torch.bfloat16, FP8)])
+def test_the_cpu_backend_equals_the_reference_over_the_layers_of_a_step(dtype, kv_dtype):
     metadata, num_tokens = _step()
     generator = torch.Generator().manual_seed(0)
-    pool = torch.randn(NUM_BLOCKS, KV_HEADS, LAYERS, 2, BLOCK_SIZE, HEAD_DIM, generator=generator).to(dtype)
+    pool = torch.randn(NUM_BLOCKS, KV_HEADS, LAYERS, 2, BLOCK_SIZE, HEAD_DIM, generator=generator).to(kv_dtype)
     pools, before = [pool, pool.clone()], pool.clone()
     fast, reference = CpuPagedAttentionBackend(), PagedAttentionBackend(kernels.reference)
     for layer in range(LAYERS):  # one step: the fast backend's plan, made at layer 0, serves them all
         q = torch.randn(num_tokens, Q_HEADS, HEAD_DIM, generator=generator).to(dtype)
         k, v = (torch.randn(num_tokens, KV_HEADS, HEAD_DIM, generator=generator).to(dtype) for _ in range(2))
+        k[0, 0, 0], v[-1, 1, 1] = 1e4, -1e4  # saturated to ±448 in an fp8 cache
         outs = []
         for backend, pool in zip((fast, reference), pools):
             k_cache, v_cache = (pool[:, :, layer, i].transpose(1, 2) for i in (0, 1))  # [blocks, bs, heads, dim]
             outs.append(backend.forward(q, k, v, k_cache, v_cache, metadata, HEAD_DIM ** -0.5))
-        assert torch.equal(pools[0], pools[1])  # the same K/V written at the same slots, -1 skipped
-        assert torch.equal(outs[0], outs[1])
-    written = (pools[0] != before).any(dim=(1, 2, 3, 5)).nonzero().tolist()  # [block, offset] pairs
+        # the same K/V written at the same slots (-1 skipped), compared as bytes (fp8 has no ==)
+        assert torch.equal(pools[0].view(torch.uint8), pools[1].view(torch.uint8))
+        assert torch.equal(outs[0], outs[1]) and torch.isfinite(outs[0]).all()
+    assert torch.isfinite(pools[0].float()).all()
+    changed = pools[0].view(torch.uint8) != before.view(torch.uint8)
+    written = changed.any(dim=(1, 2, 3, 5)).nonzero().tolist()  # [block, offset] pairs
     assert written == [[5, 2], [9, 1], [20, 2], [20, 3], [21, 0], [21, 1], [21, 2]]
 
 

@@ -4,6 +4,7 @@ import pytest
 
 from engine import EngineConfig, LLMEngine, SamplingParams
 from engine.block_pool import NoFreeBlocksError
+from tests.engine.engine_helpers import prefill_then_decode, run_until_finished
 
 pytestmark = pytest.mark.slow
 PROMPTS = ["The history of the printing press began", "List three prime numbers and explain why"]
@@ -12,28 +13,6 @@ PROMPTS = ["The history of the printing press began", "List three prime numbers 
 @pytest.fixture(scope="module")
 def engines():
     return LLMEngine(None, EngineConfig(num_blocks=64)), LLMEngine(None, EngineConfig(num_blocks=64))
-
-
-def _run(engine, request_id):
-    while True:
-        for out in engine.step().outputs:
-            if out.request_id == request_id and out.finished:
-                return out
-
-
-def _disaggregated(prefill, decode, request_id, prompt, params):
-    ids = prefill.tokenize(prompt)
-    first = params.__class__(**{**params.__dict__, "max_tokens": 1, "stop": []})
-    prefill.add_request(request_id, ids, first, pin_prompt_blocks=True)
-    first_out = _run(prefill, request_id)
-    src = first_out.pinned_block_ids
-    assert len(src) == -(-len(ids) // 16)
-    dst, cached = decode.reserve_blocks(ids)
-    decode.kv_cache.tensor[dst[cached:]] = prefill.kv_cache.tensor[src[cached:]]
-    assert prefill.release(request_id)
-    first_tokens = [c.token_ids[0] for c in first_out.outputs]
-    out = decode.add_prefilled_request(request_id, ids, first_tokens, params, dst)
-    return out if out.finished else _run(decode, request_id)
 
 
 @pytest.mark.parametrize(
@@ -45,9 +24,9 @@ def test_prefill_then_decode_equals_one_engine(engines, params):
     prefill, decode = engines
     free = (prefill.num_free_blocks, decode.num_free_blocks)
     for i, prompt in enumerate(PROMPTS):
-        split = _disaggregated(prefill, decode, f"d{i}", prompt, params)
+        split = prefill_then_decode(prefill, decode, f"d{i}", prompt, params)
         prefill.add_request(f"ref{i}", prompt, params)
-        reference = _run(prefill, f"ref{i}")
+        reference = run_until_finished(prefill, f"ref{i}")
         assert [c.token_ids for c in split.outputs] == [c.token_ids for c in reference.outputs]
         assert [c.finish_reason for c in split.outputs] == [c.finish_reason for c in reference.outputs]
     assert (prefill.num_free_blocks, decode.num_free_blocks) == free
@@ -70,7 +49,7 @@ def test_the_next_turn_reuses_what_the_decode_worker_holds(engines):
     prefill, decode = engines
     params = SamplingParams(max_tokens=40, temperature=0, ignore_eos=True)
     ids = prefill.tokenize(PROMPTS[0] + " in the fifteenth century, when")
-    turn1 = _disaggregated(prefill, decode, "turn1", ids, params)
+    turn1 = prefill_then_decode(prefill, decode, "turn1", ids, params)
     history = ids + turn1.outputs[0].token_ids
     turn2 = history + prefill.tokenize(" And then what happened?")
     blocks, cached = decode.reserve_blocks(turn2)

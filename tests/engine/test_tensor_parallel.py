@@ -27,9 +27,10 @@ def tiny_llama(tmp_path_factory) -> str:
     return save_tiny_llama(tmp_path_factory.mktemp("tiny-llama"), vocab_size=97)
 
 
-def run(model: str, tp: int, prompts, params) -> list:
+def run(model: str, tp: int, prompts, params, kv_cache_dtype: str = "auto") -> list:
     # few blocks and a small token budget: chunked prefill, prefix hits and preemption all happen
-    llm = LLM(model, block_size=8, num_blocks=20, max_num_batched_tokens=16, tensor_parallel_size=tp)
+    llm = LLM(model, block_size=8, num_blocks=20, max_num_batched_tokens=16, tensor_parallel_size=tp,
+              kv_cache_dtype=kv_cache_dtype)
     try:
         outputs = llm.generate(prompts, params, use_tqdm=False)
         assert llm.engine.num_free_blocks == 20 and llm.engine.scheduler.num_preemptions > 0
@@ -38,11 +39,12 @@ def run(model: str, tp: int, prompts, params) -> list:
         llm.engine.shutdown()
 
 
-def test_tp2_tokens_and_logprobs_equal_tp1(tiny_llama: str) -> None:
+@pytest.mark.parametrize("kv_cache_dtype", ["auto", "fp8_e4m3"])  # fp8: the ranks' pools shared as float8
+def test_tp2_tokens_and_logprobs_equal_tp1(tiny_llama: str, kv_cache_dtype: str) -> None:
     params = [SamplingParams(max_tokens=24, temperature=0, logprobs=3, ignore_eos=True)] * len(PROMPTS)
     params.append(SamplingParams(max_tokens=16, temperature=1.0, seed=7, n=2, ignore_eos=True))  # forked samples
     prompts = [*PROMPTS, PROMPTS[1]]
-    one, two = run(tiny_llama, 1, prompts, params), run(tiny_llama, 2, prompts, params)
+    one, two = (run(tiny_llama, tp, prompts, params, kv_cache_dtype) for tp in (1, 2))
     for a, b in zip(one, two):
         for x, y in zip(a.outputs, b.outputs):
             assert x.token_ids == y.token_ids

@@ -350,8 +350,8 @@ def test_choose_avoids_excluded_workers_while_others_exist(key_prefix, redis_url
 
 
 def test_workers_that_disagree_with_the_pool_are_refused(key_prefix, redis_url, caplog):
-    """Workers publish their cache settings; one of another model or block size never joins
-    the pool (a clear log line and the refused-workers gauge say so)."""
+    """Workers publish their cache settings; one of another model, block size, weights or KV
+    cache dtype never joins the pool (a clear log line and the refused-workers gauge say so)."""
     import dataclasses
 
     from gateway import metrics
@@ -369,15 +369,18 @@ def test_workers_that_disagree_with_the_pool_are_refused(key_prefix, redis_url, 
         await registry.heartbeat(WorkerInfo("p1", Role.PREFILL, "p1:5000", other_model))
         quantized = dataclasses.replace(CONFIG, quantization="gguf")  # the same model, other weights: other KV
         await registry.heartbeat(WorkerInfo("d3", Role.DECODE, "d3:5000", quantized, WorkerLoad(free_blocks=100)))
+        fp8 = dataclasses.replace(CONFIG, kv_cache_dtype="fp8_e4m3")  # same hash seed even: its KV bytes differ
+        await registry.heartbeat(WorkerInfo("p2", Role.PREFILL, "p2:5000", fp8))
         view = ClusterView(registry, PrefixIndex(client, _ns(key_prefix)), CONFIG.model_id)
         await view.refresh()
         assert view.pool == dataclasses.replace(CONFIG, max_model_len=512) and view.routable
         assert [w.worker_id for role in Role for w in view.workers(role)] == ["p0", "d0", "d2"]
-        assert metrics.REFUSED_WORKERS._value.get() == 3
+        assert metrics.REFUSED_WORKERS._value.get() == 4
         text = caplog.text
         assert "refusing decode worker d1" in text and "block_size (32 vs 4)" in text
         assert "refusing prefill worker p1" in text and "another/model" in text
         assert "refusing decode worker d3" in text and "quantization" in text
+        assert "refusing prefill worker p2" in text and "kv_cache_dtype" in text and "fp8_e4m3" in text
         await client.aclose()
 
     asyncio.run(main())

@@ -12,16 +12,19 @@ import kernels.reference as reference
 import kernels.decode_attention as decode_attention
 from kernels.decode_attention import launch_paged_decode, launch_variants, num_kv_splits
 from paged_inputs import (
-    DEVICE, REL_TOL, blocks_for, gpu_test, layer_views, rel_err, shuffled_block_tables,
+    DEVICE, FP8, REL_TOL, blocks_for, gpu_test, layer_views, rel_err, shuffled_block_tables,
 )
 
 DTYPES = [torch.float32, torch.float16, torch.bfloat16]
 
 
-def _decode_case(seq_lens, num_kv_heads, group, head_dim, block_size, dtype, seed, num_layers=2, layer=1):
+def _decode_case(seq_lens, num_kv_heads, group, head_dim, block_size, dtype, seed, num_layers=2, layer=1,
+                 kv_dtype=None):
+    """Queries of ``dtype`` over a cache of ``kv_dtype`` (default: ``dtype``)."""
     gen = torch.Generator().manual_seed(seed)
     num_blocks = blocks_for(seq_lens, block_size)
-    k_cache, v_cache = layer_views(num_blocks, num_layers, layer, block_size, num_kv_heads, head_dim, dtype, gen)
+    k_cache, v_cache = layer_views(num_blocks, num_layers, layer, block_size, num_kv_heads, head_dim,
+                                   kv_dtype or dtype, gen)
     block_tables = shuffled_block_tables(seq_lens, block_size, num_blocks, gen)
     lens = torch.tensor(seq_lens, dtype=torch.int32, device=DEVICE)
     # q is a strided slice of a fused QKV-like buffer, as a model produces it.
@@ -53,11 +56,23 @@ def _check(q, k_cache, v_cache, block_tables, lens, scale, **kwargs):
     block_size=st.sampled_from([8, 16, 32, 64, 128]),
     dtype=st.sampled_from(DTYPES),
     num_splits=st.sampled_from([None, 1, 2, 5]),
+    fp8_cache=st.booleans(),
     seed=st.integers(0, 2**16),
 )
-def test_decode_matches_reference(seq_lens, num_kv_heads, group, head_dim, block_size, dtype, num_splits, seed):
-    case = _decode_case(seq_lens, num_kv_heads, group, head_dim, block_size, dtype, seed)
+def test_decode_matches_reference(seq_lens, num_kv_heads, group, head_dim, block_size, dtype, num_splits, fp8_cache,
+                                  seed):
+    case = _decode_case(seq_lens, num_kv_heads, group, head_dim, block_size, dtype, seed,
+                        kv_dtype=FP8 if fp8_cache else None)
     _check(*case, head_dim ** -0.5, num_splits=num_splits, max_seq_len=max(seq_lens))
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("num_splits", [1, 3])
+def test_decode_over_an_fp8_cache_matches_the_reference_on_its_values(dtype, num_splits):
+    """The kernel upcasts fp8 K/V exactly: the bound is the query dtype's, as for its own cache."""
+    case = _decode_case([1, 70, 33], 2, 4, 64, 16, dtype, seed=11, kv_dtype=FP8)
+    assert case[1].dtype == FP8
+    _check(*case, 64 ** -0.5, num_splits=num_splits)
 
 
 def test_public_entry_point_without_lse_or_max_seq_len():
@@ -114,13 +129,14 @@ def test_cpu_tensors_need_the_interpreter(monkeypatch):
 
 
 @gpu_test
+@pytest.mark.parametrize("kv_dtype", [None, FP8])
 @pytest.mark.parametrize("dtype", DTYPES)
 @pytest.mark.parametrize("num_seqs,max_len", [(1, 8192), (16, 2048), (64, 1024), (256, 300)])
-def test_decode_realistic_sizes(dtype, num_seqs, max_len):
+def test_decode_realistic_sizes(dtype, kv_dtype, num_seqs, max_len):
     gen = torch.Generator().manual_seed(num_seqs)
     seq_lens = torch.randint(1, max_len + 1, (num_seqs,), generator=gen).tolist()
     seq_lens[0] = max_len
-    case = _decode_case(seq_lens, 8, 4, 128, 16, dtype, seed=num_seqs, num_layers=4, layer=2)
+    case = _decode_case(seq_lens, 8, 4, 128, 16, dtype, seed=num_seqs, num_layers=4, layer=2, kv_dtype=kv_dtype)
     _check(*case, 128 ** -0.5, max_seq_len=max_len)
 
 

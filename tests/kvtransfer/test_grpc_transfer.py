@@ -16,7 +16,7 @@ from engine.model_config import ModelConfig
 from engine.tensor_parallel import shard_config
 from kvtransfer import (
     DEFAULT_MAX_CHUNK_BYTES, GRPC_MESSAGE_OPTIONS, GrpcKVReceiver, GrpcKVSender, GrpcKVTransfer, KVDestination,
-    KVPool, KVReceiver, ReservationTable, encode_chunk,
+    KVPool, KVReceiver, ReservationTable, decode_chunk, encode_chunk,
 )
 from kvtransfer.nixl import NixlAgent, coalesce
 from protos.status import StatusError
@@ -143,7 +143,7 @@ async def wait_for(condition: Callable[[], bool], timeout_s: float = 5.0) -> Non
         await asyncio.sleep(0.01)
 
 
-@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["fp32", "bf16"])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float8_e4m3fn], ids=["fp32", "bf16", "fp8"])
 @pytest.mark.parametrize("blocks_per_chunk", [1, 3])
 @pytest.mark.parametrize("ranks", [(1, 1), (2, 1), (1, 4)], ids=["tp1-tp1", "tp2-tp1", "tp1-tp4"])
 def test_blocks_arrive_bit_exact_in_reserved_slots(dtype: torch.dtype, blocks_per_chunk: int,
@@ -172,6 +172,22 @@ def test_blocks_arrive_bit_exact_in_reserved_slots(dtype: torch.dtype, blocks_pe
     asyncio.run(scenario())
     assert torch.equal(blocks(dst, DST_IDS), blocks(src, SRC_IDS))
     assert not blocks(dst, untouched(dst, DST_IDS)).any()
+
+
+def test_an_fp8_pool_says_so_in_its_layout_and_a_bfloat16_pool_refuses_its_blocks() -> None:
+    """An fp8 pool (``kv_cache_dtype="fp8_e4m3"``) moves one byte per value, and its layout names
+    the dtype, so its blocks never land in a bfloat16 pool as bytes of another meaning."""
+    fp8, bf16 = make_pool(torch.float8_e4m3fn, True), make_pool(torch.bfloat16, False)
+    assert fp8.layout.dtype_name == "float8_e4m3fn" and fp8.layout.to_proto().dtype == "float8_e4m3fn"
+    assert 2 * fp8.layout.block_nbytes == bf16.layout.block_nbytes
+    chunk = encode_chunk(fp8.gather(SRC_IDS[:1]), reservation_id="r", request_id="req-1", first_block_index=0)
+    with pytest.raises(StatusError, match="dtype 'float8_e4m3fn' != expected 'bfloat16'"):
+        decode_chunk(chunk, bf16.layout)
+    receiver = KVReceiver(bf16, ReservationTable(lambda ids: None))
+    reservation = receiver.table.reserve("req-1", DST_IDS)
+    with pytest.raises(StatusError, match="float8_e4m3fn"):
+        receiver.install(reservation.reservation_id, "req-1", 0, fp8.gather(SRC_IDS[:1]))
+    assert not blocks(bf16, range(NUM_BLOCKS)).any()
 
 
 def test_corrupted_chunk_is_data_loss_and_frees_the_reservation() -> None:
