@@ -1,4 +1,5 @@
-"""An engine whose KV cache is float8 e4m3 (``kv_cache_dtype="fp8_e4m3"``), on a tiny random Llama."""
+"""An engine whose KV cache is float8 e4m3 (``kv_cache_dtype="fp8_e4m3"``), on a tiny random Llama,
+on the CPU (the reference path) and on a CUDA GPU (the Triton kernels, CUDA graphs)."""
 
 import math
 
@@ -12,19 +13,27 @@ from tests.engine.model_helpers import save_tiny_llama, tokens
 GREEDY = SamplingParams(max_tokens=16, temperature=0, ignore_eos=True, logprobs=1)
 
 
+CUDA = [pytest.mark.gpu, pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")]
+
+
 @pytest.fixture(scope="module")
 def tiny_llama(tmp_path_factory):
     return save_tiny_llama(tmp_path_factory.mktemp("tiny-llama"))
 
 
-def _engine(model: str, kv_cache_dtype: str, **config) -> LLMEngine:
-    """A bfloat16 CPU engine of ``model`` with a 1 MiB KV budget unless ``config`` says otherwise."""
-    settings = dict(device="cpu", dtype="bfloat16", kv_cache_memory_bytes=1 << 20, kv_cache_dtype=kv_cache_dtype)
+@pytest.fixture(params=["cpu", pytest.param("cuda", marks=CUDA)])
+def device(request) -> str:
+    return request.param
+
+
+def _engine(model: str, kv_cache_dtype: str, device: str, **config) -> LLMEngine:
+    """A bfloat16 engine of ``model`` on ``device`` with a 1 MiB KV budget unless ``config`` says otherwise."""
+    settings = dict(device=device, dtype="bfloat16", kv_cache_memory_bytes=1 << 20, kv_cache_dtype=kv_cache_dtype)
     return LLMEngine(model, EngineConfig(**{**settings, **config}))
 
 
 def test_fp8_cache_holds_twice_the_blocks_of_bfloat16_in_the_same_memory_and_names_itself(tiny_llama):
-    bf16, fp8 = _engine(tiny_llama, "auto"), _engine(tiny_llama, "fp8_e4m3")
+    bf16, fp8 = _engine(tiny_llama, "auto", "cpu"), _engine(tiny_llama, "fp8_e4m3", "cpu")
     assert fp8.num_blocks == 2 * bf16.num_blocks
     assert fp8.kv_cache.tensor.dtype == torch.float8_e4m3fn
     assert fp8.kv_cache.tensor.nbytes == bf16.kv_cache.tensor.nbytes == 1 << 20
@@ -33,10 +42,10 @@ def test_fp8_cache_holds_twice_the_blocks_of_bfloat16_in_the_same_memory_and_nam
     assert fp8.hash_seed != bf16.hash_seed
 
 
-def test_fp8_cache_gives_finite_outputs_that_follow_the_bfloat16_cache(tiny_llama):
+def test_fp8_cache_gives_finite_outputs_that_follow_the_bfloat16_cache(tiny_llama, device):
     outputs = {}
     for kv_cache_dtype in ("auto", "fp8_e4m3"):
-        engine = _engine(tiny_llama, kv_cache_dtype)
+        engine = _engine(tiny_llama, kv_cache_dtype, device)
         for i in range(3):
             engine.add_request(f"r{i}", tokens(40, seed=i), GREEDY)
         finished = {}
@@ -54,9 +63,9 @@ def test_fp8_cache_gives_finite_outputs_that_follow_the_bfloat16_cache(tiny_llam
 
 
 @pytest.mark.parametrize("params", [GREEDY, SamplingParams(max_tokens=12, temperature=0.8, seed=3, n=2)])
-def test_fp8_prefill_then_decode_equals_one_engine(tiny_llama, params):
+def test_fp8_prefill_then_decode_equals_one_engine(tiny_llama, device, params):
     """fp8 blocks copied byte for byte from a prefill engine decode as the engine's own do."""
-    prefill, decode = _engine(tiny_llama, "fp8_e4m3", num_blocks=32), _engine(tiny_llama, "fp8_e4m3", num_blocks=32)
+    prefill, decode = (_engine(tiny_llama, "fp8_e4m3", device, num_blocks=32) for _ in range(2))
     prompt = tokens(37, seed=9)
     split = prefill_then_decode(prefill, decode, "split", prompt, params)
     prefill.add_request("whole", prompt, params)
