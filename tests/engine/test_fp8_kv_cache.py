@@ -27,8 +27,10 @@ def device(request) -> str:
 
 
 def _engine(model: str, kv_cache_dtype: str, device: str, **config) -> LLMEngine:
-    """A bfloat16 engine of ``model`` on ``device`` with a 1 MiB KV budget unless ``config`` says otherwise."""
-    settings = dict(device=device, dtype="bfloat16", kv_cache_memory_bytes=1 << 20, kv_cache_dtype=kv_cache_dtype)
+    """A bfloat16 engine of ``model`` on ``device`` with a 1 MiB KV budget (on CUDA, whose budget
+    is a share of the GPU's memory, 256 blocks) unless ``config`` says otherwise."""
+    settings = dict(device=device, dtype="bfloat16", kv_cache_memory_bytes=1 << 20, kv_cache_dtype=kv_cache_dtype,
+                    **({"num_blocks": 256} if device == "cuda" else {}))
     return LLMEngine(model, EngineConfig(**{**settings, **config}))
 
 
