@@ -34,7 +34,10 @@ for token. Prints the JSON record and writes it under ``bench/results/``.
 
 Usage: ``python bench/cpu_stream.py [--max-tokens 64] [--rounds 2] [--skip-gateway]
 [--skip-llamacpp] [--skip-transformers]``; llama.cpp: ``pip install -e '.[bench-cpu]'``
-(builds llama.cpp from source).
+(builds llama.cpp from source). On CPUs with AMX (Intel Sapphire Rapids and later) llama.cpp's
+AMX matmul crashes this build in its first decode (ggml-org/llama.cpp#20824): build it without,
+``CMAKE_ARGS="-DGGML_NATIVE=OFF -DGGML_AVX2=ON -DGGML_FMA=ON -DGGML_F16C=ON -DGGML_AVX512=ON
+-DGGML_AVX512_VNNI=ON -DGGML_AVX512_BF16=ON"``.
 """
 
 from __future__ import annotations
