@@ -5,16 +5,20 @@ model: greedy agreement (:mod:`bench.agreement`) over chat prompts, and perplexi
 
 from __future__ import annotations
 
+import argparse
 import math
+from collections.abc import Callable
 from pathlib import Path
 
 import torch
 
 from bench.agreement import agreement, greedy_rows
+from bench.common import machine, write_result
 from bench.offline_cpu import TOPICS
 from engine import LLM, SamplingParams
 from engine.attention import AttentionMetadata
 from engine.kv_cache import KVCache
+from engine.model_source import default_gguf_path
 
 TEXT = Path(__file__).resolve().parent / "data" / "perplexity.txt"
 ASKS = ["Explain {} in a short paragraph.", "Give three facts about {}.",
@@ -66,3 +70,17 @@ def compare(reference: tuple[list, float], candidate: tuple[list, float], names:
     metrics.update({f"perplexity_{names[0]}": ppl_ref, f"perplexity_{names[1]}": ppl,
                     "perplexity_ratio": ppl / ppl_ref})
     return {name: round(value, 4) for name, value in metrics.items()}
+
+
+def main(benchmark: str, description: str, measure: Callable[[int, int], dict[str, float]], workload: dict) -> None:
+    """An accuracy benchmark's command line (``--prompts``, ``--max-tokens``): ``measure(prompts,
+    max_tokens)`` on the default GGUF model, its record written as ``benchmark`` with ``workload``
+    (what the run compares) beside the common keys."""
+    parser = argparse.ArgumentParser(description=description)
+    parser.add_argument("--prompts", type=int, default=64)
+    parser.add_argument("--max-tokens", type=int, default=64)
+    args = parser.parse_args()
+    metrics = measure(args.prompts, args.max_tokens)
+    workload = {"prompts": args.prompts, "max_tokens": args.max_tokens, "greedy": True, "ignore_eos": True,
+                "perplexity_text": str(TEXT.relative_to(TEXT.parents[2])), **workload}
+    write_result(benchmark, metrics, workload, model=default_gguf_path().name, machine=machine())

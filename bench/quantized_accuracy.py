@@ -15,16 +15,13 @@ Both engines run in this one process. Prints the JSON record and writes it under
 
 from __future__ import annotations
 
-import argparse
 import os
 import sys
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
-from bench.accuracy import TEXT, compare, evaluate  # noqa: E402
-from bench.common import machine, write_result  # noqa: E402
+from bench.accuracy import compare, evaluate, main  # noqa: E402
 from engine import LLM  # noqa: E402
-from engine.model_source import default_gguf_path  # noqa: E402
 
 
 def measure(num_prompts: int = 64, max_tokens: int = 64) -> dict[str, float]:
@@ -34,16 +31,5 @@ def measure(num_prompts: int = 64, max_tokens: int = 64) -> dict[str, float]:
     return compare(dense, quantized, ("none", "gguf"))
 
 
-def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--prompts", type=int, default=64)
-    parser.add_argument("--max-tokens", type=int, default=64)
-    args = parser.parse_args()
-    metrics = measure(args.prompts, args.max_tokens)
-    workload = {"prompts": args.prompts, "max_tokens": args.max_tokens, "greedy": True, "ignore_eos": True,
-                "perplexity_text": str(TEXT.relative_to(TEXT.parents[2])), "reference": "quantization=none (float32)"}
-    write_result("quantized_accuracy", metrics, workload, model=default_gguf_path().name, machine=machine())
-
-
 if __name__ == "__main__":
-    main()
+    main("quantized_accuracy", __doc__.splitlines()[0], measure, {"reference": "quantization=none (float32)"})
