@@ -43,7 +43,7 @@ class EngineConfig:
             ``"fp8_e4m3"``: in float8 e4m3 (``torch.float8_e4m3fn``), half a bfloat16 cache's bytes
             per block, so twice the blocks in the same memory; values are saturated to ±448 with
             a fixed scale of 1.0 (:mod:`engine.kv_cache`). On CUDA it needs a GPU with float8
-            support in Triton (compute capability 8.9 or later).
+            support in Triton (compute capability 8.9 or later; refused at start-up otherwise).
         device: ``"auto"`` (CUDA when available), ``"cpu"`` or ``"cuda[:N]"``.
         seed: seed of the generator of the per-step seeds of requests without their own seed.
         cuda_graph_batch_sizes: on CUDA, the batch sizes at which decode-only steps are captured

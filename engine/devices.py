@@ -43,6 +43,22 @@ def resolve_kv_cache_dtype(name: str, model_dtype: torch.dtype) -> tuple[str, to
     return name, FP8_KV_DTYPES[name]
 
 
+def check_kv_cache_dtype(kv_dtype: torch.dtype, device: torch.device) -> None:
+    """Refuse a KV cache dtype the device's kernels cannot run: float8 needs a GPU of compute
+    capability 8.9 or later (Triton's float8 conversions; an A100 would fail when the attention
+    kernels first compile, mid-start-up). The CPU path runs every dtype.
+
+    Raises:
+        ValueError: float8 on an older GPU, naming ``kv_cache_dtype`` and the GPU.
+    """
+    if device.type != "cuda" or kv_dtype.itemsize != 1:
+        return
+    capability = torch.cuda.get_device_capability(device)
+    if capability < (8, 9):
+        raise ValueError(f"kv_cache_dtype: a float8 KV cache needs a GPU of compute capability 8.9 or later "
+                         f"(Ada, Hopper); {device} is {capability[0]}.{capability[1]}: use kv_cache_dtype=auto")
+
+
 def rank_device(device: torch.device, rank: int) -> torch.device:
     """The device of tensor-parallel rank ``rank`` of a worker whose rank 0 runs on ``device``:
     the GPU ``rank`` places after it (one GPU per rank), or the CPU.

@@ -21,7 +21,7 @@ import torch.distributed as dist
 from engine.attention import get_attention_backend
 from engine.config import EngineConfig
 from engine.cuda_graphs import cuda_graph_sizes
-from engine.devices import rank_device, resolve_kv_cache_dtype
+from engine.devices import check_kv_cache_dtype, rank_device, resolve_kv_cache_dtype
 from engine.distributed import TPGroup
 from engine.kv_cache import KVCache
 from engine.layers.linear import packed_linear_available
@@ -79,9 +79,12 @@ def build_shard(model: str | dict | None, config: EngineConfig, load_format: str
         quantization: ``"gguf"`` or ``"none"`` (resolved: :func:`engine.quantized_loader.resolve_quantization`).
 
     Raises:
-        ValueError: a bad model or setting (from the loader), or no room for a single KV block.
+        ValueError: a bad model or setting (from the loader), a KV cache dtype the device cannot
+            run, or no room for a single KV block.
     """
     started = time.perf_counter() if started is None else started
+    kv_dtype = resolve_kv_cache_dtype(config.kv_cache_dtype, dtype)[1]
+    check_kv_cache_dtype(kv_dtype, device)
     others_bytes = device_used_bytes(device) if device.type == "cuda" else 0
     loaded = load_model(model, dtype=dtype, device=device, attn_backend=get_attention_backend(device),
                         load_format=load_format, tp=tp, quantization=quantization)
@@ -91,7 +94,6 @@ def build_shard(model: str | dict | None, config: EngineConfig, load_format: str
     load_s = time.perf_counter() - started
 
     bs = config.block_size
-    kv_dtype = resolve_kv_cache_dtype(config.kv_cache_dtype, dtype)[1]
     graph_sizes = cuda_graph_sizes(config, device)
     memory_profile = None
     if device.type == "cuda" and not config.num_blocks:

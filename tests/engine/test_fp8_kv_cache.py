@@ -7,6 +7,7 @@ import pytest
 import torch
 
 from engine import EngineConfig, LLMEngine, SamplingParams
+from engine.devices import check_kv_cache_dtype
 from tests.engine.engine_helpers import prefill_then_decode, run_until_finished
 from tests.engine.model_helpers import save_tiny_llama, tokens
 
@@ -74,3 +75,13 @@ def test_fp8_prefill_then_decode_equals_one_engine(tiny_llama, device, params):
     whole = run_until_finished(prefill, "whole")
     assert [c.token_ids for c in split.outputs] == [c.token_ids for c in whole.outputs]
     assert decode.kv_cache.tensor.dtype == torch.float8_e4m3fn
+
+
+def test_a_float8_cache_is_refused_on_a_gpu_older_than_ada(monkeypatch):
+    monkeypatch.setattr(torch.cuda, "get_device_capability", lambda device=None: (8, 0))  # an A100
+    with pytest.raises(ValueError, match="kv_cache_dtype: a float8 KV cache needs .* 8.9 .* is 8.0"):
+        check_kv_cache_dtype(torch.float8_e4m3fn, torch.device("cuda", 0))
+    check_kv_cache_dtype(torch.bfloat16, torch.device("cuda", 0))  # a 16-bit cache runs anywhere
+    check_kv_cache_dtype(torch.float8_e4m3fn, torch.device("cpu"))
+    monkeypatch.setattr(torch.cuda, "get_device_capability", lambda device=None: (9, 0))  # an H100
+    check_kv_cache_dtype(torch.float8_e4m3fn, torch.device("cuda", 0))
