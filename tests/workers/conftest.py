@@ -14,6 +14,8 @@ from decode_worker.server import DecodeServicer
 from engine import EngineConfig, LLMEngine
 from cluster.settings import WorkerSettings
 from engine.async_engine import AsyncEngine
+from gateway.server import Gateway, load_served_model
+from gateway.settings import GatewaySettings
 from cluster.metrics import WorkerMetrics
 from cluster.worker import WorkerServer
 from cluster.registry import Role
@@ -77,3 +79,20 @@ async def worker(llm: LLMEngine, role: Role, **overrides) -> AsyncIterator[Worke
 async def pair(engines, **overrides) -> AsyncIterator[Pair]:
     async with worker(engines[0], Role.PREFILL, **overrides) as p, worker(engines[1], Role.DECODE, **overrides) as d:
         yield Pair(p, d)
+
+
+@contextlib.asynccontextmanager
+async def gateway_over(engines, **settings) -> AsyncIterator[tuple[Pair, Gateway, str]]:
+    """A real gateway (plaintext, the pair's static addresses, every prompt through the prefill
+    worker unless ``settings`` say otherwise) in front of a :func:`pair`; yields the pair, the
+    gateway and its address."""
+    async with pair(engines) as p:
+        config = GatewaySettings(**{"listen": "127.0.0.1:0", "metrics_port": 0, "insecure": True,
+                                    "static_prefill": [p.prefill.address], "static_decode": [p.decode.address],
+                                    "refresh_interval_s": 0.1, "local_prefill_max_tokens": 0, **settings})
+        gateway = Gateway(config, load_served_model(config))
+        port = await gateway.start()
+        try:
+            yield p, gateway, f"127.0.0.1:{port}"
+        finally:
+            await gateway.stop(grace_s=1)

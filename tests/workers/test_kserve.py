@@ -7,7 +7,6 @@ INVALID_ARGUMENT naming the input or parameter; a closed stream frees its blocks
 from __future__ import annotations
 
 import asyncio
-import contextlib
 import json
 import queue
 import time
@@ -19,11 +18,9 @@ import tritonclient.grpc as triton
 import tritonclient.grpc.aio as triton_aio
 from tritonclient.utils import InferenceServerException
 
-from gateway.server import Gateway, load_served_model
-from gateway.settings import GatewaySettings
 from protos.tandem.v1 import gateway_pb2, gateway_pb2_grpc
 
-from .conftest import pair
+from .conftest import gateway_over
 
 pytestmark = pytest.mark.slow
 PROMPT = "The capital of France is"
@@ -44,20 +41,6 @@ def inputs(module, prompt: str = PROMPT, params: dict | None = None, stream: boo
         tensors.append(tensor("stream", "BOOL", stream))
     tensors += [tensor(name, "BOOL", value) for name, value in flags.items()]
     return tensors
-
-
-@contextlib.asynccontextmanager
-async def gateway_over(engines):
-    async with pair(engines) as p:
-        settings = GatewaySettings(listen="127.0.0.1:0", metrics_port=0, insecure=True,
-                                   static_prefill=[p.prefill.address], static_decode=[p.decode.address],
-                                   refresh_interval_s=0.1, local_prefill_max_tokens=0)
-        gateway = Gateway(settings, load_served_model(settings))
-        port = await gateway.start()
-        try:
-            yield gateway, f"127.0.0.1:{port}"
-        finally:
-            await gateway.stop(grace_s=1)
 
 
 async def native_greedy(address: str) -> str:
@@ -111,7 +94,7 @@ def sync_calls(address: str, model: str) -> dict:
 
 def test_tritonclient_unchanged_streams_the_native_greedy_text(engines):
     async def main():
-        async with gateway_over(engines) as (gateway, address):
+        async with gateway_over(engines) as (_, gateway, address):
             model = gateway.model.model_id
             expected = await native_greedy(address)
             out = await asyncio.to_thread(sync_calls, address, model)
@@ -186,7 +169,7 @@ def test_bad_input_is_invalid_argument_naming_the_input_or_parameter(engines):
         return errors, unknown, streamed
 
     async def main():
-        async with gateway_over(engines) as (gateway, address):
+        async with gateway_over(engines) as (_, gateway, address):
             errors, unknown, streamed = await asyncio.to_thread(calls, address, gateway.model.model_id)
             for (status, message), name in zip(errors, [name for _, name in BAD] + ["text_input"]):
                 assert status == "StatusCode.INVALID_ARGUMENT" and message.startswith(f"{name}:"), (status, message)
@@ -200,7 +183,7 @@ def test_bad_input_is_invalid_argument_naming_the_input_or_parameter(engines):
 
 def test_closing_a_stream_frees_its_blocks(engines):
     async def main():
-        async with gateway_over(engines) as (gateway, address):
+        async with gateway_over(engines) as (_, gateway, address):
             start = (engines[0].num_free_blocks, engines[1].num_free_blocks)
             client = triton_aio.InferenceServerClient(address)
 

@@ -14,12 +14,10 @@ import pytest
 from cluster.registry import Role
 from gateway import metrics
 from gateway.placement import LOCAL_PREDICTED, REMOTE
-from gateway.server import Gateway, load_served_model
-from gateway.settings import GatewaySettings
 from gateway.static_cluster import static_worker_id
 from protos.tandem.v1 import gateway_pb2, gateway_pb2_grpc
 
-from .conftest import pair
+from .conftest import gateway_over
 
 pytestmark = pytest.mark.slow
 BACKLOG = 50_000  # prompt tokens queued on the prefill worker: 50 s at the pace set below
@@ -38,54 +36,46 @@ def test_requests_are_placed_by_predicted_ttft_and_their_own_objectives(engines)
     prompt = [random.Random(3).randrange(1000, 40000) for _ in range(100)]
 
     async def main():
-        async with pair(engines) as p:
-            settings = GatewaySettings(listen="127.0.0.1:0", metrics_port=0, insecure=True,
-                                       static_prefill=[p.prefill.address], static_decode=[p.decode.address],
-                                       refresh_interval_s=0.1, local_prefill_max_tokens=0)
-            gateway = Gateway(settings, load_served_model(settings))
-            port = await gateway.start()
+        async with gateway_over(engines) as (p, gateway, address):
             start = await p.decode.engine.num_free_blocks()
-            try:
-                async with grpc.aio.insecure_channel(f"127.0.0.1:{port}") as channel:
-                    stub = gateway_pb2_grpc.GatewayStub(channel)
+            async with grpc.aio.insecure_channel(address) as channel:
+                stub = gateway_pb2_grpc.GatewayStub(channel)
 
-                    async def generate(request) -> list[int]:
-                        return [t for m in await asyncio.wait_for(_collect(stub, request), 120) for t in m.token_ids]
+                async def generate(request) -> list[int]:
+                    return [t for m in await asyncio.wait_for(_collect(stub, request), 120) for t in m.token_ids]
 
-                    for code, field in ((-1.0, "slo.ttft_s"), (float("nan"), "slo.ttft_s")):
-                        with pytest.raises(grpc.aio.AioRpcError) as refused:
-                            await generate(_request(prompt, ttft_s=code))
-                        assert refused.value.code() == grpc.StatusCode.INVALID_ARGUMENT
-                        assert field in refused.value.details()
-                    with pytest.raises(grpc.aio.AioRpcError, match="slo.itl_s"):
-                        await generate(_request(prompt, itl_s=float("inf")))
+                for code, field in ((-1.0, "slo.ttft_s"), (float("nan"), "slo.ttft_s")):
+                    with pytest.raises(grpc.aio.AioRpcError) as refused:
+                        await generate(_request(prompt, ttft_s=code))
+                    assert refused.value.code() == grpc.StatusCode.INVALID_ARGUMENT
+                    assert field in refused.value.details()
+                with pytest.raises(grpc.aio.AioRpcError, match="slo.itl_s"):
+                    await generate(_request(prompt, itl_s=float("inf")))
 
-                    remote = _placements(REMOTE)
-                    disaggregated = await generate(_request(prompt))  # paces not measured yet: disaggregated
-                    assert _placements(REMOTE) == remote + 1
+                remote = _placements(REMOTE)
+                disaggregated = await generate(_request(prompt))  # paces not measured yet: disaggregated
+                assert _placements(REMOTE) == remote + 1
 
-                    # Both workers measured at 1 ms per token (as earlier traffic would have), and a
-                    # backlog on the prefill worker: the idle decode worker prefills the prompt itself.
-                    placement = gateway.orchestrator.placement
-                    prefill_id = static_worker_id(Role.PREFILL, p.prefill.address)
-                    for worker in (prefill_id, static_worker_id(Role.DECODE, p.decode.address)):
-                        gateway.orchestrator.pace.observe(worker, 1000, 1.0)
-                    placement.started(prefill_id, BACKLOG)
-                    local, local_prefills = _placements(LOCAL_PREDICTED), p.decode.server.metrics.local_prefills._value.get()
-                    assert await generate(_request(prompt)) == disaggregated
-                    assert _placements(LOCAL_PREDICTED) == local + 1
-                    assert p.decode.server.metrics.local_prefills._value.get() == local_prefills + 1
+                # Both workers measured at 1 ms per token (as earlier traffic would have), and a
+                # backlog on the prefill worker: the idle decode worker prefills the prompt itself.
+                placement = gateway.orchestrator.placement
+                prefill_id = static_worker_id(Role.PREFILL, p.prefill.address)
+                for worker in (prefill_id, static_worker_id(Role.DECODE, p.decode.address)):
+                    gateway.orchestrator.pace.observe(worker, 1000, 1.0)
+                placement.started(prefill_id, BACKLOG)
+                local, local_prefills = _placements(LOCAL_PREDICTED), p.decode.server.metrics.local_prefills._value.get()
+                assert await generate(_request(prompt)) == disaggregated
+                assert _placements(LOCAL_PREDICTED) == local + 1
+                assert p.decode.server.metrics.local_prefills._value.get() == local_prefills + 1
 
-                    # The request's own TTFT objective (200 s) is met by the prefill worker's
-                    # predicted 50 s: it stays disaggregated; the gateway's default has none.
-                    remote = _placements(REMOTE)
-                    assert await generate(_request(prompt, ttft_s=200.0)) == disaggregated
-                    assert _placements(REMOTE) == remote + 1
-                    placement.ended(prefill_id, BACKLOG)
-                    assert placement.queued(prefill_id) == 0
-                assert await p.decode.engine.num_free_blocks() == start
-            finally:
-                await gateway.stop(grace_s=1)
+                # The request's own TTFT objective (200 s) is met by the prefill worker's
+                # predicted 50 s: it stays disaggregated; the gateway's default has none.
+                remote = _placements(REMOTE)
+                assert await generate(_request(prompt, ttft_s=200.0)) == disaggregated
+                assert _placements(REMOTE) == remote + 1
+                placement.ended(prefill_id, BACKLOG)
+                assert placement.queued(prefill_id) == 0
+            assert await p.decode.engine.num_free_blocks() == start
 
     asyncio.run(main())
 
