@@ -22,14 +22,23 @@ Workloads (seeded token ids, so any model works, random-weight ones included):
   resent);
 - ``long``: prompts of 2048-4096 tokens, 256 outputs;
 - ``interference``: decode-heavy requests (128-256-token prompts, 256 outputs) interleaved one
-  to one with long prefills (3072-4096-token prompts, 8 outputs); the decode-heavy ones' TTFT
-  and TPOT quantiles are reported on their own (``decode_heavy_*``): the stall a long prefill
-  puts on running decodes is what disaggregation exists to remove.
+  to one with long prefills (3072-4096-token prompts, 8 outputs); the decode-heavy ones' TTFT,
+  TPOT and ITL quantiles are reported on their own (``decode_heavy_*``): the stall a long prefill
+  puts on running decodes is what disaggregation exists to remove;
+- ``decode_heavy``: the decode-heavy requests alone, the baseline of that stall (at half
+  ``interference``'s rate it sends the same decode-heavy requests per second).
+
+Per run: output tokens/s, TTFT, TPOT (a request's mean time per output token after the first)
+and ITL (every gap between two streamed messages that carry tokens, which a per-request TPOT
+averages away) quantiles, and goodput at each SLO pair of ``--slos`` (the first one unsuffixed:
+``goodput_rps``, ``slo_attainment``; the others ``goodput_rps_ttft1s_tpot40ms``...).
 
 Every output is greedy with EOS ignored, so the token counts are exact. One record per
 workload and setting (benchmark ``serving``) goes under ``bench/results/``; ``--setups
 disagg,colocated`` runs both deployments of the same GPUs in one call and writes the goodput
-comparison (benchmark ``serving_2gpu``, see ``bench/serving_compare.py``).
+comparison (benchmark ``serving_2gpu``, see ``bench/serving_compare.py``); ``adaptive`` is the
+``disagg`` deployment with the gateway placing each prefill by prediction against the first SLO
+pair (``TANDEM_PREFILL_PLACEMENT=adaptive``), while ``disagg`` is a fixed split (``static``).
 
 Usage: ``python bench/serving.py --model llama-3-8b --load-format dummy --workloads random
 --concurrency 128`` (``--help`` lists the rest).
@@ -52,11 +61,12 @@ import grpc
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 from bench.common import machine, write_result  # noqa: E402
+from bench.serving_compare import slo_suffix, write_comparison  # noqa: E402
 from cli.launcher import LocalCluster, gpu_placement  # noqa: E402
 from gateway.settings import GatewaySettings  # noqa: E402
 from protos.tandem.v1 import gateway_pb2, gateway_pb2_grpc  # noqa: E402
 
-WORKLOADS = ("random", "shared_prefix", "multi_turn", "long", "interference")
+WORKLOADS = ("random", "shared_prefix", "multi_turn", "long", "interference", "decode_heavy")
 # Token ids are drawn above this, so that no prompt is made of a tokenizer's special tokens.
 _FIRST_ID = 1000
 
@@ -89,6 +99,7 @@ class Result:
     turn: int = 0
     kind: str = ""
     error: str = ""
+    itls: list[float] = field(default_factory=list)  # seconds between consecutive token messages
 
     @property
     def ttft(self) -> float:
@@ -123,6 +134,8 @@ def make_workload(name: str, num_requests: int, vocab_size: int, seed: int = 0) 
         later = [Request([], 64, conversation=c, turn=t, question=ids(rng.randint(32, 64)))
                  for t in (1, 2, 3) for c in range(num_requests)]
         return first + later
+    if name == "decode_heavy":
+        return [Request(ids(rng.randint(128, 256)), 256, kind="decode_heavy") for _ in range(num_requests)]
     if name == "interference":
         return [Request(ids(rng.randint(128, 256)), 256, kind="decode_heavy") if i % 2 == 0
                 else Request(ids(rng.randint(3072, 4096)), 8, kind="long_prefill") for i in range(num_requests)]
@@ -134,6 +147,7 @@ async def one(stub, request: Request, t0: float) -> Result:
     (overload, deadline) is a result with ``error`` set: it counts against goodput."""
     sent = time.perf_counter() - t0
     first = last = None
+    itls: list[float] = []
     usage = None
     call = stub.Generate(gateway_pb2.GenerateRequest(
         token_ids=gateway_pb2.TokenIds(ids=request.prompt),
@@ -143,6 +157,8 @@ async def one(stub, request: Request, t0: float) -> Result:
             now = time.perf_counter() - t0
             if message.token_ids:
                 first = now if first is None else first
+                if last is not None:
+                    itls.append(now - last)
                 last = now
                 request.answer.extend(message.token_ids)
             if message.HasField("usage"):
@@ -151,7 +167,7 @@ async def one(stub, request: Request, t0: float) -> Result:
         now = time.perf_counter() - t0
         return Result(sent, now, now, 0, len(request.prompt), 0, request.turn, request.kind, exc.code().name)
     return Result(sent, first, last, len(request.answer), len(request.prompt), usage.cached_prompt_tokens,
-                  request.turn, request.kind)
+                  request.turn, request.kind, itls=itls)
 
 
 class Conversations:
@@ -246,27 +262,38 @@ def percentile(values: list[float], q: float) -> float:
     return ordered[low] + (ordered[high] - ordered[low]) * (position - low)
 
 
-def summarize(results: list[Result], elapsed: float, slo_ttft: float, slo_tpot: float) -> dict[str, float]:
-    """Throughput, latency quantiles (of the requests that completed) and goodput of one run:
-    the requests per second that completed within both SLOs, and their share (SLO attainment)."""
+def summarize(results: list[Result], elapsed: float, slos: list[tuple[float, float]]) -> dict[str, float]:
+    """Throughput, latency quantiles (of the requests that completed) and goodput of one run at
+    each (TTFT, TPOT) SLO pair of ``slos``, seconds: the requests per second that completed
+    within both, and their share (SLO attainment); the names are in the module docstring."""
     done = [r for r in results if not r.error]
-    good = sum(r.ttft <= slo_ttft and r.tpot <= slo_tpot for r in done)
     metrics = {"service_output_tokens_per_s": sum(r.output_tokens for r in done) / elapsed,
-               "requests_per_s": len(done) / elapsed, "failed_requests": len(results) - len(done),
-               "goodput_rps": good / elapsed, "slo_attainment": good / max(1, len(results))}
-    for name in ("ttft", "tpot", "e2e"):
-        values = [getattr(r, name) for r in done]
+               "requests_per_s": len(done) / elapsed, "failed_requests": len(results) - len(done)}
+    for i, (slo_ttft, slo_tpot) in enumerate(slos):
+        good = sum(r.ttft <= slo_ttft and r.tpot <= slo_tpot for r in done)
+        suffix = slo_suffix((slo_ttft, slo_tpot), i == 0)
+        metrics[f"goodput_rps{suffix}"] = good / elapsed
+        metrics[f"slo_attainment{suffix}"] = good / max(1, len(results))
+    for name in ("ttft", "tpot", "e2e", "itl"):
+        values = _values(done, name)
         for q in (50, 90, 99):
             metrics[f"{name}_p{q}_s"] = percentile(values, q / 100)
     for kind in sorted({r.kind for r in done if r.kind}):
-        for name in ("ttft", "tpot"):
-            values = [getattr(r, name) for r in done if r.kind == kind]
+        for name in ("ttft", "tpot", "itl"):
+            values = _values([r for r in done if r.kind == kind], name)
             for q in (50, 99):
                 metrics[f"{kind}_{name}_p{q}_s"] = percentile(values, q / 100)
     later = [r for r in done if r.turn > 0]
     if later:
         metrics["reused_block_fraction"] = sum(r.cached_tokens for r in later) / sum(r.prompt_tokens for r in later)
     return {k: round(v, 6) for k, v in metrics.items()}
+
+
+def _values(results: list[Result], name: str) -> list[float]:
+    """Each result's ``name`` (``ttft``, ``tpot``, ``e2e``), or every gap of theirs (``itl``)."""
+    if name == "itl":
+        return [gap for r in results for gap in r.itls]
+    return [getattr(r, name) for r in results]
 
 
 def offline_tokens_per_s(model: str, load_format: str, requests: list[Request], engine_args: dict) -> float:
@@ -291,17 +318,23 @@ def offline_tokens_per_s(model: str, load_format: str, requests: list[Request], 
 
 def start_cluster(args, setup: str) -> LocalCluster:
     """The deployment under test: ``disagg`` (``--prefill`` prefill + ``--decode`` decode
-    workers) or ``colocated`` (decode workers only, each prefilling its own requests), placed on
+    workers, a fixed split), ``adaptive`` (the same workers, each prefill placed by the gateway's
+    prediction against the first SLO pair) or ``colocated`` (decode workers only, each
+    prefilling its own requests), placed on
     ``--gpus`` GPUs (``cli.launcher.gpu_placement``: each worker on as many consecutive GPUs as
     its tensor-parallel size, ``--prefill-tp`` / ``--decode-tp``); workers sharing a GPU share
     ``--gpu-memory-utilization``."""
     env = {"TANDEM_LOAD_FORMAT": args.load_format, "TANDEM_LOG_LEVEL": "WARNING",
            "TANDEM_MAX_NUM_SEQS": str(args.max_num_seqs), "TANDEM_LOCAL_PREFILL_MAX_TOKENS": str(args.local_prefill),
-           "TANDEM_KV_TRANSPORT": args.kv_transport, "TANDEM_ADMIT_WAIT_S": "600", **args.env}
-    num_prefill = args.prefill if setup == "disagg" else 0
-    num_decode = args.decode if setup == "disagg" else args.prefill + args.decode
+           "TANDEM_KV_TRANSPORT": args.kv_transport, "TANDEM_ADMIT_WAIT_S": "600",
+           "TANDEM_PREFILL_PLACEMENT": "adaptive" if setup == "adaptive" else "static", **args.env}
+    if setup == "adaptive":
+        env |= {"TANDEM_SLO_TTFT_S": str(args.slos[0][0]), "TANDEM_SLO_ITL_S": str(args.slos[0][1])}
+    split = setup != "colocated"
+    num_prefill = args.prefill if split else 0
+    num_decode = args.decode if split else args.prefill + args.decode
     workers = [(f"prefill-{i}", args.prefill_tp) for i in range(num_prefill)]
-    workers += [(f"decode-{i}", args.decode_tp if setup == "disagg" else args.prefill_tp) for i in range(num_decode)]
+    workers += [(f"decode-{i}", args.decode_tp if split else args.prefill_tp) for i in range(num_decode)]
     placement = gpu_placement(workers, args.gpus) if args.gpus else {name: 0 for name, _ in workers}
     gpus_of = {name: range(placement[name], placement[name] + tp) for name, tp in workers}
     ranks_on = Counter(gpu for gpus in gpus_of.values() for gpu in gpus)
@@ -311,7 +344,7 @@ def start_cluster(args, setup: str) -> LocalCluster:
                            worker_env=worker_env, sink=lambda name, line: print(f"[{name}] {line}", file=sys.stderr)
                            if "WARNING" in line or "ERROR" in line or "Traceback" in line else None,
                            metrics=False, gpus=args.gpus, prefill_tp=args.prefill_tp,
-                           decode_tp=args.decode_tp if setup == "disagg" else args.prefill_tp)
+                           decode_tp=args.decode_tp if split else args.prefill_tp)
     cluster.start(timeout_s=args.startup_timeout)
     return cluster
 
@@ -343,11 +376,12 @@ def main() -> None:
     parser.add_argument("--num-requests", type=int, default=128, help="per workload (multi_turn: conversations)")
     parser.add_argument("--concurrency", default="", help="closed-loop stream counts, comma-separated")
     parser.add_argument("--rates", default="", help="open-loop request rates per second, comma-separated")
-    parser.add_argument("--slo-ttft", type=float, default=1.0, help="seconds")
-    parser.add_argument("--slo-tpot", type=float, default=0.04, help="seconds")
+    parser.add_argument("--slos", default="0.5:0.02,1:0.04",
+                        help="TTFT:TPOT SLO pairs in seconds, comma-separated; the first is the main one (goodput_rps) "
+                             "and the one adaptive placement aims at")
     parser.add_argument("--prefill", type=int, default=1)
     parser.add_argument("--decode", type=int, default=1)
-    parser.add_argument("--setups", default="disagg", help="disagg and/or colocated, comma-separated")
+    parser.add_argument("--setups", default="disagg", help="of disagg, colocated, adaptive, comma-separated")
     parser.add_argument("--gpus", type=int, default=0, help="GPUs to place the workers on (0: CPU)")
     parser.add_argument("--prefill-tp", type=int, default=1, help="tensor-parallel size of each prefill worker "
                                                                    "(and of each colocated worker)")
@@ -365,6 +399,7 @@ def main() -> None:
     parser.add_argument("--tag", default="")
     args = parser.parse_args()
     args.env = dict(kv.split("=", 1) for kv in args.env)
+    args.slos = [tuple(float(x) for x in pair.split(":")) for pair in args.slos.split(",") if pair]
     args.concurrency = [int(c) for c in args.concurrency.split(",") if c]
     args.rates = [float(r) for r in args.rates.split(",") if r]
     if not args.concurrency and not args.rates:
@@ -378,8 +413,6 @@ def main() -> None:
 
         gpu = torch.cuda.get_device_name()
     keys = {"gpu": f"{gpu} x{args.gpus}" if gpu else None} if gpu else {"machine": machine()}
-    from bench.serving_compare import write_comparison
-
     by_setup: dict[str, dict] = {}
     for setup in args.setups.split(","):
         cluster = start_cluster(args, setup)
@@ -390,11 +423,12 @@ def main() -> None:
                     results, elapsed = asyncio.run(closed_loop(cluster.gateway_addr, requests, int(value)))
                 else:
                     results, elapsed = asyncio.run(open_loop(cluster.gateway_addr, requests, value))
-                metrics = summarize(results, elapsed, args.slo_ttft, args.slo_tpot)
+                metrics = summarize(results, elapsed, args.slos)
                 metrics["concurrency" if mode == "closed" else "rate_rps"] = value
                 runs[(workload, mode, value)] = (metrics, requests)
                 print(f"{setup:>9} {workload:>13} {mode}={value:g}: {metrics['service_output_tokens_per_s']:.0f} "
                       f"tok/s, TTFT p50 {metrics['ttft_p50_s']:.3f} s, TPOT p50 {metrics['tpot_p50_s'] * 1e3:.1f} ms, "
+                      f"ITL p99 {metrics['itl_p99_s'] * 1e3:.1f} ms, "
                       f"goodput {metrics['goodput_rps']:.2f} req/s", flush=True)
         finally:
             cluster.stop()
@@ -411,14 +445,15 @@ def main() -> None:
                 metrics["offline_output_tokens_per_s"] = round(offline_by_workload[workload], 3)
                 metrics["service_to_offline_ratio"] = round(
                     metrics["service_output_tokens_per_s"] / offline_by_workload[workload], 4)
+            split = setup != "colocated"
             workload_desc = {"name": workload, "setup": setup, "mode": mode, "value": value,
-                             "num_requests": args.num_requests, "prefill_workers": args.prefill if setup == "disagg" else 0,
-                             "decode_workers": args.decode if setup == "disagg" else args.prefill + args.decode,
+                             "num_requests": args.num_requests, "prefill_workers": args.prefill if split else 0,
+                             "decode_workers": args.decode if split else args.prefill + args.decode,
                              "gpus": args.gpus, "prefill_tp": args.prefill_tp, "decode_tp": args.decode_tp,
                              "kv_transport": args.kv_transport,
                              "local_prefill_max_tokens": args.local_prefill,
-                             "slo_ttft_s": args.slo_ttft, "slo_tpot_s": args.slo_tpot, "greedy": True, "ignore_eos": True}
-            write_result("serving", metrics, workload_desc, tag=f"{args.tag or setup}-{workload}-{mode}{value:g}",
+                             "slos_ttft_tpot_s": args.slos, "greedy": True, "ignore_eos": True}
+            write_result("serving", metrics, workload_desc, tag=f"{args.tag + '-' if args.tag else ''}{setup}-{workload}-{mode}{value:g}",
                          model=args.model, **keys)
     if len(by_setup) > 1:
         write_comparison(by_setup, args, keys)

@@ -1,10 +1,14 @@
-"""Disaggregated against colocated serving on the same GPUs: goodput under latency SLOs.
+"""Disaggregated, colocated and adaptive serving on the same GPUs: goodput under latency SLOs.
 
-``bench/serving.py --setups disagg,colocated`` calls :func:`write_comparison` once both
+``bench/serving.py --setups disagg,colocated,adaptive`` calls :func:`write_comparison` once the
 deployments have run the same workloads; per workload it writes one record (benchmark
-``serving_2gpu``) whose metrics are the best goodput of each setup over the runs
-(``goodput_rps_disagg``, ``goodput_rps_colocated``, ``goodput_ratio``), every run's latency
-quantiles and goodput (``{setup}_{mode}{value}_{metric}``, e.g. ``disagg_open4_ttft_p99_s``)
+``serving_2gpu``) whose metrics are the best goodput of each setup over the runs at each SLO pair
+(``goodput_rps_disagg``, ``goodput_rps_colocated``, ``goodput_rps_adaptive``; at a later pair
+with its suffix, e.g. ``goodput_rps_adaptive_ttft1s_tpot40ms``), their ratios
+(``goodput_ratio``: disagg over colocated; ``adaptive_over_colocated``, ``adaptive_over_disagg``,
+``adaptive_over_best_fixed``: over the better of the two fixed setups; each with the pair's
+suffix), every run's latency quantiles and goodput (``{setup}_{mode}{value}_{metric}``, e.g.
+``disagg_open4_ttft_p99_s``)
 and the KV transfer bandwidth between the devices the two kinds of worker use against a plain
 copy between them: ``p2p_transfer_gbps`` and ``p2p_copy_gbps`` when prefill and decode sit on
 two GPUs, ``same_gpu_...`` on one, ``host_...`` on the CPU. Beside each record go a markdown
@@ -26,12 +30,15 @@ from pathlib import Path
 
 from bench.common import write_result
 
-SETUPS = ("disagg", "colocated")
+SETUPS = ("disagg", "colocated", "adaptive")
 # The per-run metrics copied into the comparison, and their column titles.
 COLUMNS = {"service_output_tokens_per_s": "output tok/s", "ttft_p50_s": "TTFT p50 (s)",
            "ttft_p99_s": "TTFT p99 (s)", "tpot_p50_s": "TPOT p50 (ms)", "tpot_p99_s": "TPOT p99 (ms)",
+           "itl_p99_s": "ITL p99 (ms)",
            "goodput_rps": "goodput (req/s)", "slo_attainment": "SLO attainment",
-           "decode_heavy_ttft_p99_s": "decode-heavy TTFT p99 (s)", "decode_heavy_tpot_p99_s": "decode-heavy TPOT p99 (ms)"}
+           "decode_heavy_ttft_p99_s": "decode-heavy TTFT p99 (s)", "decode_heavy_tpot_p99_s": "decode-heavy TPOT p99 (ms)",
+           "decode_heavy_itl_p99_s": "decode-heavy ITL p99 (ms)"}
+RATIOS = ("goodput_ratio", "adaptive_over_colocated", "adaptive_over_disagg", "adaptive_over_best_fixed")
 _RUN_KEY = re.compile(rf"(?P<setup>{'|'.join(SETUPS)})_(?P<mode>closed|open)(?P<value>[0-9.e+-]+)_(?P<name>.+)")
 
 
@@ -52,15 +59,44 @@ def comparison_metrics(runs_by_setup: dict[str, dict[tuple[str, float], dict[str
             ``summarize``), where mode is ``closed`` (value: streams) or ``open`` (requests/s).
     """
     metrics: dict[str, float] = {}
+    suffixes = sorted({name.removeprefix("goodput_rps") for runs in runs_by_setup.values() for run in runs.values()
+                       for name in run if name.startswith("goodput_rps")})
     for setup, runs in runs_by_setup.items():
-        metrics[f"goodput_rps_{setup}"] = max((run["goodput_rps"] for run in runs.values()), default=0.0)
+        for suffix in suffixes:
+            metrics[f"goodput_rps_{setup}{suffix}"] = max((run.get(f"goodput_rps{suffix}", 0.0) for run in runs.values()),
+                                                          default=0.0)
         for (mode, value), run in sorted(runs.items()):
             for name in COLUMNS:
                 if name in run:
                     metrics[f"{setup}_{mode}{value:g}_{name}"] = run[name]
-    if metrics.get("goodput_rps_colocated") and "goodput_rps_disagg" in metrics:
-        metrics["goodput_ratio"] = round(metrics["goodput_rps_disagg"] / metrics["goodput_rps_colocated"], 4)
+    for suffix in suffixes:
+        metrics |= _ratios({setup: metrics[f"goodput_rps_{setup}{suffix}"] for setup in runs_by_setup}, suffix)
     return metrics
+
+
+def _ratios(best: dict[str, float], suffix: str) -> dict[str, float]:
+    """The goodput ratios of one SLO pair from each setup's best goodput (a ratio whose setups
+    did not both run, or whose denominator is 0, is left out)."""
+    fixed = max(best.get("disagg", 0.0), best.get("colocated", 0.0)) if {"disagg", "colocated"} <= best.keys() else 0.0
+    pairs = {"goodput_ratio": ("disagg", best.get("colocated", 0.0)),
+             "adaptive_over_colocated": ("adaptive", best.get("colocated", 0.0)),
+             "adaptive_over_disagg": ("adaptive", best.get("disagg", 0.0)), "adaptive_over_best_fixed": ("adaptive", fixed)}
+    return {f"{name}{suffix}": round(best[setup] / denominator, 4) for name, (setup, denominator) in pairs.items()
+            if setup in best and denominator}
+
+
+def slo_suffix(slo: tuple[float, float], first: bool) -> str:
+    """The suffix of a goodput metric at ``slo`` (TTFT, TPOT seconds): none for the first pair,
+    else e.g. ``_ttft1s_tpot40ms``."""
+    return "" if first else f"_ttft{slo[0]:g}s_tpot{slo[1] * 1e3:g}ms"
+
+
+def slos_of(workload: dict) -> list[tuple[float, float]]:
+    """A record's (TTFT, TPOT) SLO pairs, seconds, the main one first (a record written before
+    several pairs were measured names one)."""
+    if "slos_ttft_tpot_s" in workload:
+        return [tuple(pair) for pair in workload["slos_ttft_tpot_s"]]
+    return [(workload["slo_ttft_s"], workload["slo_tpot_s"])]
 
 
 def runs_of(metrics: dict[str, float]) -> dict[str, dict[tuple[str, float], dict[str, float]]]:
@@ -78,12 +114,14 @@ def markdown_table(record: dict) -> str:
     workload = record["workload"]
     metrics = record["metrics"]
     lines = [f"# {record['benchmark']}: {workload['name']} on {record.get('gpu') or record.get('machine')}",
-             "", f"Model {record['model']}; SLOs TTFT ≤ {workload['slo_ttft_s']} s, TPOT ≤ "
-             f"{workload['slo_tpot_s'] * 1e3:g} ms; {record['date']}.", ""]
-    best = [f"{setup} {metrics[f'goodput_rps_{setup}']:.3f} req/s" for setup in SETUPS
-            if f"goodput_rps_{setup}" in metrics]
-    lines.append("Best goodput: " + ", ".join(best) + (f" (ratio {metrics['goodput_ratio']:.2f})"
-                                                       if "goodput_ratio" in metrics else "") + ".")
+             "", f"Model {record['model']}; {record['date']}.", ""]
+    for i, (ttft, tpot) in enumerate(slos_of(workload)):
+        suffix = slo_suffix((ttft, tpot), i == 0)
+        best = [f"{setup} {metrics[f'goodput_rps_{setup}{suffix}']:.3f} req/s" for setup in SETUPS
+                if f"goodput_rps_{setup}{suffix}" in metrics]
+        ratios = [f"{name} {metrics[name + suffix]:.2f}" for name in RATIOS if name + suffix in metrics]
+        lines.append(f"Best goodput at TTFT ≤ {ttft:g} s, TPOT ≤ {tpot * 1e3:g} ms: " + ", ".join(best)
+                     + (f" ({', '.join(ratios)})" if ratios else "") + ".")
     for prefix in ("p2p", "same_gpu", "host"):
         if f"{prefix}_transfer_gbps" in metrics:
             lines.append(f"KV transfer ({prefix.replace('_', ' ')}): {metrics[f'{prefix}_transfer_gbps']:.1f} GB/s "
@@ -103,7 +141,7 @@ def markdown_table(record: dict) -> str:
 def _cell(name: str, value: float | None) -> str:
     if value is None:
         return ""
-    return f"{value * 1e3:.1f}" if "tpot" in name else f"{value:.3g}"
+    return f"{value * 1e3:.1f}" if "tpot" in name or "itl" in name else f"{value:.3g}"
 
 
 def plot(record: dict, path: Path) -> bool:
@@ -120,8 +158,9 @@ def plot(record: dict, path: Path) -> bool:
     except ImportError:
         return False
     runs = runs_of(record["metrics"])
-    panels = (("ttft_p99_s", "TTFT p99 (s)", record["workload"]["slo_ttft_s"]),
-              ("tpot_p99_s", "TPOT p99 (s)", record["workload"]["slo_tpot_s"]),
+    slo_ttft, slo_tpot = slos_of(record["workload"])[0]
+    panels = (("ttft_p99_s", "TTFT p99 (s)", slo_ttft), ("tpot_p99_s", "TPOT p99 (s)", slo_tpot),
+              ("itl_p99_s", "ITL p99 (s)", slo_tpot),
               ("goodput_rps", "goodput (req/s)", None))
     if not any(mode == "open" for by_run in runs.values() for mode, _ in by_run):
         return False
@@ -184,7 +223,7 @@ def write_comparison(by_setup: dict[str, dict], args, keys: dict) -> list[Path]:
         description = {"name": workload, "setups": list(by_setup), "gpus": args.gpus, "prefill_workers": args.prefill,
                        "decode_workers": args.decode, "colocated_workers": args.prefill + args.decode,
                        "kv_transport": args.kv_transport, "transfer_devices": [device, peer_device],
-                       "num_requests": args.num_requests, "slo_ttft_s": args.slo_ttft, "slo_tpot_s": args.slo_tpot}
+                       "num_requests": args.num_requests, "slos_ttft_tpot_s": args.slos}
         path = write_result("serving_2gpu", metrics, description, tag=f"{args.tag or prefix}-{workload}",
                             model=args.model, **keys)
         written += [path, *write_report(json.loads(path.read_text()), path)]

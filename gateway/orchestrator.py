@@ -209,12 +209,15 @@ class Orchestrator:
         decode_stall_timeout_s: seconds a Decode stream may go without a message.
         prefill_s_per_token: a prefill's seconds per prompt token before its worker's pace is measured.
         slo: the latency objectives of a request that sets none (:mod:`gateway.placement`).
+        adaptive_placement: place each prefill by prediction; ``False``: a fixed split
+            (:class:`~gateway.placement.PlacementModel`'s ``adaptive``).
     """
 
     def __init__(self, view: ClusterView, clients: WorkerClients, tokenizer: Tokenizer | None,
                  admit_wait_s: float = 5.0, local_prefill_max_tokens: int = 0, max_retries: int = 2,
                  hop_timeout_s: float = 60.0, decode_stall_timeout_s: float = 15.0,
-                 prefill_s_per_token: float = 0.05, slo: ServiceLevel = ServiceLevel()) -> None:
+                 prefill_s_per_token: float = 0.05, slo: ServiceLevel = ServiceLevel(),
+                 adaptive_placement: bool = True) -> None:
         self.view = view
         self.clients = clients
         self.tokenizer = tokenizer
@@ -223,7 +226,7 @@ class Orchestrator:
         self.hop_timeout_s = hop_timeout_s
         self.decode_stall_timeout_s = decode_stall_timeout_s
         self.pace = PrefillPace(hop_timeout_s, prefill_s_per_token)
-        self.placement = PlacementModel(self.pace, local_prefill_max_tokens)
+        self.placement = PlacementModel(self.pace, local_prefill_max_tokens, adaptive=adaptive_placement)
         self.default_slo = slo
         self._background: set[asyncio.Task] = set()
 

@@ -29,8 +29,9 @@ The decision (:attr:`Placement.kind`, the ``tandem_gateway_placements`` metric's
   worker is borrowed) and either (with a TTFT SLO) the remote prediction misses the SLO and the
   local one meets it or is lower, or (without one) the local TTFT is below ``local_gain`` of the
   remote one.
-- ``remote``: otherwise, and whenever either worker's pace is not measured yet (today's
-  behaviour: disaggregated).
+- ``remote``: otherwise, whenever either worker's pace is not measured yet, and always with
+  ``adaptive`` off (``TANDEM_PREFILL_PLACEMENT=static``: a fixed split, the overrides above
+  aside).
 """
 
 from __future__ import annotations
@@ -91,18 +92,22 @@ class PlacementModel:
             prefix hit: always prefilled there.
         local_gain: without a TTFT SLO, a local prefill is chosen only when its predicted TTFT
             is below this fraction of the remote one (so near-equal predictions stay disaggregated).
+        adaptive: decide by prediction (``local_predicted``); ``False``: only the overrides place
+            a prefill on the decode worker.
 
     Raises:
         ValueError: ``local_prefill_max_tokens`` < 0 or ``local_gain`` outside ``(0, 1]``.
     """
 
-    def __init__(self, pace: PrefillPace, local_prefill_max_tokens: int = 0, local_gain: float = 0.8) -> None:
+    def __init__(self, pace: PrefillPace, local_prefill_max_tokens: int = 0, local_gain: float = 0.8,
+                 adaptive: bool = True) -> None:
         if local_prefill_max_tokens < 0 or not 0 < local_gain <= 1:
             raise ValueError(f"local_prefill_max_tokens={local_prefill_max_tokens} must be >= 0 and "
                              f"local_gain={local_gain} in (0, 1]")
         self.pace = pace
         self.local_prefill_max_tokens = local_prefill_max_tokens
         self.local_gain = local_gain
+        self.adaptive = adaptive
         self._queued: Counter[str] = Counter()
         self._step_s: dict[str, float] = {}
 
@@ -124,7 +129,7 @@ class PlacementModel:
         if local_tokens <= self.local_prefill_max_tokens:
             return Placement(LOCAL_SHORT, local_ttft)
         remote_ttft = self.predict_ttft(remote_worker, remote_tokens)
-        if local_ttft is None or remote_ttft is None or not self._safe(decode_worker, local_tokens, decode_running,
+        if not self.adaptive or local_ttft is None or remote_ttft is None or not self._safe(decode_worker, local_tokens, decode_running,
                                                                         slo.itl_s):
             return Placement(REMOTE, remote_ttft)
         if slo.ttft_s:

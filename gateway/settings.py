@@ -6,6 +6,7 @@ are not here: the workers own and publish them, and the gateway reads them from 
 from __future__ import annotations
 
 import ipaddress
+from typing import Literal
 
 from pydantic import AliasChoices, Field, field_validator
 
@@ -29,6 +30,10 @@ class GatewaySettings(TandemSettings):
     local_prefill_max_tokens: int = Field(
         256, ge=0, description="conditional disaggregation: the decode worker prefills a prompt itself when at most "
                                "this many tokens are left after its prefix-cache hit (no prefill worker, no KV transfer)")
+    prefill_placement: Literal["adaptive", "static"] = Field(
+        "adaptive", description="where a prompt is prefilled: adaptive (predicted TTFT and ITL against the objectives, "
+                                "gateway.placement) or static (a prefill worker whenever one can take it, except "
+                                "below local_prefill_max_tokens: a fixed split)")
     slo_ttft_s: float = Field(0.0, ge=0, allow_inf_nan=False,
                               description="time-to-first-token objective of a request, seconds (0: none; a request's "
                                           "slo.ttft_s overrides it): where a prompt is prefilled is chosen to meet it")

@@ -12,12 +12,12 @@ NONE = ServiceLevel()
 
 
 def model(prefill_s_per_token: float | None = 1e-3, decode_s_per_token: float | None = 1e-3,
-          local_prefill_max_tokens: int = 16) -> PlacementModel:
+          local_prefill_max_tokens: int = 16, adaptive: bool = True) -> PlacementModel:
     pace = PrefillPace(base_s=60, default_s_per_token=0.05)
     for worker, s_per_token in ((PREFILL, prefill_s_per_token), (DECODE, decode_s_per_token)):
         if s_per_token is not None:
             pace.observe(worker, 1000, 1000 * s_per_token)
-    return PlacementModel(pace, local_prefill_max_tokens)
+    return PlacementModel(pace, local_prefill_max_tokens, adaptive=adaptive)
 
 
 def test_static_overrides_come_first():
@@ -43,6 +43,15 @@ def test_an_idle_decode_worker_is_borrowed_while_the_prefill_queue_is_long():
     m.ended(PREFILL, 3000)
     assert m.queued(PREFILL) == 0
     assert m.decide(PREFILL, 1000, DECODE, 1000, decode_running=0, slo=NONE).kind == REMOTE
+
+
+def test_a_static_split_keeps_every_prefill_remote_but_the_overrides():
+    m = model(adaptive=False)
+    m.started(PREFILL, 3000)  # the backlog that borrows an idle decode worker in adaptive placement
+    placement = m.decide(PREFILL, 1000, DECODE, 1000, decode_running=0, slo=ServiceLevel(ttft_s=0.5))
+    assert placement.kind == REMOTE and placement.predicted_ttft_s == pytest.approx(4.0)
+    assert m.decide(PREFILL, 1000, DECODE, 16, decode_running=0, slo=NONE).kind == LOCAL_SHORT
+    assert m.decide(None, 0, DECODE, 1000, decode_running=0, slo=NONE).kind == LOCAL_ONLY
 
 
 def test_a_busy_decode_worker_prefills_only_within_the_itl_objective():
