@@ -45,6 +45,19 @@ def test_an_idle_decode_worker_is_borrowed_while_the_prefill_queue_is_long():
     assert m.decide(PREFILL, 1000, DECODE, 1000, decode_running=0, slo=NONE).kind == REMOTE
 
 
+def test_a_short_prompt_is_not_prefilled_where_it_would_break_the_itl_objective():
+    m = model(decode_s_per_token=0.1e-3)
+    m.observe_step(DECODE, 0.015)
+    # 16 tokens at 0.1 ms each: predicted ITL 16.6 ms for the decode worker's 4 running sequences.
+    assert m.decide(PREFILL, 16, DECODE, 16, 4, ServiceLevel(itl_s=0.02)).kind == LOCAL_SHORT
+    assert m.decide(PREFILL, 16, DECODE, 16, 4, ServiceLevel(itl_s=0.01)).kind == REMOTE
+    assert m.decide(PREFILL, 16, DECODE, 16, 0, ServiceLevel(itl_s=0.01)).kind == LOCAL_SHORT  # nothing runs there
+    assert m.decide(PREFILL, 16, DECODE, 16, 4, NONE).kind == LOCAL_SHORT  # no objective: the threshold rules
+    assert model(adaptive=False).decide(PREFILL, 16, DECODE, 16, 4, ServiceLevel(itl_s=1e-6)).kind == LOCAL_SHORT
+    unmeasured = model(decode_s_per_token=None)  # its local prefills are what measures the decode worker
+    assert unmeasured.decide(PREFILL, 16, DECODE, 16, 4, ServiceLevel(itl_s=1e-6)).kind == LOCAL_SHORT
+
+
 def test_a_static_split_keeps_every_prefill_remote_but_the_overrides():
     m = model(adaptive=False)
     m.started(PREFILL, 3000)  # the backlog that borrows an idle decode worker in adaptive placement
