@@ -82,11 +82,25 @@ def enabled() -> bool:
 
 
 def span(name: str, attributes: Mapping[str, Any] | None = None):
-    """A context manager: a span named ``name``, the current one inside, ended at exit (an
-    exception marks it ERROR); it yields the span, or ``None`` while tracing is off."""
+    """A context manager: a span named ``name``, the current one inside, ended at exit; it
+    yields the span, or ``None`` while tracing is off. An exception marks it ERROR, described by
+    its message alone (OpenTelemetry's default puts the class name first, internal classes
+    included); its type and traceback are in the span's exception event."""
     if _tracer is None:
         return _NO_SPAN
-    return _tracer.start_as_current_span(name, attributes=attributes)
+    return _described(_tracer.start_as_current_span(name, attributes=attributes, set_status_on_exception=False))
+
+
+@contextlib.contextmanager
+def _described(started):
+    from opentelemetry.trace import Status, StatusCode
+
+    with started as current:
+        try:
+            yield current
+        except Exception as exc:
+            current.set_status(Status(StatusCode.ERROR, str(exc) or type(exc).__name__))
+            raise
 
 
 def annotate(attributes: Mapping[str, Any], target=None) -> None:

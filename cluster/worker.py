@@ -135,6 +135,7 @@ class WorkerServer:
         self._heartbeat = None
         self._redis = None
         self._shutdown_task: asyncio.Task[None] | None = None
+        self._shutting_down = False
         self._stopped = asyncio.Event()
         self._drain = True
         self.exit_code = 0
@@ -231,10 +232,13 @@ class WorkerServer:
         self.request_shutdown()
 
     async def shutdown(self) -> None:
-        """Drain and stop (idempotent; see the module docstring for the order)."""
-        if not self.servicer.admission.open:
+        """Drain and stop (idempotent: a later call waits for the first to finish; see the module
+        docstring for the order). Admission closed beforehand, from outside, is not a shutdown
+        begun: the drain and the stop still run."""
+        if self._shutting_down:
             await self._stopped.wait()
             return
+        self._shutting_down = True
         self.servicer.admission.open = False
         if self._scaffold is not None:
             await shutdown_step("health NOT_SERVING", self._scaffold.health.shutdown())

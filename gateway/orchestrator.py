@@ -40,7 +40,7 @@ but the Decode stream gets its hop timeout or the client's deadline, whichever i
 Decode stream gets the client's deadline and ``decode_stall_timeout_s`` between messages.
 Decode capacity (``NoCapacityError`` or Admit's RESOURCE_EXHAUSTED) is waited for
 up to ``admit_wait_s`` with backoff, a small admission queue, then answered
-RESOURCE_EXHAUSTED.
+RESOURCE_EXHAUSTED (DEADLINE_EXCEEDED when the client's deadline comes first).
 """
 
 from __future__ import annotations
@@ -326,7 +326,8 @@ class Orchestrator:
                 level = logging.DEBUG if code == grpc.StatusCode.RESOURCE_EXHAUSTED else logging.WARNING
                 logger.log(level, "%s failed on %s: %s %s", failure.stage, _workers(route), code.name,
                            failure.details)
-                if code == grpc.StatusCode.RESOURCE_EXHAUSTED and await capacity.wait(time_left):
+                if code == grpc.StatusCode.RESOURCE_EXHAUSTED:
+                    await capacity.wait(time_left, _status_from_worker(failure))
                     continue
                 if (failure.worker_fault or code in _RETRYABLE) and retries < self.max_retries \
                         and not _expired(time_left):
@@ -348,8 +349,8 @@ class Orchestrator:
             except NoWorkerError as exc:
                 raise StatusError(grpc.StatusCode.UNAVAILABLE, str(exc)) from exc
             except NoCapacityError as exc:
-                if not await capacity.wait(time_left):
-                    raise StatusError(grpc.StatusCode.RESOURCE_EXHAUSTED, f"over capacity: {exc}") from exc
+                overload = StatusError(grpc.StatusCode.RESOURCE_EXHAUSTED, f"over capacity: {exc}")
+                await capacity.wait(time_left, overload)
 
     async def _admit_and_prefill(self, attempt: _Attempt, prompt, sampling, pool: WorkerConfig, time_left,
                                  slo: ServiceLevel) -> worker_pb2.PrefillResponse | None:
@@ -637,17 +638,28 @@ class _Backoff:
         self.deadline: float | None = None
         self.delay = 0.02
 
-    async def wait(self, time_left: Callable[[], float | None]) -> bool:
-        """Sleep before the next try; False (no sleep) when the budget or the client's deadline is spent."""
+    async def wait(self, time_left: Callable[[], float | None], overload: StatusError) -> None:
+        """Sleep before the next try.
+
+        Args:
+            time_left: seconds until the client's deadline (``None``: none).
+            overload: the RESOURCE_EXHAUSTED the client gets once the budget is spent.
+
+        Raises:
+            StatusError: ``overload`` (no sleep) when the budget ends before the next try;
+                DEADLINE_EXCEEDED, naming the overload, when the client's deadline comes first.
+        """
         now = time.monotonic()
         self.deadline = self.deadline or now + self.total_s
-        remaining = _timeout(time_left)
-        if now + self.delay >= self.deadline or (remaining is not None and remaining < self.delay):
-            return False
+        budget_s, client_s = self.deadline - now, _timeout(time_left)
+        if client_s is not None and client_s < min(self.delay, budget_s):
+            raise StatusError(grpc.StatusCode.DEADLINE_EXCEEDED,
+                              f"waited for capacity until the client's deadline: {overload.message}")
+        if budget_s <= self.delay:
+            raise overload
         with metrics.WAITING.track_inprogress(), tracing.span("wait_for_capacity", {"tandem.wait_s": self.delay}):
             await asyncio.sleep(self.delay)
         self.delay = min(self.delay * 2, 0.5)
-        return True
 
 
 async def _chain(first: list, call, next_message) -> AsyncIterator:

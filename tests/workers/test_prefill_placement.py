@@ -1,12 +1,14 @@
 """Placement through a real gateway in front of a real worker pair: a request placed on the
 decode worker is prefilled there (no KV moves) and gets the same tokens as one prefilled on
 the prefill worker; a request's own objectives override the gateway's; bad objectives are
-refused naming the field."""
+refused naming the field; with its only prefill worker refusing work (draining), a request is
+prefilled on the decode worker within its deadline."""
 
 from __future__ import annotations
 
 import asyncio
 import random
+import time
 
 import grpc
 import pytest
@@ -76,6 +78,32 @@ def test_requests_are_placed_by_predicted_ttft_and_their_own_objectives(engines)
                 placement.ended(prefill_id, BACKLOG)
                 assert placement.queued(prefill_id) == 0
             assert await p.decode.engine.num_free_blocks() == start
+
+    asyncio.run(main())
+
+
+def test_a_request_whose_only_prefill_worker_is_draining_is_prefilled_on_the_decode_worker(engines):
+    """The prefill worker's admission is closed, as a draining worker's is: its Prefill answers
+    UNAVAILABLE and the retry prefills on the decode worker, well within the client's 20 s
+    deadline, holding no block afterwards; the draining worker still shuts down at the end
+    (its shutdown waited forever for a drain nobody had started, and the test hung there)."""
+    prompt = [random.Random(5).randrange(1000, 40000) for _ in range(100)]
+
+    async def main():
+        async with gateway_over(engines) as (p, gateway, address):
+            start = (await p.prefill.engine.num_free_blocks(), await p.decode.engine.num_free_blocks())
+            p.prefill.server.servicer.admission.open = False
+            local_prefills = p.decode.server.metrics.local_prefills._value.get()
+            async with grpc.aio.insecure_channel(address) as channel:
+                stub = gateway_pb2_grpc.GatewayStub(channel)
+                messages = [m async for m in stub.Generate(_request(prompt), timeout=20)]
+            assert messages[-1].usage.completion_tokens == 8
+            assert p.decode.server.metrics.local_prefills._value.get() == local_prefills + 1
+            # The Aborts of the failed try go out in the background.
+            deadline = time.monotonic() + 10
+            while (await p.prefill.engine.num_free_blocks(), await p.decode.engine.num_free_blocks()) != start:
+                assert time.monotonic() < deadline, "blocks not freed"
+                await asyncio.sleep(0.05)
 
     asyncio.run(main())
 

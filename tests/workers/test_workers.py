@@ -351,6 +351,34 @@ def test_shutdown_drains_in_flight_and_refuses_new_work(engines, key_prefix, red
     asyncio.run(main())
 
 
+def test_shutdown_after_admission_was_closed_from_outside_drains_and_stops(engines):
+    """A worker whose admission was closed before its shutdown began (as a draining worker's
+    is) still shuts down: the stream in flight finishes, then the server stops (the shutdown
+    took the closed admission for a shutdown already under way and waited for it forever)."""
+    async def main():
+        async with pair(engines) as p:
+            prompt = list(range(400, 440))
+            sampling = gateway_pb2.SamplingParams(max_tokens=24, temperature=0, ignore_eos=True)
+            admit = await p.decode.stub.Admit(worker_pb2.AdmitRequest(request_id="closed", prompt_token_ids=prompt))
+            pre = await p.prefill.stub.Prefill(worker_pb2.PrefillRequest(
+                request_id="closed", prompt_token_ids=prompt, sampling=sampling, destination=destination_of(p, admit)))
+            call = p.decode.stub.Decode(worker_pb2.DecodeRequest(
+                request_id="closed", reservation_id=admit.reservation_id, prompt_token_ids=prompt,
+                first_token_ids=[pre.first_tokens[0].token_id], sampling=sampling))
+            last = await call.read()
+            generated = list(last.token_ids)
+            p.decode.server.servicer.admission.open = False
+            shutdown = asyncio.create_task(p.decode.server.shutdown())
+            while (msg := await call.read()) != grpc.aio.EOF:  # the stream in flight finishes
+                generated.extend(msg.token_ids)
+                last = msg
+            assert len(generated) == 23 and last.finish_reason == gateway_pb2.FINISH_REASON_LENGTH
+            # The drain (drain_timeout_s 5 s) and each close step are bounded: 60 s is far beyond them.
+            await asyncio.wait_for(shutdown, 60)
+
+    asyncio.run(main())
+
+
 def test_engine_failure_fails_the_request_not_the_thread(engines, monkeypatch):
     decode = engines[1]
     free = decode.num_free_blocks
