@@ -18,7 +18,11 @@ moves KV from a TP=2 prefill worker to a TP=1 decode worker (each decode rank re
 from the prefill ranks that hold them; the gRPC stream carries whole blocks).
 
 Metrics (``kv_transfer``): ``nixl_gbps_{16,256,2048}_blocks``, ``grpc_gbps_...``, ``copy_gbps``
-(GB/s = 1e9 bytes/s of KV moved); the workload names both sides' devices (their TP sizes).
+(GB/s = 1e9 bytes/s of KV moved), and where a transfer's time goes, medians in ms:
+``{transport}_open_ms_{n}_blocks`` (the stream's opening message: off the time to first token
+in a worker, which opens it before the prefill), ``..._send_ms_...`` (the blocks announced or
+written) and ``..._finish_ms_...`` (until the receiver's acknowledgement: with NIXL the read
+itself); the workload names both sides' devices (their TP sizes).
 
 Usage: ``python bench/kv_transfer.py [--device cuda|cpu] [--peer-device cuda:1] [--repeats 5]``
 """
@@ -128,18 +132,24 @@ async def measure(address: str, pool: KVPool, nixl: NixlAgent, repeats: int,
     for transport in ("nixl", "grpc"):
         sender = GrpcKVSender(lambda _: channel, transports=[transport], nixl=nixl, verify_checksums=verify_checksums)
         for count in block_counts:
-            times = []
+            times, phases = [], []
             for repeat in range(repeats + 1):  # the first is a warm-up (connection, registration)
                 rid = f"{transport}-{count}-{repeat}"
                 admit = await stub.Admit(worker_pb2.AdmitRequest(request_id=rid, prompt_token_ids=[0] * count * BLOCK_SIZE))
                 destination = KVDestination(address, admit.reservation_id, kv_transports=tuple(admit.kv_transports))
                 start = time.perf_counter()
                 async with sender.open(destination, rid) as transfer:
+                    opened = time.perf_counter()
                     await transfer.send(pool, 0, list(range(count)))
+                    sent = time.perf_counter()
                     await transfer.finish()
                 times.append(time.perf_counter() - start)
+                phases.append((opened - start, sent - opened, times[-1] - (sent - start)))
                 await stub.Abort(worker_pb2.AbortRequest(request_id=rid))
             metrics[f"{transport}_gbps_{count}_blocks"] = round(count * block_nbytes / statistics.median(times[1:]) / 1e9, 3)
+            for i, phase in enumerate(("open", "send", "finish")):
+                metrics[f"{transport}_{phase}_ms_{count}_blocks"] = round(
+                    statistics.median(p[i] for p in phases[1:]) * 1e3, 3)
             print(f"{transport:>5} {count:>5} blocks: {metrics[f'{transport}_gbps_{count}_blocks']:8.2f} GB/s", flush=True)
     await channel.close()
     return metrics

@@ -240,6 +240,7 @@ def test_abort_and_cancel_during_prefill_free_blocks(engines):
     async def main():
         async with pair(engines) as p:
             start = await p.prefill.engine.num_free_blocks()
+            decode_start = await p.decode.engine.num_free_blocks()
             for how in ("abort", "cancel"):
                 rid = f"prefill-{how}"
                 admit = await p.decode.stub.Admit(worker_pb2.AdmitRequest(request_id=rid, prompt_token_ids=prompt))
@@ -261,6 +262,8 @@ def test_abort_and_cancel_during_prefill_free_blocks(engines):
                 # ended with it: the decode worker has already freed the reservation.
                 await until(lambda: len(p.decode.server.servicer.table) == 0)
                 assert not (await p.decode.stub.Abort(worker_pb2.AbortRequest(request_id=rid))).found
+                # Its blocks go back once a read in flight has ended (after the table forgot it).
+                await until(lambda: engines[1].num_free_blocks == decode_start)
 
     asyncio.run(main())
 
