@@ -57,19 +57,26 @@ def destination_of(p, admit: worker_pb2.AdmitResponse) -> worker_pb2.KVDestinati
                                     kv_transports=admit.kv_transports)
 
 
-async def generate(p, request_id: str, prompt: list[int], sampling: gateway_pb2.SamplingParams):
-    """What the gateway does: Admit, Prefill into the reservation, Decode; returns
-    (first tokens, per-sample decoded token ids, per-sample finish reasons, prefill response)."""
+async def start_decode(p, request_id: str, prompt: list[int], sampling: gateway_pb2.SamplingParams):
+    """What the gateway does: Admit, Prefill into the reservation, then open the Decode stream;
+    returns (the prefill response, the Decode call)."""
     admit = await p.decode.stub.Admit(worker_pb2.AdmitRequest(request_id=request_id, prompt_token_ids=prompt))
-    destination = destination_of(p, admit)
     pre = await p.prefill.stub.Prefill(worker_pb2.PrefillRequest(
-        request_id=request_id, prompt_token_ids=prompt, sampling=sampling, destination=destination))
+        request_id=request_id, prompt_token_ids=prompt, sampling=sampling, destination=destination_of(p, admit)))
+    call = p.decode.stub.Decode(worker_pb2.DecodeRequest(
+        request_id=request_id, reservation_id=admit.reservation_id, prompt_token_ids=prompt,
+        first_token_ids=[t.token_id for t in pre.first_tokens], sampling=sampling))
+    return pre, call
+
+
+async def generate(p, request_id: str, prompt: list[int], sampling: gateway_pb2.SamplingParams):
+    """:func:`start_decode`, read to its end; returns (first tokens, per-sample decoded token
+    ids, per-sample finish reasons, prefill response)."""
+    pre, call = await start_decode(p, request_id, prompt, sampling)
     first = [t.token_id for t in pre.first_tokens]
     n = len(first)
     tokens, reasons = [[] for _ in range(n)], [None] * n
-    async for msg in p.decode.stub.Decode(worker_pb2.DecodeRequest(
-            request_id=request_id, reservation_id=admit.reservation_id, prompt_token_ids=prompt,
-            first_token_ids=first, sampling=sampling)):
+    async for msg in call:
         assert reasons[msg.index] is None, "message after a sample's last one"
         assert len(msg.logprobs) == len(msg.token_ids)
         tokens[msg.index].extend(msg.token_ids)
@@ -214,13 +221,7 @@ def test_cancelled_decode_stream_frees_blocks_within_a_second(engines):
             start = await p.decode.engine.num_free_blocks()
             prompt = list(range(100, 140))
             sampling = gateway_pb2.SamplingParams(max_tokens=500, temperature=0, ignore_eos=True)
-            admit = await p.decode.stub.Admit(worker_pb2.AdmitRequest(request_id="cancel", prompt_token_ids=prompt))
-            pre = await p.prefill.stub.Prefill(worker_pb2.PrefillRequest(
-                request_id="cancel", prompt_token_ids=prompt, sampling=sampling,
-                destination=destination_of(p, admit)))
-            call = p.decode.stub.Decode(worker_pb2.DecodeRequest(
-                request_id="cancel", reservation_id=admit.reservation_id, prompt_token_ids=prompt,
-                first_token_ids=[pre.first_tokens[0].token_id], sampling=sampling))
+            _, call = await start_decode(p, "cancel", prompt, sampling)
             received = 0
             async for msg in call:
                 received += len(msg.token_ids)
@@ -362,12 +363,7 @@ def test_shutdown_after_admission_was_closed_from_outside_drains_and_stops(engin
         async with pair(engines) as p:
             prompt = list(range(400, 440))
             sampling = gateway_pb2.SamplingParams(max_tokens=24, temperature=0, ignore_eos=True)
-            admit = await p.decode.stub.Admit(worker_pb2.AdmitRequest(request_id="closed", prompt_token_ids=prompt))
-            pre = await p.prefill.stub.Prefill(worker_pb2.PrefillRequest(
-                request_id="closed", prompt_token_ids=prompt, sampling=sampling, destination=destination_of(p, admit)))
-            call = p.decode.stub.Decode(worker_pb2.DecodeRequest(
-                request_id="closed", reservation_id=admit.reservation_id, prompt_token_ids=prompt,
-                first_token_ids=[pre.first_tokens[0].token_id], sampling=sampling))
+            _, call = await start_decode(p, "closed", prompt, sampling)
             last = await call.read()
             generated = list(last.token_ids)
             p.decode.server.servicer.admission.open = False
@@ -524,12 +520,7 @@ def test_a_drain_out_of_time_fails_its_streams_unavailable_and_frees_their_block
             start = engines[1].num_free_blocks
             prompt = list(range(300, 340))
             sampling = gateway_pb2.SamplingParams(max_tokens=400, temperature=0, ignore_eos=True)
-            admit = await p.decode.stub.Admit(worker_pb2.AdmitRequest(request_id="cut", prompt_token_ids=prompt))
-            pre = await p.prefill.stub.Prefill(worker_pb2.PrefillRequest(
-                request_id="cut", prompt_token_ids=prompt, sampling=sampling, destination=destination_of(p, admit)))
-            call = p.decode.stub.Decode(worker_pb2.DecodeRequest(
-                request_id="cut", reservation_id=admit.reservation_id, prompt_token_ids=prompt,
-                first_token_ids=[pre.first_tokens[0].token_id], sampling=sampling))
+            _, call = await start_decode(p, "cut", prompt, sampling)
             await call.read()
             await p.decode.server.shutdown()
             with pytest.raises(grpc.aio.AioRpcError) as err:
