@@ -134,11 +134,14 @@ def make_workload(name: str, num_requests: int, vocab_size: int, seed: int = 0) 
         later = [Request([], 64, conversation=c, turn=t, question=ids(rng.randint(32, 64)))
                  for t in (1, 2, 3) for c in range(num_requests)]
         return first + later
+    def decode_heavy() -> Request:
+        return Request(ids(rng.randint(128, 256)), 256, kind="decode_heavy")
+
     if name == "decode_heavy":
-        return [Request(ids(rng.randint(128, 256)), 256, kind="decode_heavy") for _ in range(num_requests)]
+        return [decode_heavy() for _ in range(num_requests)]
     if name == "interference":
-        return [Request(ids(rng.randint(128, 256)), 256, kind="decode_heavy") if i % 2 == 0
-                else Request(ids(rng.randint(3072, 4096)), 8, kind="long_prefill") for i in range(num_requests)]
+        return [decode_heavy() if i % 2 == 0 else Request(ids(rng.randint(3072, 4096)), 8, kind="long_prefill")
+                for i in range(num_requests)]
     raise ValueError(f"workload must be one of {WORKLOADS}, got {name!r}")
 
 

@@ -132,12 +132,13 @@ class PlacementModel:
         local_ttft = self.predict_ttft(decode_worker, local_tokens)
         if remote_worker is None:
             return Placement(LOCAL_ONLY, local_ttft)
-        if local_tokens <= self.local_prefill_max_tokens and not (
-                self.adaptive and slo.itl_s and self._breaks_itl(decode_worker, local_tokens, decode_running, slo.itl_s)):
+        breaks_itl = self.adaptive and slo.itl_s and self._breaks_itl(decode_worker, local_tokens, decode_running,
+                                                                         slo.itl_s)
+        if local_tokens <= self.local_prefill_max_tokens and not breaks_itl:
             return Placement(LOCAL_SHORT, local_ttft)
         remote_ttft = self.predict_ttft(remote_worker, remote_tokens)
-        if not self.adaptive or local_ttft is None or remote_ttft is None or not self._safe(decode_worker, local_tokens, decode_running,
-                                                                        slo.itl_s):
+        if not self.adaptive or local_ttft is None or remote_ttft is None \
+                or not self._safe(decode_worker, local_tokens, decode_running, slo.itl_s):
             return Placement(REMOTE, remote_ttft)
         if slo.ttft_s:
             local = remote_ttft > slo.ttft_s and (local_ttft <= slo.ttft_s or local_ttft < remote_ttft)
