@@ -112,16 +112,6 @@ def annotate(attributes: Mapping[str, Any], target=None) -> None:
     (target or trace.get_current_span()).set_attributes(attributes)
 
 
-def fail(target, description: str) -> None:
-    """Mark ``target`` (a span from :func:`span`, or ``None``) ERROR with ``description``, for a
-    failure that is handled (a try retried elsewhere) rather than raised through the span."""
-    if target is None:
-        return
-    from opentelemetry.trace import Status, StatusCode
-
-    target.set_status(Status(StatusCode.ERROR, description))
-
-
 def current_context():
     """The current trace context, for :func:`record`'s ``parent`` (``None`` while off)."""
     if _tracer is None:

@@ -310,12 +310,8 @@ class Orchestrator:
                 route = await self._choose(hashes, len(prompt), avoid, capacity, time_left)
             attempt = _Attempt(route, f"{request_id}-{uuid.uuid4().hex[:8]}", cache_salt)
             try:
-                with tracing.span("retry" if retries else "attempt", _trace_attributes(attempt, retries)) as tried:
-                    try:
-                        first = await self._admit_and_prefill(attempt, prompt, sampling, pool, time_left, slo)
-                    except _WorkerCallError as failure:
-                        tracing.fail(tried, str(failure))  # handled below: retried, waited or answered
-                        raise
+                with tracing.span("retry" if retries else "attempt", _trace_attributes(attempt, retries)):
+                    first = await self._admit_and_prefill(attempt, prompt, sampling, pool, time_left, slo)
                 return attempt, first
             except asyncio.CancelledError:
                 self._release(attempt, "client cancelled")
