@@ -198,15 +198,24 @@ class _ServerTracing(grpc.aio.ServerInterceptor):
 
         @contextlib.asynccontextmanager
         async def scope(context: grpc.aio.ServicerContext):
+            # The call's status describes the span, not the exception ``context.abort`` raises
+            # to end it (``AbortError: Locally aborted.``); another exception describes it itself.
             with _tracer.start_as_current_span(method, context=extract(metadata), kind=SpanKind.SERVER,
-                                               attributes={"rpc.system": "grpc", "rpc.method": method}) as server_span:
+                                               attributes={"rpc.system": "grpc", "rpc.method": method},
+                                               set_status_on_exception=False) as server_span:
+                escaped = None
                 try:
                     yield
+                except BaseException as exc:
+                    escaped = exc
+                    raise
                 finally:
                     code = context.code()
                     if code is not None and code != grpc.StatusCode.OK:
                         server_span.set_attribute("rpc.grpc.status_code", code.value[0])
                         server_span.set_status(Status(StatusCode.ERROR, f"{code.name}: {context.details() or ''}"))
+                    elif isinstance(escaped, Exception):
+                        server_span.set_status(Status(StatusCode.ERROR, str(escaped) or type(escaped).__name__))
 
         return wrap_handler(handler, scope=scope, check=_note_request_id)
 

@@ -130,6 +130,7 @@ def test_one_request_is_one_trace_across_gateway_prefill_transfer_and_decode(eng
     admits = failed_named["tandem.v1.DecodeWorker/Admit"]
     assert {s.parent.span_id for s in admits} == {t.context.span_id for t in tries}
     assert all(s.attributes["rpc.grpc.status_code"] == grpc.StatusCode.UNAVAILABLE.value[0] for s in admits)
+    assert all(s.status.description.startswith("UNAVAILABLE: ") for s in admits), [s.status.description for s in admits]
     assert failed_named["tandem.v1.Gateway/Generate"][0].status.status_code.name == "ERROR"
 
 
