@@ -24,7 +24,8 @@ in a worker, which opens it before the prefill), ``..._send_ms_...`` (the blocks
 written) and ``..._finish_ms_...`` (until the receiver's acknowledgement: with NIXL the read
 itself); the workload names both sides' devices (their TP sizes).
 
-Usage: ``python bench/kv_transfer.py [--device cuda|cpu] [--peer-device cuda:1] [--repeats 5]``
+Usage: ``python bench/kv_transfer.py [--device cuda|cpu] [--peer-device cuda:1] [--repeats 5]
+[--transports nixl]``
 """
 
 from __future__ import annotations
@@ -55,6 +56,7 @@ from protos.tandem.v1 import worker_pb2, worker_pb2_grpc  # noqa: E402
 
 BLOCK_COUNTS = (16, 256, 2048)
 BLOCK_SIZE = 16
+TRANSPORTS = ("nixl", "grpc")
 
 
 def make_pool(devices: str, num_blocks: int) -> KVPool:
@@ -123,13 +125,13 @@ def copy_gbps(device: str, peer_device: str, nbytes: int) -> float:
     return nbytes / statistics.median(times[1:]) / 1e9
 
 
-async def measure(address: str, pool: KVPool, nixl: NixlAgent, repeats: int,
-                  block_counts: tuple[int, ...], verify_checksums: bool) -> dict[str, float]:
+async def measure(address: str, pool: KVPool, nixl: NixlAgent, repeats: int, block_counts: tuple[int, ...],
+                  verify_checksums: bool, transports: tuple[str, ...]) -> dict[str, float]:
     channel = grpc.aio.insecure_channel(address, options=GRPC_MESSAGE_OPTIONS)
     stub = worker_pb2_grpc.DecodeWorkerStub(channel)
     block_nbytes = pool.layout.block_nbytes
     metrics = {}
-    for transport in ("nixl", "grpc"):
+    for transport in transports:
         sender = GrpcKVSender(lambda _: channel, transports=[transport], nixl=nixl, verify_checksums=verify_checksums)
         for count in block_counts:
             times, phases = [], []
@@ -156,8 +158,9 @@ async def measure(address: str, pool: KVPool, nixl: NixlAgent, repeats: int,
 
 
 def transfer_metrics(device: str, peer_device: str, repeats: int = 5,
-                     block_counts: tuple[int, ...] = BLOCK_COUNTS, verify_checksums: bool = False) -> dict[str, float]:
-    """Run the receiving process on ``peer_device`` and measure both transports and the copy
+                     block_counts: tuple[int, ...] = BLOCK_COUNTS, verify_checksums: bool = False,
+                     transports: tuple[str, ...] = TRANSPORTS) -> dict[str, float]:
+    """Run the receiving process on ``peer_device`` and measure ``transports`` and the copy
     ceiling (the metrics named in the module's docstring).
 
     Args:
@@ -182,7 +185,7 @@ def transfer_metrics(device: str, peer_device: str, repeats: int = 5,
         address = f"127.0.0.1:{line.split()[1]}"
         pool = make_pool(device, num_blocks)
         nixl = NixlAgent(f"bench-tx-{os.getpid()}", pool)
-        metrics = asyncio.run(measure(address, pool, nixl, repeats, block_counts, verify_checksums))
+        metrics = asyncio.run(measure(address, pool, nixl, repeats, block_counts, verify_checksums, transports))
         nixl.close()
     finally:
         receiver.terminate()
@@ -191,7 +194,7 @@ def transfer_metrics(device: str, peer_device: str, repeats: int = 5,
     del pool
     metrics["copy_gbps"] = round(copy_gbps(device.split(",")[0], peer_device.split(",")[0],
                                            max(block_counts) * block_nbytes), 3)
-    if 256 in block_counts:
+    if 256 in block_counts and {"nixl", "grpc"} <= set(transports):
         metrics["nixl_over_grpc_256_blocks"] = round(metrics["nixl_gbps_256_blocks"] / metrics["grpc_gbps_256_blocks"], 3)
     return metrics
 
@@ -204,6 +207,7 @@ def main() -> None:
     parser.add_argument("--repeats", type=int, default=5)
     parser.add_argument("--block-counts", default=",".join(map(str, BLOCK_COUNTS)),
                         help="blocks per transfer, comma-separated (each pool holds the largest)")
+    parser.add_argument("--transports", default=",".join(TRANSPORTS), help="comma-separated: nixl, grpc")
     parser.add_argument("--verify", action="store_true", help="check a CRC-32 of every transfer (slower; "
                                                               "not written under bench/results)")
     parser.add_argument("--serve", action="store_true", help="(internal) run the receiving process")
@@ -213,19 +217,21 @@ def main() -> None:
         asyncio.run(serve(args.device, max(block_counts), args.verify))
         return
     peer_device = args.peer_device or args.device
-    metrics = transfer_metrics(args.device, peer_device, args.repeats, block_counts, args.verify)
+    transports = tuple(args.transports.split(","))
+    metrics = transfer_metrics(args.device, peer_device, args.repeats, block_counts, args.verify, transports)
     if args.verify:
         return
     gpu = torch.cuda.get_device_name() if args.device.startswith("cuda") else None
     layout = make_pool("cpu", 1).layout
     sender_tp, receiver_tp = len(args.device.split(",")), len(peer_device.split(","))
     workload = {"block_shape": list(layout.block_shape), "dtype": "bfloat16", "block_bytes": layout.block_nbytes,
-                "block_counts": list(block_counts), "repeats": args.repeats, "device": args.device,
+                "block_counts": list(block_counts), "repeats": args.repeats, "transports": list(transports), "device": args.device,
                 "peer_device": peer_device, "sender_tensor_parallel_size": sender_tp,
                 "receiver_tensor_parallel_size": receiver_tp, "processes": 2}
     keys = {"gpu": gpu} if gpu else {"machine": machine()}
     tag = (gpu.lower().replace(" ", "-") if gpu else "cpu") + (f"-tp{sender_tp}to{receiver_tp}"
-                                                               if (sender_tp, receiver_tp) != (1, 1) else "")
+                                                               if (sender_tp, receiver_tp) != (1, 1) else
+                                                               "-peer" if peer_device != args.device else "")
     write_result("kv_transfer", metrics, workload, tag=tag, model="llama-3-8b", **keys)
 
 

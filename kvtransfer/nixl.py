@@ -30,10 +30,12 @@ from the event loop while a stream of its is open, and a few seconds after
 from __future__ import annotations
 
 import asyncio
+import concurrent.futures
 import contextlib
 import itertools
 import logging
 import os
+import time
 from collections.abc import Sequence
 from dataclasses import dataclass
 
@@ -47,18 +49,18 @@ from protos.tandem.v1 import kvtransfer_pb2
 
 logger = logging.getLogger(__name__)
 
-# A read's completion is polled from the event loop with sleeps growing from _POLL_MIN_S to
-# _POLL_MAX_S. asyncio's selector waits in whole milliseconds (epoll's timeout), so each sleep
-# lasts ~1.1 ms when nothing else wakes the loop: on one H100 a 256-block (512 MiB) read took
-# 1.37 ms from its start to the poll that saw it done, where a copy takes 0.38 ms. Spinning the
-# loop instead (sleep(0)) was tried and dropped: it contends for the GIL with the engine
-# thread's steps for the whole read. A wait off the event loop, or a completion the loop can
-# select on, is the way to a finer one.
-_POLL_MIN_S, _POLL_MAX_S = 20e-6, 5e-4
-# A sender's agent is progressed every _SERVE_POLL_S (~1.1 ms in effect, as above) while a
-# reader may be reading from it: while one of its streams is open, and this long after the last
-# one closed (a stream cancelled mid-read leaves the reader's read in flight, holding its
-# destination blocks until it completes).
+# A read's completion is polled with sleeps growing from _POLL_MIN_S to _POLL_MAX_S, slept off
+# the event loop (_poll_sleep): the loop's own timed waits are whole milliseconds (epoll's
+# timeout; asyncio.sleep(20e-6) lasts ~1.1 ms), which on one H100 let a 256-block (512 MiB)
+# read, bytes a copy moves in 0.38 ms, be seen done 1.37 ms after its start. Spinning the loop
+# instead (sleep(0)) was tried and dropped: it contends for the GIL with the engine thread's
+# steps for the whole read, where a poll thread takes it once per poll.
+_POLL_MIN_S, _POLL_MAX_S = 20e-6, 2e-4
+_POLL_THREADS = concurrent.futures.ThreadPoolExecutor(max_workers=8, thread_name_prefix="nixl-poll")
+# A sender's agent is progressed every _SERVE_POLL_S (~1.1 ms in effect: the loop's own sleep)
+# while a reader may be reading from it: while one of its streams is open, and this long after
+# the last one closed (a stream cancelled mid-read leaves the reader's read in flight, holding
+# its destination blocks until it completes).
 _SERVE_POLL_S = 2e-4
 _SERVE_LINGER_S = 5.0
 
@@ -91,21 +93,18 @@ class _Peer:
     ranks: tuple[tuple[int, int, int, int], ...]
 
 
-def coalesce(local: Sequence[int], remote: Sequence[int], lengths: Sequence[int]) -> list[tuple[int, int, int]]:
+def coalesce(local: Sequence[int], remote: Sequence[int], lengths: Sequence[int]) -> tuple[np.ndarray, ...]:
     """Merge byte-range copies ``remote[i] -> local[i]`` of ``lengths[i]`` bytes into runs
     adjacent on both sides (a block-major pool makes runs of blocks adjacent in both pools one
     span; the block pool allocates in runs where it can).
 
     Returns:
-        ``(local, remote, length)`` per run, in order.
+        ``(local, remote, lengths)`` of the runs, in order: uint64 arrays ``[num_runs]``.
     """
-    runs: list[list[int]] = []
-    for dst, src, n in zip(local, remote, lengths):
-        if runs and dst == runs[-1][0] + runs[-1][2] and src == runs[-1][1] + runs[-1][2]:
-            runs[-1][2] += n
-        else:
-            runs.append([dst, src, n])
-    return [tuple(run) for run in runs]
+    local, remote, lengths = (np.asarray(a, dtype=np.uint64) for a in (local, remote, lengths))
+    joins = (local[1:] == local[:-1] + lengths[:-1]) & (remote[1:] == remote[:-1] + lengths[:-1])
+    starts = np.flatnonzero(np.concatenate([[len(local) > 0], ~joins]))
+    return local[starts], remote[starts], np.add.reduceat(lengths, starts) if len(starts) else lengths
 
 
 class NixlAgent:
@@ -215,7 +214,7 @@ class NixlAgent:
         """
         head = self.pool.head_nbytes
         src, dst = np.asarray(src_blocks, dtype=np.uint64), np.asarray(dst_blocks, dtype=np.uint64)
-        local, remote = [], []
+        local, remote = [np.empty((0, 3), dtype=np.uint64)], [np.empty((0, 3), dtype=np.uint64)]
         for part in self.pool.ranks:
             first, last = part.first_head, part.first_head + part.num_heads
             for base, device_id, src_first, src_heads in peer.ranks:
@@ -224,10 +223,10 @@ class NixlAgent:
                     continue
                 dst_addr = part.tensor.data_ptr() + dst * (part.num_heads * head) + (low - first) * head
                 src_addr = base + src * (src_heads * head) + (low - src_first) * head
-                for d, s, n in coalesce(dst_addr.tolist(), src_addr.tolist(), [(high - low) * head] * len(src)):
-                    local.append((d, n, _device_id(part.tensor)))
-                    remote.append((s, n, device_id))
-        return np.array(local, dtype=np.uint64), np.array(remote, dtype=np.uint64)
+                d, s, n = coalesce(dst_addr, src_addr, np.full(len(src), (high - low) * head, dtype=np.uint64))
+                local.append(np.stack([d, n, np.full_like(d, _device_id(part.tensor))], axis=1))
+                remote.append(np.stack([s, n, np.full_like(s, device_id)], axis=1))
+        return np.concatenate(local), np.concatenate(remote)
 
     async def read(self, peer: _Peer, src_blocks: Sequence[int], dst_blocks: Sequence[int]) -> None:
         """Copy ``peer``'s blocks ``src_blocks[i]`` into this pool's ``dst_blocks[i]``, each of
@@ -252,7 +251,7 @@ class NixlAgent:
         try:
             state, delay = self.agent.transfer(handle), _POLL_MIN_S
             while state == "PROC":
-                await asyncio.sleep(delay)
+                await _poll_sleep(delay)
                 delay = min(2 * delay, _POLL_MAX_S)
                 state = self.agent.check_xfer_state(handle)
         finally:
@@ -267,6 +266,13 @@ class NixlAgent:
         self._peers.clear()
         for registration in self._registrations:
             self.agent.deregister_memory(registration)
+
+
+async def _poll_sleep(seconds: float) -> None:
+    """Sleep ``seconds`` (tens of microseconds and up) with the kernel's timer resolution: in a
+    thread of ``_POLL_THREADS``, which wakes the event loop through its self-pipe when done.
+    Hand-written because asyncio's own timers are whole milliseconds here (above)."""
+    await asyncio.get_running_loop().run_in_executor(_POLL_THREADS, time.sleep, seconds)
 
 
 def _device_id(tensor: torch.Tensor) -> int:

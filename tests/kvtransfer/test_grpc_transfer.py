@@ -383,8 +383,10 @@ def agent(pool: KVPool) -> NixlAgent:
 
 
 def test_runs_adjacent_on_both_sides_coalesce() -> None:
-    assert coalesce([50, 60, 70, 10, 20], [30, 40, 50, 90, 0], [10] * 5) == [(50, 30, 30), (10, 90, 10), (20, 0, 10)]
-    assert coalesce([], [], []) == []
+    runs = coalesce([50, 60, 70, 10, 20], [30, 40, 50, 90, 0], [10] * 5)
+    assert [r.tolist() for r in runs] == [[50, 10, 20], [30, 90, 0], [30, 10, 10]]
+    assert [r.tolist() for r in coalesce([], [], [])] == [[], [], []]
+    assert [r.tolist() for r in coalesce([7], [9], [3])] == [[7], [9], [3]]
 
 
 @pytest.mark.parametrize("ranks", [(1, 1), (2, 1), (1, 2), (2, 4), (4, 2)])
