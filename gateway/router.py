@@ -43,7 +43,7 @@ import logging
 import random
 import time
 from collections import Counter
-from collections.abc import Callable, Mapping, Sequence
+from collections.abc import Awaitable, Callable, Mapping, Sequence
 from dataclasses import dataclass
 from typing import Protocol
 
@@ -277,6 +277,11 @@ class ClusterView:
         policy: routing knobs.
         rng: tie-breaking randomness (seed it in tests).
         outliers: workers to avoid now (down or ejected, :mod:`gateway.outlier`); default: none.
+        load_probe: reads a worker's load from the worker itself (``None``: it did not answer);
+            while the directory is unreachable, :meth:`refresh` reads the last-known workers'
+            loads with it, so that a load published just before an outage (a pool full after a
+            burst, say) does not hold for the whole outage. Default: none (loads stay as last
+            published).
     """
 
     def __init__(
@@ -287,12 +292,14 @@ class ClusterView:
         policy: RoutingPolicy = RoutingPolicy(),
         rng: random.Random | None = None,
         outliers: OutlierDetector | None = None,
+        load_probe: Callable[[WorkerInfo], Awaitable[WorkerLoad | None]] | None = None,
     ) -> None:
         self.registry = registry
         self.outliers = outliers or OutlierDetector()
         self.index = index
         self.model_id = model_id
         self.policy = policy
+        self.load_probe = load_probe
         self._rng = rng or random.Random()
         self._workers: dict[Role, list[WorkerInfo]] = {role: [] for role in Role}
         self._emptied_at: dict[Role, float] = {}
@@ -337,6 +344,8 @@ class ClusterView:
             if not self._degraded:
                 logger.warning("Redis unreachable (%s): routing on last-known workers and load only", exc)
             self._degraded = True
+            if self.load_probe is not None:
+                await self._probe_loads(in_flight)
             return
         if self._degraded:
             logger.info("Redis reachable again: prefix-aware routing resumes")
@@ -354,6 +363,16 @@ class ClusterView:
                 self._workers[role] = workers
             elif now - self._emptied_at.setdefault(role, now) >= self.registry.ns.ttl_s:
                 self._workers[role] = []
+        self._in_flight.mark_refresh(in_flight)
+
+    async def _probe_loads(self, in_flight: tuple[Counter[str], Counter[str]]) -> None:
+        """Read the last-known workers' loads from the workers (one that does not answer keeps
+        its last-known load); ``in_flight`` was taken before the reads."""
+        for role in Role:
+            known = self._workers[role]
+            loads = await asyncio.gather(*(self.load_probe(w) for w in known))
+            self._workers[role] = [w if load is None else dataclasses.replace(w, load=load)
+                                   for w, load in zip(known, loads)]
         self._in_flight.mark_refresh(in_flight)
 
     def _accept(self, workers: list[WorkerInfo]) -> list[WorkerInfo]:

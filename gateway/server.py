@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import functools
 import logging
 import signal
 import time
@@ -317,9 +318,11 @@ class Gateway:
         if s.redis_url:
             from cluster.prefix_index import PrefixIndex
 
+            from gateway.static_cluster import probe_load
+
             self._redis = redis_client(s.redis_url, password=s.redis_password, tls_ca=s.redis_tls_ca)
             return ClusterView(WorkerRegistry(self._redis, ns), PrefixIndex(self._redis, ns), self.model.model_id,
-                               outliers=outliers)
+                               outliers=outliers, load_probe=functools.partial(probe_load, self._clients))
         from gateway.static_cluster import RoutedPrefixIndex, StaticRegistry
 
         logger.warning("no Redis configured: static workers prefill=%s decode=%s, in-process prefix index "

@@ -5,6 +5,8 @@ without a registry and the gateway is given their addresses. :class:`StaticRegis
 in for ``WorkerRegistry`` under the unchanged ``ClusterView`` (same in-flight accounting and
 picks); :class:`RoutedPrefixIndex` stands in for the Redis prefix index, built from the
 gateway's own routing decisions, so prefix-aware routing keeps working approximately.
+With Redis, :func:`probe_load` reads the last-known workers' loads the same way while Redis is
+unreachable.
 """
 
 from __future__ import annotations
@@ -51,13 +53,36 @@ class StaticRegistry:
         return [w for w in found if w is not None]
 
     async def _probe(self, role: Role, address: str) -> WorkerInfo | None:
-        stub = self.clients.prefill(address) if role == Role.PREFILL else self.clients.decode(address)
-        try:
-            stats = await stub.GetStats(worker_pb2.GetStatsRequest(), timeout=_STATS_TIMEOUT_S)
-        except grpc.aio.AioRpcError:
+        stats = await worker_stats(self.clients, role, address)
+        if stats is None:
             return None
-        load = WorkerLoad(stats.num_running, stats.num_waiting, stats.num_free_blocks, stats.num_total_blocks)
-        return WorkerInfo(static_worker_id(role, address), role, address, worker_config_from_proto(stats.config), load)
+        return WorkerInfo(static_worker_id(role, address), role, address, worker_config_from_proto(stats.config),
+                          load_of(stats))
+
+
+async def worker_stats(clients, role: Role, address: str) -> worker_pb2.WorkerStats | None:
+    """A worker's ``GetStats`` answer (``None``: it did not answer within ``_STATS_TIMEOUT_S``).
+
+    Args:
+        clients: ``orchestrator.WorkerClients``.
+    """
+    stub = clients.prefill(address) if role == Role.PREFILL else clients.decode(address)
+    try:
+        return await stub.GetStats(worker_pb2.GetStatsRequest(), timeout=_STATS_TIMEOUT_S)
+    except grpc.aio.AioRpcError:
+        return None
+
+
+def load_of(stats: worker_pb2.WorkerStats) -> WorkerLoad:
+    """The load a ``GetStats`` answer reports."""
+    return WorkerLoad(stats.num_running, stats.num_waiting, stats.num_free_blocks, stats.num_total_blocks)
+
+
+async def probe_load(clients, worker: WorkerInfo) -> WorkerLoad | None:
+    """``worker``'s load read from the worker itself (``ClusterView``'s ``load_probe`` while
+    Redis is unreachable; ``None``: it did not answer)."""
+    stats = await worker_stats(clients, worker.role, worker.address)
+    return None if stats is None else load_of(stats)
 
 
 class RoutedPrefixIndex:

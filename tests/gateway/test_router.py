@@ -291,6 +291,43 @@ def test_redis_outage_degrades_to_last_known_state_and_recovers(private_redis):
     asyncio.run(main())
 
 
+def test_during_an_outage_loads_are_read_from_the_workers_themselves(private_redis):
+    """A pool published full just before Redis went away (a burst's last heartbeat) is routable
+    again once the workers say they have room: the view reads their loads with its probe; a worker
+    that does not answer keeps its last-known load."""
+    async def main():
+        ns = ClusterNamespace("test-outage-probe", ttl_s=1.0)
+        worker_client, gateway_client = redis_client(private_redis.url, 0.2), redis_client(private_redis.url, 0.2)
+        registry = WorkerRegistry(worker_client, ns)
+        decode = WorkerInfo("d0", Role.DECODE, "d0:5000", CONFIG, WorkerLoad(free_blocks=0, total_blocks=64))
+        await registry.heartbeat(decode)
+        answers = {"d0": WorkerLoad(free_blocks=64, total_blocks=64)}
+
+        async def probe(worker: WorkerInfo) -> WorkerLoad | None:
+            return answers.get(worker.worker_id)
+
+        view = ClusterView(WorkerRegistry(gateway_client, ns), PrefixIndex(gateway_client, ns), CONFIG.model_id,
+                           load_probe=probe)
+        await view.refresh()
+        with pytest.raises(NoCapacityError):
+            await view.choose(H, len(PROMPT))
+        private_redis.kill()
+        answers.clear()  # d0 does not answer: its last-known load holds
+        await view.refresh()
+        assert view.degraded
+        with pytest.raises(NoCapacityError):
+            await view.choose(H, len(PROMPT))
+        answers["d0"] = WorkerLoad(free_blocks=64, total_blocks=64)
+        await view.refresh()
+        route = await view.choose(H, len(PROMPT))
+        assert route.decode.worker_id == "d0" and route.decode.load.free_blocks == 64  # as the worker said
+        private_redis.start()
+        await worker_client.aclose()
+        await gateway_client.aclose()
+
+    asyncio.run(main())
+
+
 def test_in_process_index_learns_from_routing_when_there_is_no_redis(key_prefix, redis_url):
     """The no-Redis fallback: ``RoutedPrefixIndex`` remembers what the view routed where."""
     from gateway.static_cluster import RoutedPrefixIndex
