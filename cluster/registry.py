@@ -127,6 +127,9 @@ class WorkerConfig:
         kv_transports: the KV transports the worker moves blocks with, preferred first.
         quantization: how the worker holds the weights (``engine.config.QUANTIZATIONS``,
             resolved: ``"none"`` or ``"gguf"``); workers of a pool agree on it.
+        max_num_batched_tokens: tokens one engine step computes at most (its prefill chunk):
+            bounds how much a prefill on the worker stretches the step of its running sequences;
+            ``0``: not published.
     """
 
     model_id: str
@@ -138,23 +141,26 @@ class WorkerConfig:
     tensor_parallel_size: int = 1
     kv_transports: tuple[str, ...] = ("grpc",)
     quantization: str = "none"
+    max_num_batched_tokens: int = 0
 
     def differences(self, other: WorkerConfig) -> list[str]:
         """Names of the fields where ``other`` differs and may not: every field but
         ``max_model_len`` (workers with less KV memory may hold shorter sequences; a pool serves
-        the shortest of its workers' lengths) and the worker's own KV layout (tensor-parallel
-        size, transports: :func:`kv_pairing_problem` says which pairs can exchange KV)."""
+        the shortest of its workers' lengths), the step's token budget, and the worker's own KV
+        layout (tensor-parallel size, transports: :func:`kv_pairing_problem` says which pairs can
+        exchange KV)."""
         return [f.name for f in fields(self)
                 if f.name not in _PER_WORKER and getattr(self, f.name) != getattr(other, f.name)]
 
     def pool_key(self) -> WorkerConfig:
         """This config with the fields a pool's workers may differ in cleared: equal for every
         worker that can join the same pool."""
-        return replace(self, max_model_len=0, tensor_parallel_size=0, kv_transports=())
+        return replace(self, **{name: _CLEARED[name] for name in _PER_WORKER})
 
 
 # WorkerConfig fields in which the workers of a pool may differ.
-_PER_WORKER = ("max_model_len", "tensor_parallel_size", "kv_transports")
+_CLEARED = {"max_model_len": 0, "tensor_parallel_size": 0, "kv_transports": (), "max_num_batched_tokens": 0}
+_PER_WORKER = tuple(_CLEARED)
 
 
 def kv_pairing_problem(prefill: WorkerConfig, decode: WorkerConfig) -> str | None:
@@ -195,7 +201,7 @@ class WorkerInfo:
             "model_id": c.model_id, "block_size": c.block_size, "max_model_len": c.max_model_len,
             "kv_cache_dtype": c.kv_cache_dtype, "hash_seed": c.hash_seed.hex(), "vocab_size": c.vocab_size,
             "tensor_parallel_size": c.tensor_parallel_size, "kv_transports": ",".join(c.kv_transports),
-            "quantization": c.quantization,
+            "quantization": c.quantization, "max_num_batched_tokens": c.max_num_batched_tokens,
             "running": load.running, "waiting": load.waiting, "free_blocks": load.free_blocks,
             "total_blocks": load.total_blocks,
         }
@@ -210,7 +216,8 @@ class WorkerInfo:
         f = {k.decode(): v.decode() for k, v in zip(flat[::2], flat[1::2])}
         config = WorkerConfig(f["model_id"], int(f["block_size"]), int(f["max_model_len"]), f["kv_cache_dtype"],
                               bytes.fromhex(f["hash_seed"]), int(f["vocab_size"]), int(f["tensor_parallel_size"]),
-                              tuple(f["kv_transports"].split(",")), f["quantization"])
+                              tuple(f["kv_transports"].split(",")), f["quantization"],
+                              int(f.get("max_num_batched_tokens", 0)))  # (not in entries of older workers)
         load = WorkerLoad(int(f["running"]), int(f["waiting"]), int(f["free_blocks"]), int(f["total_blocks"]))
         return cls(f["worker_id"], Role(f["role"]), f["address"], config, load)
 

@@ -145,11 +145,12 @@ def worker_config_to_proto(config: WorkerConfig, role: Role) -> worker_pb2.Worke
         model_id=config.model_id, block_size=config.block_size, max_model_len=config.max_model_len,
         kv_cache_dtype=config.kv_cache_dtype, hash_seed=config.hash_seed, vocab_size=config.vocab_size,
         role=role.value, tensor_parallel_size=config.tensor_parallel_size, kv_transports=config.kv_transports,
-        quantization=config.quantization)
+        quantization=config.quantization, max_num_batched_tokens=config.max_num_batched_tokens)
 
 
 def worker_config_from_proto(msg: worker_pb2.WorkerConfig) -> WorkerConfig:
     """``tandem.v1.WorkerConfig`` → :class:`cluster.registry.WorkerConfig` (the role is dropped:
     the caller knows which pool it asked)."""
     return WorkerConfig(msg.model_id, msg.block_size, msg.max_model_len, msg.kv_cache_dtype, msg.hash_seed,
-                        msg.vocab_size, msg.tensor_parallel_size, tuple(msg.kv_transports), msg.quantization)
+                        msg.vocab_size, msg.tensor_parallel_size, tuple(msg.kv_transports), msg.quantization,
+                        msg.max_num_batched_tokens)

@@ -84,7 +84,7 @@ def published_config(llm: LLMEngine, kv_transports: list[str]) -> WorkerConfig:
     the KV transports it moves blocks with."""
     return WorkerConfig(llm.model_id, llm.config.block_size, llm.max_model_len, llm.kv_cache_dtype,
                         llm.hash_seed, llm.vocab_size, llm.config.tensor_parallel_size, tuple(kv_transports),
-                        llm.quantization)
+                        llm.quantization, llm.config.max_num_batched_tokens)
 
 
 class WorkerServicer(Protocol):

@@ -365,7 +365,8 @@ class Orchestrator:
         local_tokens = len(prompt) - attempt.decode_cached_tokens
         remote_tokens = len(prompt) - route.cached_blocks * pool.block_size
         placement = self.placement.decide(route.prefill.worker_id if route.prefill else None, remote_tokens,
-                                          route.decode.worker_id, local_tokens, route.decode.load.running, slo)
+                                          route.decode.worker_id, local_tokens, route.decode.load.running, slo,
+                                          route.decode.config.max_num_batched_tokens)
         metrics.PLACEMENTS.labels(placement.kind).inc()
         tracing.annotate({"tandem.placement": placement.kind})
         if placement.local:

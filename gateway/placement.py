@@ -16,8 +16,10 @@ prediction, from state this gateway measures on the calls it makes:
 
 TTFT if ``w`` prefills ``n_w`` tokens (the prompt's tokens it does not hold in its prefix
 cache): ``(q_w + n_w) * p_w``. A local prefill of ``n`` tokens on a decode worker that runs
-sequences stretches their steps while it lasts: ITL ``s_d + n * p_d`` (pessimistic: the
-engine's chunked prefill spreads it over several steps).
+sequences stretches their steps while it lasts: the engine computes it in chunks of at most
+``c_d`` tokens a step (the step's token budget the decode worker publishes,
+``max_num_batched_tokens``; the whole prompt where it publishes none), so their ITL is
+``s_d + min(n, c_d) * p_d`` for ``ceil(n / c_d)`` steps.
 
 The decision (:attr:`Placement.kind`, the ``tandem_gateway_placements`` metric's label):
 
@@ -118,7 +120,7 @@ class PlacementModel:
         self._step_s: dict[str, float] = {}
 
     def decide(self, remote_worker: str | None, remote_tokens: int, decode_worker: str, local_tokens: int,
-               decode_running: int, slo: ServiceLevel) -> Placement:
+               decode_running: int, slo: ServiceLevel, decode_step_tokens: int = 0) -> Placement:
         """Place one prefill.
 
         Args:
@@ -128,17 +130,20 @@ class PlacementModel:
             local_tokens: prompt tokens the decode worker would compute (not in its prefix cache).
             decode_running: sequences the decode worker runs (as it last reported).
             slo: the request's objectives.
+            decode_step_tokens: the decode worker's step token budget, its prefill chunk
+                (``0``: unknown, the whole prompt is taken as one step's work).
         """
+        step_tokens = min(local_tokens, decode_step_tokens) if decode_step_tokens > 0 else local_tokens
         local_ttft = self.predict_ttft(decode_worker, local_tokens)
         if remote_worker is None:
             return Placement(LOCAL_ONLY, local_ttft)
-        breaks_itl = self.adaptive and slo.itl_s and self._breaks_itl(decode_worker, local_tokens, decode_running,
+        breaks_itl = self.adaptive and slo.itl_s and self._breaks_itl(decode_worker, step_tokens, decode_running,
                                                                          slo.itl_s)
         if local_tokens <= self.local_prefill_max_tokens and not breaks_itl:
             return Placement(LOCAL_SHORT, local_ttft)
         remote_ttft = self.predict_ttft(remote_worker, remote_tokens)
         if not self.adaptive or local_ttft is None or remote_ttft is None \
-                or not self._safe(decode_worker, local_tokens, decode_running, slo.itl_s):
+                or not self._safe(decode_worker, step_tokens, decode_running, slo.itl_s):
             return Placement(REMOTE, remote_ttft)
         if slo.ttft_s:
             local = remote_ttft > slo.ttft_s and (local_ttft <= slo.ttft_s or local_ttft < remote_ttft)
@@ -153,13 +158,13 @@ class PlacementModel:
         return None if pace is None else (self.queued(worker_id) + tokens) * pace
 
     def predict_itl(self, decode_worker: str, tokens: int) -> float | None:
-        """The decode worker's step time, seconds, while it prefills ``tokens`` prompt tokens
-        (``None``: its pace is not measured yet)."""
+        """The decode worker's step time, seconds, while a step of it also prefills ``tokens``
+        prompt tokens (``None``: its pace is not measured yet)."""
         pace = self.pace.s_per_token(decode_worker)
         return None if pace is None else self._step_s.get(decode_worker, 0.0) + tokens * pace
 
     def _safe(self, decode_worker: str, tokens: int, running: int, itl_s: float) -> bool:
-        """A local prefill is predicted to keep the decode worker's running sequences within the
+        """A local prefill of ``tokens`` a step is predicted to keep the decode worker's running sequences within the
         ITL SLO (with none, only an idle decode worker is safe)."""
         if running == 0:
             return True
@@ -167,7 +172,7 @@ class PlacementModel:
         return bool(itl_s) and itl is not None and itl <= itl_s
 
     def _breaks_itl(self, decode_worker: str, tokens: int, running: int, itl_s: float) -> bool:
-        """A local prefill is predicted to put the decode worker's running sequences over the
+        """A local prefill of ``tokens`` a step is predicted to put the decode worker's running sequences over the
         ITL SLO (``False`` while its pace is unmeasured: nothing predicts it yet)."""
         itl = self.predict_itl(decode_worker, tokens)
         return running > 0 and itl is not None and itl > itl_s

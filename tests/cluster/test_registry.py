@@ -42,7 +42,8 @@ def test_heartbeat_registers_worker_with_its_load(key_prefix, redis_url):
         assert await registry.live_workers(Role.DECODE) == [_worker("d0", Role.DECODE, free_blocks=7, total_blocks=8)]
 
         tp = WorkerInfo("p2", Role.PREFILL, "p2:5000", dataclasses.replace(
-            CONFIG, tensor_parallel_size=2, kv_transports=("nixl", "grpc"), quantization="gguf"))
+            CONFIG, tensor_parallel_size=2, kv_transports=("nixl", "grpc"), quantization="gguf",
+            max_num_batched_tokens=512))
         await registry.heartbeat(tp)  # the KV layout and weights a worker publishes read back as written
         assert (await registry.live_workers(Role.PREFILL))[2] == tp
 

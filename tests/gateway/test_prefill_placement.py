@@ -78,6 +78,21 @@ def test_a_busy_decode_worker_prefills_only_within_the_itl_objective():
     assert m.decide(PREFILL, 1000, DECODE, 1000, 4, ServiceLevel(itl_s=1.5)).kind == LOCAL_PREDICTED
 
 
+def test_a_decode_worker_that_chunks_its_prefills_stretches_each_step_by_one_chunk_only():
+    m = model()
+    m.started(PREFILL, 3000)
+    m.observe_step(DECODE, 0.020)
+    # Chunks of 256 tokens: each step of its 4 running sequences takes 20 + 256 ms, not 1.02 s.
+    assert m.decide(PREFILL, 1000, DECODE, 1000, 4, ServiceLevel(itl_s=0.5), decode_step_tokens=256).kind \
+        == LOCAL_PREDICTED
+    assert m.decide(PREFILL, 1000, DECODE, 1000, 4, ServiceLevel(itl_s=0.25), decode_step_tokens=256).kind == REMOTE
+    assert m.decide(PREFILL, 1000, DECODE, 1000, 4, ServiceLevel(itl_s=0.5), decode_step_tokens=4096).kind == REMOTE
+    # A short prompt (the static threshold's): 16 tokens in one step break a 30 ms objective, two
+    # chunks of 8 do not.
+    assert m.decide(PREFILL, 16, DECODE, 16, 4, ServiceLevel(itl_s=0.03), decode_step_tokens=8).kind == LOCAL_SHORT
+    assert m.decide(PREFILL, 16, DECODE, 16, 4, ServiceLevel(itl_s=0.03)).kind == REMOTE
+
+
 def test_a_ttft_objective_keeps_requests_disaggregated_while_the_prefill_worker_meets_it():
     m = model(decode_s_per_token=0.5e-3)  # the decode worker prefills twice as fast
     assert m.decide(PREFILL, 1000, DECODE, 1000, 0, NONE).kind == LOCAL_PREDICTED  # 0.5 s < 0.8 * 1 s

@@ -186,8 +186,9 @@ def test_admit_beyond_capacity_is_resource_exhausted(engines):
                     break
                 await asyncio.sleep(0.02)
             assert (stats.num_free_blocks, stats.num_waiting, stats.config.block_size) == (total - granted, 3, 16)
-            assert (stats.config.role, stats.config.model_id, stats.config.kv_cache_dtype) == \
-                ("decode", engines[1].model_id, engines[1].kv_cache_dtype)
+            assert (stats.config.role, stats.config.model_id, stats.config.kv_cache_dtype,
+                    stats.config.max_num_batched_tokens) == \
+                ("decode", engines[1].model_id, engines[1].kv_cache_dtype, engines[1].config.max_num_batched_tokens)
             for i in range(3):
                 assert (await stub.Abort(worker_pb2.AbortRequest(request_id=f"cap{i}"))).found
             assert not (await stub.Abort(worker_pb2.AbortRequest(request_id="cap0"))).found
