@@ -4,7 +4,7 @@ One request's blocks move from a "prefill" pool in this process to a reservation
 pool in a second process, through Tandem's own data plane (``GrpcKVSender`` →
 ``DecodeWorker.TransferKV`` → ``GrpcKVReceiver``/``KVReceiver``, with NIXL reads or the bytes in
 the stream), for 16, 256 and 2048 blocks of Llama-3-8B's shape (32 layers x 8 KV heads x 128 x
-16 tokens, bf16: 2 MiB a block). The time runs from opening the transfer to the receiver's
+16 tokens, bf16: 2 MiB a block; ``--kv-cache-dtype fp8_e4m3``: float8 e4m3, 1 MiB a block). The time runs from opening the transfer to the receiver's
 acknowledgement; the median of several repetitions is reported. In the same run, a plain copy
 of the same bytes in one process from ``--device`` to ``--peer-device`` (device-to-device or
 peer-to-peer on GPUs, ``memcpy`` on the CPU) is the ceiling. The sending pool sits on
@@ -25,7 +25,7 @@ written) and ``..._finish_ms_...`` (until the receiver's acknowledgement: with N
 itself); the workload names both sides' devices (their TP sizes).
 
 Usage: ``python bench/kv_transfer.py [--device cuda|cpu] [--peer-device cuda:1] [--repeats 5]
-[--transports nixl]``
+[--transports nixl] [--kv-cache-dtype fp8_e4m3]``
 """
 
 from __future__ import annotations
@@ -59,14 +59,17 @@ BLOCK_SIZE = 16
 TRANSPORTS = ("nixl", "grpc")
 
 
-def make_pool(devices: str, num_blocks: int) -> KVPool:
-    """A pool of Llama-3-8B-shaped blocks, one tensor-parallel rank per device of the
-    comma-separated ``devices``, filled with random bytes."""
+KV_DTYPES = {"bfloat16": torch.bfloat16, "fp8_e4m3": torch.float8_e4m3fn}
+
+
+def make_pool(devices: str, num_blocks: int, kv_cache_dtype: str = "bfloat16") -> KVPool:
+    """A pool of Llama-3-8B-shaped blocks of ``kv_cache_dtype`` (a :data:`KV_DTYPES` name), one
+    tensor-parallel rank per device of the comma-separated ``devices``, filled with random bytes."""
     ranks = devices.split(",")
     shard = shard_config(ModelConfig.from_hf_dict(PRESETS["llama-3-8b"]), len(ranks))
-    tensors = [KVCache(shard, num_blocks, BLOCK_SIZE, torch.bfloat16, device).tensor for device in ranks]
+    tensors = [KVCache(shard, num_blocks, BLOCK_SIZE, KV_DTYPES[kv_cache_dtype], device).tensor for device in ranks]
     for tensor in tensors:
-        tensor.view(torch.int16).random_(-(1 << 15), (1 << 15) - 1)
+        tensor.view(torch.uint8).random_(0, 256)
     return KVPool(tensors)
 
 
@@ -97,8 +100,8 @@ class ReceiverServicer(worker_pb2_grpc.DecodeWorkerServicer):
         return worker_pb2.AbortResponse(found=True)
 
 
-async def serve(devices: str, num_blocks: int, verify_checksums: bool) -> None:
-    pool = make_pool(devices, num_blocks)
+async def serve(devices: str, num_blocks: int, verify_checksums: bool, kv_cache_dtype: str) -> None:
+    pool = make_pool(devices, num_blocks, kv_cache_dtype)
     server = grpc.aio.server(options=GRPC_MESSAGE_OPTIONS)
     nixl = NixlAgent(f"bench-rx-{os.getpid()}", pool)
     worker_pb2_grpc.add_DecodeWorkerServicer_to_server(ReceiverServicer(pool, nixl, verify_checksums), server)
@@ -159,7 +162,7 @@ async def measure(address: str, pool: KVPool, nixl: NixlAgent, repeats: int, blo
 
 def transfer_metrics(device: str, peer_device: str, repeats: int = 5,
                      block_counts: tuple[int, ...] = BLOCK_COUNTS, verify_checksums: bool = False,
-                     transports: tuple[str, ...] = TRANSPORTS) -> dict[str, float]:
+                     transports: tuple[str, ...] = TRANSPORTS, kv_cache_dtype: str = "bfloat16") -> dict[str, float]:
     """Run the receiving process on ``peer_device`` and measure ``transports`` and the copy
     ceiling (the metrics named in the module's docstring).
 
@@ -174,7 +177,8 @@ def transfer_metrics(device: str, peer_device: str, repeats: int = 5,
     """
     num_blocks = max(block_counts)
     receiver = subprocess.Popen([sys.executable, os.path.abspath(__file__), "--serve", "--device", peer_device,
-                                 "--block-counts", str(num_blocks)] + ["--verify"] * verify_checksums,
+                                 "--block-counts", str(num_blocks), "--kv-cache-dtype", kv_cache_dtype]
+                                + ["--verify"] * verify_checksums,
                                 stdout=subprocess.PIPE, text=True)
     try:
         line = receiver.stdout.readline()
@@ -183,7 +187,7 @@ def transfer_metrics(device: str, peer_device: str, repeats: int = 5,
         if not line:
             raise SystemExit("the receiving process did not start")
         address = f"127.0.0.1:{line.split()[1]}"
-        pool = make_pool(device, num_blocks)
+        pool = make_pool(device, num_blocks, kv_cache_dtype)
         nixl = NixlAgent(f"bench-tx-{os.getpid()}", pool)
         metrics = asyncio.run(measure(address, pool, nixl, repeats, block_counts, verify_checksums, transports))
         nixl.close()
@@ -208,30 +212,33 @@ def main() -> None:
     parser.add_argument("--block-counts", default=",".join(map(str, BLOCK_COUNTS)),
                         help="blocks per transfer, comma-separated (each pool holds the largest)")
     parser.add_argument("--transports", default=",".join(TRANSPORTS), help="comma-separated: nixl, grpc")
+    parser.add_argument("--kv-cache-dtype", default="bfloat16", choices=sorted(KV_DTYPES))
     parser.add_argument("--verify", action="store_true", help="check a CRC-32 of every transfer (slower; "
                                                               "not written under bench/results)")
     parser.add_argument("--serve", action="store_true", help="(internal) run the receiving process")
     args = parser.parse_args()
     block_counts = tuple(int(c) for c in args.block_counts.split(","))
     if args.serve:
-        asyncio.run(serve(args.device, max(block_counts), args.verify))
+        asyncio.run(serve(args.device, max(block_counts), args.verify, args.kv_cache_dtype))
         return
     peer_device = args.peer_device or args.device
     transports = tuple(args.transports.split(","))
-    metrics = transfer_metrics(args.device, peer_device, args.repeats, block_counts, args.verify, transports)
+    metrics = transfer_metrics(args.device, peer_device, args.repeats, block_counts, args.verify, transports,
+                               args.kv_cache_dtype)
     if args.verify:
         return
     gpu = torch.cuda.get_device_name() if args.device.startswith("cuda") else None
-    layout = make_pool("cpu", 1).layout
+    layout = make_pool("cpu", 1, args.kv_cache_dtype).layout
     sender_tp, receiver_tp = len(args.device.split(",")), len(peer_device.split(","))
-    workload = {"block_shape": list(layout.block_shape), "dtype": "bfloat16", "block_bytes": layout.block_nbytes,
-                "block_counts": list(block_counts), "repeats": args.repeats, "transports": list(transports), "device": args.device,
-                "peer_device": peer_device, "sender_tensor_parallel_size": sender_tp,
+    workload = {"block_shape": list(layout.block_shape), "dtype": args.kv_cache_dtype,
+                "block_bytes": layout.block_nbytes, "block_counts": list(block_counts), "repeats": args.repeats,
+                "transports": list(transports), "device": args.device, "peer_device": peer_device, "sender_tensor_parallel_size": sender_tp,
                 "receiver_tensor_parallel_size": receiver_tp, "processes": 2}
     keys = {"gpu": gpu} if gpu else {"machine": machine()}
     tag = (gpu.lower().replace(" ", "-") if gpu else "cpu") + (f"-tp{sender_tp}to{receiver_tp}"
                                                                if (sender_tp, receiver_tp) != (1, 1) else
-                                                               "-peer" if peer_device != args.device else "")
+                                                               "-peer" if peer_device != args.device else "") \
+        + ("-fp8" if args.kv_cache_dtype == "fp8_e4m3" else "")
     write_result("kv_transfer", metrics, workload, tag=tag, model="llama-3-8b", **keys)
 
 
