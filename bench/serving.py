@@ -342,7 +342,8 @@ def start_cluster(args, setup: str) -> LocalCluster:
     gpus_of = {name: range(placement[name], placement[name] + tp) for name, tp in workers}
     ranks_on = Counter(gpu for gpus in gpus_of.values() for gpu in gpus)
     worker_env = {name: {"TANDEM_GPU_MEMORY_UTILIZATION": str(round(
-        args.gpu_memory_utilization / max(ranks_on[gpu] for gpu in gpus), 3))} for name, gpus in gpus_of.items()}
+        args.gpu_memory_utilization / max(ranks_on[gpu] for gpu in gpus), 3)),
+        **(args.split_decode_env if split and name.startswith("decode") else {})} for name, gpus in gpus_of.items()}
     cluster = LocalCluster(model=args.model, num_prefill=num_prefill, num_decode=num_decode, env=env,
                            worker_env=worker_env, sink=lambda name, line: print(f"[{name}] {line}", file=sys.stderr)
                            if "WARNING" in line or "ERROR" in line or "Traceback" in line else None,
@@ -396,12 +397,16 @@ def main() -> None:
                         help="TANDEM_LOCAL_PREFILL_MAX_TOKENS (default: the gateway's)")
     parser.add_argument("--kv-transport", default="auto")
     parser.add_argument("--env", action="append", default=[], help="extra KEY=VALUE for every process")
+    parser.add_argument("--split-decode-env", action="append", default=[],
+                        help="extra KEY=VALUE for the decode workers of disagg and adaptive (e.g. a smaller "
+                             "TANDEM_MAX_NUM_BATCHED_TOKENS, so that their local prefills come in short chunks)")
     parser.add_argument("--offline", action=argparse.BooleanOptionalAction, default=True,
                         help="also run the prompts through the offline engine, for the ratio")
     parser.add_argument("--startup-timeout", type=float, default=600)
     parser.add_argument("--tag", default="")
     args = parser.parse_args()
     args.env = dict(kv.split("=", 1) for kv in args.env)
+    args.split_decode_env = dict(kv.split("=", 1) for kv in args.split_decode_env)
     args.slos = [tuple(float(x) for x in pair.split(":")) for pair in args.slos.split(",") if pair]
     args.concurrency = [int(c) for c in args.concurrency.split(",") if c]
     args.rates = [float(r) for r in args.rates.split(",") if r]
@@ -455,7 +460,8 @@ def main() -> None:
                              "gpus": args.gpus, "prefill_tp": args.prefill_tp, "decode_tp": args.decode_tp,
                              "kv_transport": args.kv_transport,
                              "local_prefill_max_tokens": args.local_prefill,
-                             "slos_ttft_tpot_s": args.slos, "greedy": True, "ignore_eos": True}
+                             "slos_ttft_tpot_s": args.slos, "greedy": True, "ignore_eos": True,
+                             "env": args.env, "decode_env": args.split_decode_env if split else {}}
             write_result("serving", metrics, workload_desc, tag=f"{args.tag + '-' if args.tag else ''}{setup}-{workload}-{mode}{value:g}",
                          model=args.model, **keys)
     if len(by_setup) > 1:

@@ -14,6 +14,10 @@ prediction, from state this gateway measures on the calls it makes:
   (another gateway's are not seen: with several gateways the queue is underestimated);
 - a decode worker's step time ``s_d``, a moving average of its streams' time per output token.
 
+A decode worker whose pace is not measured yet (it measures only on its own local prefills, which
+a workload of long prompts would never start) is taken to prefill at the prefill worker's pace
+(the same model; its first local prefill measures its own).
+
 TTFT if ``w`` prefills ``n_w`` tokens (the prompt's tokens it does not hold in its prefix
 cache): ``(q_w + n_w) * p_w``. A local prefill of ``n`` tokens on a decode worker that runs
 sequences stretches their steps while it lasts: the engine computes it in chunks of at most
@@ -37,7 +41,7 @@ The decision (:attr:`Placement.kind`, the ``tandem_gateway_placements`` metric's
   worker is borrowed) and either (with a TTFT SLO) the remote prediction misses the SLO and the
   local one meets it or is lower, or (without one) the local TTFT is below ``local_gain`` of the
   remote one.
-- ``remote``: otherwise, whenever either worker's pace is not measured yet, and always with
+- ``remote``: otherwise, whenever the prefill worker's pace is not measured yet, and always with
   ``adaptive`` off (``TANDEM_PREFILL_PLACEMENT=static``: a fixed split, the overrides above
   aside).
 """
@@ -134,16 +138,20 @@ class PlacementModel:
                 (``0``: unknown, the whole prompt is taken as one step's work).
         """
         step_tokens = min(local_tokens, decode_step_tokens) if decode_step_tokens > 0 else local_tokens
-        local_ttft = self.predict_ttft(decode_worker, local_tokens)
+        local_pace = self.pace.s_per_token(decode_worker)
+        if local_pace is None and remote_worker is not None:
+            local_pace = self.pace.s_per_token(remote_worker)  # a prior (module docstring)
+        local_ttft = self._ttft(decode_worker, local_tokens, local_pace)
         if remote_worker is None:
             return Placement(LOCAL_ONLY, local_ttft)
-        breaks_itl = self.adaptive and slo.itl_s and self._breaks_itl(decode_worker, step_tokens, decode_running,
-                                                                         slo.itl_s)
+        local_itl = self._itl(decode_worker, step_tokens, local_pace)
+        breaks_itl = self.adaptive and slo.itl_s and decode_running > 0 and local_itl is not None \
+            and local_itl > slo.itl_s
         if local_tokens <= self.local_prefill_max_tokens and not breaks_itl:
             return Placement(LOCAL_SHORT, local_ttft)
         remote_ttft = self.predict_ttft(remote_worker, remote_tokens)
         if not self.adaptive or local_ttft is None or remote_ttft is None \
-                or not self._safe(decode_worker, step_tokens, decode_running, slo.itl_s):
+                or not self._safe(local_itl, decode_running, slo.itl_s):
             return Placement(REMOTE, remote_ttft)
         if slo.ttft_s:
             local = remote_ttft > slo.ttft_s and (local_ttft <= slo.ttft_s or local_ttft < remote_ttft)
@@ -154,28 +162,24 @@ class PlacementModel:
     def predict_ttft(self, worker_id: str, tokens: int) -> float | None:
         """Seconds until ``worker_id`` has prefilled ``tokens`` more prompt tokens behind the
         ones this gateway already sent it (``None``: its pace is not measured yet)."""
-        pace = self.pace.s_per_token(worker_id)
-        return None if pace is None else (self.queued(worker_id) + tokens) * pace
+        return self._ttft(worker_id, tokens, self.pace.s_per_token(worker_id))
 
     def predict_itl(self, decode_worker: str, tokens: int) -> float | None:
         """The decode worker's step time, seconds, while a step of it also prefills ``tokens``
         prompt tokens (``None``: its pace is not measured yet)."""
-        pace = self.pace.s_per_token(decode_worker)
+        return self._itl(decode_worker, tokens, self.pace.s_per_token(decode_worker))
+
+    def _ttft(self, worker_id: str, tokens: int, pace: float | None) -> float | None:
+        return None if pace is None else (self.queued(worker_id) + tokens) * pace
+
+    def _itl(self, decode_worker: str, tokens: int, pace: float | None) -> float | None:
         return None if pace is None else self._step_s.get(decode_worker, 0.0) + tokens * pace
 
-    def _safe(self, decode_worker: str, tokens: int, running: int, itl_s: float) -> bool:
-        """A local prefill of ``tokens`` a step is predicted to keep the decode worker's running sequences within the
-        ITL SLO (with none, only an idle decode worker is safe)."""
-        if running == 0:
-            return True
-        itl = self.predict_itl(decode_worker, tokens)
-        return bool(itl_s) and itl is not None and itl <= itl_s
-
-    def _breaks_itl(self, decode_worker: str, tokens: int, running: int, itl_s: float) -> bool:
-        """A local prefill of ``tokens`` a step is predicted to put the decode worker's running sequences over the
-        ITL SLO (``False`` while its pace is unmeasured: nothing predicts it yet)."""
-        itl = self.predict_itl(decode_worker, tokens)
-        return running > 0 and itl is not None and itl > itl_s
+    @staticmethod
+    def _safe(itl: float | None, running: int, itl_s: float) -> bool:
+        """A local prefill whose steps are predicted to last ``itl`` keeps the decode worker's
+        ``running`` sequences within the ITL SLO (with none, only an idle decode worker is safe)."""
+        return running == 0 or (bool(itl_s) and itl is not None and itl <= itl_s)
 
     def queued(self, worker_id: str) -> int:
         """Prompt tokens this gateway sent ``worker_id`` to prefill and has not seen done."""

@@ -27,12 +27,27 @@ def test_static_overrides_come_first():
     assert m.decide(PREFILL, 17, DECODE, 17, decode_running=0, slo=NONE).kind == REMOTE  # equal paces, no queue
 
 
-def test_unmeasured_workers_stay_disaggregated():
-    m = model(decode_s_per_token=None)
-    m.started(PREFILL, 100_000)  # a long prefill queue: a measured idle decode worker would be borrowed
+def test_an_unmeasured_prefill_worker_keeps_requests_disaggregated():
+    m = model(prefill_s_per_token=None, decode_s_per_token=None)
+    m.started(PREFILL, 100_000)
     placement = m.decide(PREFILL, 1000, DECODE, 1000, decode_running=0, slo=NONE)
-    assert placement.kind == REMOTE and placement.predicted_ttft_s == pytest.approx(101.0)
+    assert placement.kind == REMOTE and placement.predicted_ttft_s is None
     assert model(prefill_s_per_token=None).decide(PREFILL, 1000, DECODE, 1000, 0, NONE).kind == REMOTE
+
+
+def test_an_unmeasured_decode_worker_is_taken_to_prefill_at_the_prefill_workers_pace():
+    """Long prompts only: the decode worker never prefilled, so nothing measured it; the prefill
+    worker's pace stands in until its own first local prefill."""
+    m = model(decode_s_per_token=None)
+    m.started(PREFILL, 100_000)  # a long prefill queue: an idle decode worker is borrowed
+    placement = m.decide(PREFILL, 1000, DECODE, 1000, decode_running=0, slo=NONE)
+    assert placement.kind == LOCAL_PREDICTED and placement.predicted_ttft_s == pytest.approx(1.0)
+    m.observe_step(DECODE, 0.020)  # busy: its running sequences' steps would take 20 + 1000 ms
+    assert m.decide(PREFILL, 1000, DECODE, 1000, 4, ServiceLevel(itl_s=0.04)).kind == REMOTE
+    chunked = m.decide(PREFILL, 1000, DECODE, 1000, 4, ServiceLevel(itl_s=0.04), decode_step_tokens=16)
+    assert chunked.kind == LOCAL_PREDICTED  # 20 + 16 ms a step
+    m.pace.observe(DECODE, 1000, 10.0)  # its own pace, once measured, rules: 10 ms a token
+    assert m.decide(PREFILL, 1000, DECODE, 1000, 0, NONE).predicted_ttft_s == pytest.approx(10.0)
 
 
 def test_an_idle_decode_worker_is_borrowed_while_the_prefill_queue_is_long():
@@ -54,8 +69,10 @@ def test_a_short_prompt_is_not_prefilled_where_it_would_break_the_itl_objective(
     assert m.decide(PREFILL, 16, DECODE, 16, 0, ServiceLevel(itl_s=0.01)).kind == LOCAL_SHORT  # nothing runs there
     assert m.decide(PREFILL, 16, DECODE, 16, 4, NONE).kind == LOCAL_SHORT  # no objective: the threshold rules
     assert model(adaptive=False).decide(PREFILL, 16, DECODE, 16, 4, ServiceLevel(itl_s=1e-6)).kind == LOCAL_SHORT
-    unmeasured = model(decode_s_per_token=None)  # its local prefills are what measures the decode worker
+    unmeasured = model(prefill_s_per_token=None, decode_s_per_token=None)  # nothing predicts it: the threshold rules
     assert unmeasured.decide(PREFILL, 16, DECODE, 16, 4, ServiceLevel(itl_s=1e-6)).kind == LOCAL_SHORT
+    prior = model(decode_s_per_token=None)  # the prefill worker's pace stands in: 16 ms of prefill a step
+    assert prior.decide(PREFILL, 16, DECODE, 16, 4, ServiceLevel(itl_s=0.01)).kind == REMOTE
 
 
 def test_a_static_split_keeps_every_prefill_remote_but_the_overrides():
