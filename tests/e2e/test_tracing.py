@@ -41,9 +41,10 @@ def test_one_trace_spans_gateway_prefill_and_decode_processes(tmp_path, redis_ur
                 request_id="e2e-traced", prompt=prompt, sampling=SP(max_tokens=4, temperature=0, ignore_eos=True)))
             assert result["usage"].completion_tokens == 4
 
-            def complete(spans):
+            def complete(spans):  # every process's spans, each process exporting on its own schedule
                 names = {s.name for s in request_spans(spans, "e2e-traced")}
-                return {"tandem.v1.DecodeWorker/Decode", "tandem.v1.DecodeWorker/TransferKV", "decode"} <= names
+                return {"tandem.v1.DecodeWorker/Decode", "tandem.v1.DecodeWorker/TransferKV", "decode",
+                        "tandem.v1.PrefillWorker/Prefill", "kv_transfer"} <= names
 
             receiver.wait_for(complete, timeout_s=30)
             time.sleep(1.0)  # ten export rounds: an Abort sent after the stream ended would be in by now
@@ -99,7 +100,7 @@ def test_a_stream_resumed_after_its_decode_worker_is_killed_is_one_trace_showing
             def complete(spans):
                 names = [s.name for s in request_spans(spans, "e2e-failover")]
                 return names.count("decode") == 2 and "resume" in names and "tandem.v1.Gateway/Generate" in names \
-                    and "tandem.v1.DecodeWorker/Decode" in names
+                    and "tandem.v1.DecodeWorker/Decode" in names and "tandem.v1.PrefillWorker/Prefill" in names
 
             everything = receiver.wait_for(complete, timeout_s=30)
             spans = request_spans(everything, "e2e-failover")
