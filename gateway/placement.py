@@ -14,9 +14,9 @@ prediction, from state this gateway measures on the calls it makes:
   (another gateway's are not seen: with several gateways the queue is underestimated);
 - a decode worker's step time ``s_d``, a moving average of its streams' time per output token.
 
-A decode worker whose pace is not measured yet (it measures only on its own local prefills, which
-a workload of long prompts would never start) is taken to prefill at the prefill worker's pace
-(the same model; its first local prefill measures its own).
+A decode worker whose pace is not measured yet (only its own local prefills measure it, and a
+workload of long prompts starts none) is taken to prefill at the prefill worker's pace (the
+same model; its first local prefill measures its own).
 
 TTFT if ``w`` prefills ``n_w`` tokens (the prompt's tokens it does not hold in its prefix
 cache): ``(q_w + n_w) * p_w``. A local prefill of ``n`` tokens on a decode worker that runs
