@@ -4,8 +4,8 @@ One request's blocks move from a "prefill" pool in this process to a reservation
 pool in a second process, through Tandem's own data plane (``GrpcKVSender`` →
 ``DecodeWorker.TransferKV`` → ``GrpcKVReceiver``/``KVReceiver``, with NIXL reads or the bytes in
 the stream), for 16, 256 and 2048 blocks of Llama-3-8B's shape (32 layers x 8 KV heads x 128 x
-16 tokens, bf16: 2 MiB a block; ``--kv-cache-dtype fp8_e4m3``: float8 e4m3, 1 MiB a block). The time runs from opening the transfer to the receiver's
-acknowledgement; the median of several repetitions is reported. In the same run, a plain copy
+16 tokens, bf16: 2 MiB a block; ``--kv-cache-dtype fp8_e4m3``: float8 e4m3, 1 MiB a block). The
+time runs from opening the transfer to the receiver's acknowledgement; the median of several repetitions is reported. In the same run, a plain copy
 of the same bytes in one process from ``--device`` to ``--peer-device`` (device-to-device or
 peer-to-peer on GPUs, ``memcpy`` on the CPU) is the ceiling. The sending pool sits on
 ``--device``, the receiving one on ``--peer-device`` (default: the same GPU, shared by both
@@ -44,6 +44,8 @@ import torch
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 from bench.common import machine, write_result  # noqa: E402
+from engine.config import KV_CACHE_DTYPES  # noqa: E402
+from engine.devices import resolve_kv_cache_dtype  # noqa: E402
 from engine.kv_cache import KVCache  # noqa: E402
 from engine.model_config import ModelConfig  # noqa: E402
 from engine.presets import PRESETS  # noqa: E402
@@ -59,15 +61,14 @@ BLOCK_SIZE = 16
 TRANSPORTS = ("nixl", "grpc")
 
 
-KV_DTYPES = {"bfloat16": torch.bfloat16, "fp8_e4m3": torch.float8_e4m3fn}
-
-
-def make_pool(devices: str, num_blocks: int, kv_cache_dtype: str = "bfloat16") -> KVPool:
-    """A pool of Llama-3-8B-shaped blocks of ``kv_cache_dtype`` (a :data:`KV_DTYPES` name), one
-    tensor-parallel rank per device of the comma-separated ``devices``, filled with random bytes."""
+def make_pool(devices: str, num_blocks: int, kv_cache_dtype: str = "auto") -> KVPool:
+    """A pool of Llama-3-8B-shaped blocks in bfloat16 or ``kv_cache_dtype`` (an
+    ``engine.config.KV_CACHE_DTYPES`` setting), one tensor-parallel rank per device of the
+    comma-separated ``devices``, filled with random bytes."""
     ranks = devices.split(",")
     shard = shard_config(ModelConfig.from_hf_dict(PRESETS["llama-3-8b"]), len(ranks))
-    tensors = [KVCache(shard, num_blocks, BLOCK_SIZE, KV_DTYPES[kv_cache_dtype], device).tensor for device in ranks]
+    dtype = resolve_kv_cache_dtype(kv_cache_dtype, torch.bfloat16)[1]
+    tensors = [KVCache(shard, num_blocks, BLOCK_SIZE, dtype, device).tensor for device in ranks]
     for tensor in tensors:
         tensor.view(torch.uint8).random_(0, 256)
     return KVPool(tensors)
@@ -162,7 +163,7 @@ async def measure(address: str, pool: KVPool, nixl: NixlAgent, repeats: int, blo
 
 def transfer_metrics(device: str, peer_device: str, repeats: int = 5,
                      block_counts: tuple[int, ...] = BLOCK_COUNTS, verify_checksums: bool = False,
-                     transports: tuple[str, ...] = TRANSPORTS, kv_cache_dtype: str = "bfloat16") -> dict[str, float]:
+                     transports: tuple[str, ...] = TRANSPORTS, kv_cache_dtype: str = "auto") -> dict[str, float]:
     """Run the receiving process on ``peer_device`` and measure ``transports`` and the copy
     ceiling (the metrics named in the module's docstring).
 
@@ -212,7 +213,7 @@ def main() -> None:
     parser.add_argument("--block-counts", default=",".join(map(str, BLOCK_COUNTS)),
                         help="blocks per transfer, comma-separated (each pool holds the largest)")
     parser.add_argument("--transports", default=",".join(TRANSPORTS), help="comma-separated: nixl, grpc")
-    parser.add_argument("--kv-cache-dtype", default="bfloat16", choices=sorted(KV_DTYPES))
+    parser.add_argument("--kv-cache-dtype", default="auto", choices=KV_CACHE_DTYPES)
     parser.add_argument("--verify", action="store_true", help="check a CRC-32 of every transfer (slower; "
                                                               "not written under bench/results)")
     parser.add_argument("--serve", action="store_true", help="(internal) run the receiving process")
@@ -230,9 +231,10 @@ def main() -> None:
     gpu = torch.cuda.get_device_name() if args.device.startswith("cuda") else None
     layout = make_pool("cpu", 1, args.kv_cache_dtype).layout
     sender_tp, receiver_tp = len(args.device.split(",")), len(peer_device.split(","))
-    workload = {"block_shape": list(layout.block_shape), "dtype": args.kv_cache_dtype,
-                "block_bytes": layout.block_nbytes, "block_counts": list(block_counts), "repeats": args.repeats,
-                "transports": list(transports), "device": args.device, "peer_device": peer_device, "sender_tensor_parallel_size": sender_tp,
+    dtype_name = resolve_kv_cache_dtype(args.kv_cache_dtype, torch.bfloat16)[0]
+    workload = {"block_shape": list(layout.block_shape), "dtype": dtype_name, "block_bytes": layout.block_nbytes,
+                "block_counts": list(block_counts), "repeats": args.repeats, "transports": list(transports),
+                "device": args.device, "peer_device": peer_device, "sender_tensor_parallel_size": sender_tp,
                 "receiver_tensor_parallel_size": receiver_tp, "processes": 2}
     keys = {"gpu": gpu} if gpu else {"machine": machine()}
     tag = (gpu.lower().replace(" ", "-") if gpu else "cpu") + (f"-tp{sender_tp}to{receiver_tp}"
