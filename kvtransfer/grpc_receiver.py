@@ -9,6 +9,7 @@ from collections.abc import AsyncIterator
 import grpc
 
 from kvtransfer.receiver import KVReceiver
+from kvtransfer.reservations import Reservation
 from kvtransfer.wire import decode_chunk
 from protos.status import StatusError
 from protos.tandem.v1 import kvtransfer_pb2
@@ -32,6 +33,12 @@ class GrpcKVReceiver:
     the pool, after any read in flight) when a chunk is rejected, when the stream ends before
     every block arrived, and when the call dies (sender cancels or crashes, the deadline
     passes): the handler is cancelled and releases on its way out.
+
+    Over NIXL, the read that completes the reservation is acknowledged at once by a NIXL
+    notification (:meth:`kvtransfer.nixl.NixlAgent.acknowledge`), before the stream's answer:
+    from then on the reservation is no longer the stream's but the request's, under its lease
+    again (detached), and it stays whatever becomes of the stream (the sender may have acted on
+    the acknowledgement already); a ``Decode`` claims it, or the lease frees it.
     """
 
     def __init__(self, receiver: KVReceiver) -> None:
@@ -54,6 +61,7 @@ class GrpcKVReceiver:
         table = self.receiver.table
         reservation_id: str | None = None
         peer = None
+        acknowledged = False
         try:
             async for chunk in request_iterator:
                 if reservation_id is None:
@@ -71,12 +79,18 @@ class GrpcKVReceiver:
                         grpc.StatusCode.INVALID_ARGUMENT,
                         f"chunk for reservation {chunk.reservation_id!r} in the stream of {reservation_id!r}")
                 if peer is not None:
-                    await self._read(reservation_id, chunk, peer)
+                    reservation = await self._read(reservation_id, chunk, peer)
+                    if reservation.complete and not acknowledged:
+                        table.detach(reservation_id)
+                        self.receiver.nixl.acknowledge(peer, reservation_id, reservation.num_blocks)
+                        acknowledged = True
                 else:
                     blocks = decode_chunk(chunk, self.receiver.layout)
                     self.receiver.install(reservation_id, chunk.request_id, chunk.first_block_index, blocks)
             if reservation_id is None:
                 raise StatusError(grpc.StatusCode.INVALID_ARGUMENT, "empty TransferKV stream")
+            if acknowledged:  # (the request may have claimed the reservation already)
+                return kvtransfer_pb2.TransferKVResponse(num_blocks_received=reservation.num_blocks), "nixl"
             reservation = table.get(reservation_id)
             if not reservation.complete:
                 raise StatusError(
@@ -87,19 +101,20 @@ class GrpcKVReceiver:
             return (kvtransfer_pb2.TransferKVResponse(num_blocks_received=reservation.num_blocks),
                     "nixl" if peer is not None else "grpc")
         except StatusError as exc:
-            if reservation_id is not None:
+            if reservation_id is not None and not acknowledged:
                 table.release(reservation_id, exc.message)
             await context.abort(exc.code, exc.message)
         except BaseException:
-            # Cancelled (sender gone, deadline passed) or a bug: the sender sees a failed
-            # transfer, so the reservation is over even if every block had arrived.
-            if reservation_id is not None:
+            # Cancelled (sender gone, deadline passed) or a bug: unless acknowledged, the sender
+            # sees a failed transfer, so the reservation is over even if every block had arrived.
+            if reservation_id is not None and not acknowledged:
                 table.release(reservation_id, "TransferKV call ended before completing")
             raise
 
-    async def _read(self, reservation_id: str, chunk: kvtransfer_pb2.KVChunk, peer) -> None:
+    async def _read(self, reservation_id: str, chunk: kvtransfer_pb2.KVChunk, peer) -> Reservation:
         """Read the chunk's blocks over NIXL; a cancellation waits for the read's end (shielded),
-        so the reservation's slots are not freed under a transfer in flight."""
+        so the reservation's slots are not freed under a transfer in flight. Returns the
+        reservation, updated."""
         if chunk.data or chunk.num_blocks != len(chunk.source_block_ids) or not chunk.num_blocks:
             raise StatusError.invalid_argument(
                 "source_block_ids", f"a NIXL chunk lists one source block per position and no data, got "
@@ -108,4 +123,4 @@ class GrpcKVReceiver:
             reservation_id, chunk.request_id, chunk.first_block_index, peer, list(chunk.source_block_ids),
             chunk.crc32 if chunk.has_crc32 else None))
         read.add_done_callback(lambda task: task.cancelled() or task.exception())  # observed by the await
-        await asyncio.shield(read)
+        return await asyncio.shield(read)

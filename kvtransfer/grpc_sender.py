@@ -8,13 +8,16 @@ chunks carry the blocks' bytes; flow control is gRPC's own (each ``write`` waits
 accepts the chunk, and the next chunk is built only then, so at most one chunk of
 <= ``max_chunk_bytes`` is held in memory). Over ``"nixl"`` they carry only the sender's block
 ids, and the receiver reads the blocks from the sender's pool (:mod:`kvtransfer.nixl`); the
-blocks must stay pinned until :meth:`GrpcKVTransfer.finish` returns.
+blocks must stay pinned until :meth:`GrpcKVTransfer.finish` returns, which it does on the
+receiver's acknowledgement by NIXL notification or on the stream's answer, whichever comes
+first (the stream is then closed in the background).
 """
 
 from __future__ import annotations
 
 import asyncio
 import contextlib
+import logging
 from collections.abc import Callable, Iterator, Sequence
 
 import grpc
@@ -25,6 +28,8 @@ from kvtransfer.transport import KVDestination
 from kvtransfer.wire import blocks_crc32, encode_chunk
 from protos.status import StatusError
 from protos.tandem.v1 import kvtransfer_pb2, worker_pb2_grpc
+
+logger = logging.getLogger(__name__)
 
 # One chunk stays under gRPC's default 4 MiB message limit whenever a block does.
 DEFAULT_MAX_CHUNK_BYTES = 2 << 20
@@ -102,17 +107,27 @@ class GrpcKVTransfer:
         self._serving = contextlib.AsyncExitStack()
         self.verify_checksums = verify_checksums
         self.num_sent = 0
+        self.acknowledged_by: str | None = None  # "nixl" (notification) or "grpc" (the stream's answer)
         self._call = stub.TransferKV(timeout=timeout_s)
         self._finished = False
+        self._ack: asyncio.Future[int] | None = None
 
     @property
     def transport(self) -> str:
         """``"nixl"`` or ``"grpc"``."""
         return "nixl" if self.nixl_source is not None else "grpc"
 
+    @property
+    def acknowledged(self) -> bool:
+        """Whether the receiver's acknowledgement by NIXL notification has arrived (every block
+        read; the sender's blocks may be unpinned)."""
+        return self._ack is not None and self._ack.done()
+
     async def __aenter__(self) -> GrpcKVTransfer:
         if self.nixl is not None:
             await self._serving.enter_async_context(self.nixl.serving_reads())
+            self._ack = self.nixl.expect_acknowledgement(self.reservation_id)
+            self._serving.callback(self.nixl.forget_acknowledgement, self.reservation_id)
         try:
             await self._write(kvtransfer_pb2.KVChunk(reservation_id=self.reservation_id, request_id=self.request_id,
                                                      nixl_source=self.nixl_source))
@@ -150,7 +165,8 @@ class GrpcKVTransfer:
         self.num_sent += len(block_ids)
 
     async def finish(self) -> int:
-        """Close the stream and wait for the receiver's acknowledgement.
+        """Close the stream and wait for the receiver's acknowledgement: over NIXL, its
+        notification or the stream's answer, whichever comes first; over gRPC, the answer.
 
         Returns:
             Blocks the receiver acknowledged (the whole reservation).
@@ -163,8 +179,19 @@ class GrpcKVTransfer:
             await self._call.done_writing()
         except (grpc.aio.AioRpcError, asyncio.InvalidStateError):
             pass  # the call already ended: its status, awaited below, says why
-        response = await self._status()
-        self._finished = True
+        answer = asyncio.ensure_future(self._status())
+        try:
+            if self._ack is not None:
+                num_blocks = await self.nixl.wait_acknowledgement(self._ack, answer)
+                if num_blocks is not None:
+                    self._finished, self.acknowledged_by = True, "nixl"
+                    answer.add_done_callback(_closed_after_acknowledgement)
+                    return num_blocks
+            response = await answer
+        finally:
+            if not self._finished:
+                answer.cancel()  # (cancelled ourselves: leaving the context cancels the call)
+        self._finished, self.acknowledged_by = True, "grpc"
         return response.num_blocks_received
 
     async def _write(self, chunk: kvtransfer_pb2.KVChunk) -> None:
@@ -184,6 +211,13 @@ class GrpcKVTransfer:
             self._finished = True
             code = grpc.StatusCode.UNAVAILABLE if exc.code() in _BROKEN_STREAM else exc.code()
             raise StatusError(code, exc.details() or "") from exc
+
+
+def _closed_after_acknowledgement(answer: asyncio.Future) -> None:
+    """The stream's answer after the receiver acknowledged by notification: nothing waits for it
+    any more; a failure now (the receiver gone meanwhile) is only logged."""
+    if not answer.cancelled() and answer.exception() is not None:
+        logger.info("a KV transfer stream failed after its acknowledgement: %s", answer.exception())
 
 
 class GrpcKVSender:

@@ -447,6 +447,69 @@ def test_nixl_reads_blocks_bit_exact_into_the_reserved_slots(verify: bool, ranks
     receiver_agent.close()
 
 
+@pytest.mark.parametrize("after", ["finish", "a duplicate announcement"])
+def test_nixl_acknowledgement_comes_by_notification_and_hands_the_reservation_over(after: str) -> None:
+    """The read that completes the reservation is acknowledged by a NIXL notification while the
+    stream is still open; from then on the reservation is the request's, under its lease: the
+    stream failing afterwards (here a duplicate announcement, refused) does not free it."""
+    src, dst = make_pool(torch.bfloat16, True), make_pool(torch.bfloat16, False)
+    sender_agent, receiver_agent = agent(src), agent(dst)
+
+    async def scenario() -> None:
+        async with decode_worker(dst, nixl=receiver_agent) as peer:
+            reservation = peer.table.reserve("req-1", DST_IDS)
+            channel = grpc.aio.insecure_channel(peer.address, options=GRPC_MESSAGE_OPTIONS)
+            sender = GrpcKVSender(lambda address: channel, transports=["nixl"], nixl=sender_agent)
+            destination = KVDestination(peer.address, reservation.reservation_id, kv_transports=("nixl",))
+            try:
+                async with sender.open(destination, "req-1") as transfer:
+                    await transfer.send(src, 0, SRC_IDS)
+                    await wait_for(lambda: transfer.acknowledged)
+                    assert reservation.complete and not reservation.attached  # the lease runs again
+                    if after == "finish":
+                        assert await transfer.finish() == len(DST_IDS) and transfer.acknowledged_by == "nixl"
+                    else:
+                        await transfer.send(src, 0, SRC_IDS[:1])
+                        await wait_for(transfer._call.done)
+                        assert await transfer._call.code() == grpc.StatusCode.INVALID_ARGUMENT
+            finally:
+                await channel.close()
+            assert len(peer.table) == 1 and peer.freed == []
+            assert peer.table.claim(reservation.reservation_id, "req-1") == DST_IDS
+
+    asyncio.run(scenario())
+    assert torch.equal(blocks(dst, DST_IDS), blocks(src, SRC_IDS))
+    sender_agent.close()
+    receiver_agent.close()
+
+
+def test_nixl_refusal_reaches_finish_as_the_stream_status() -> None:
+    """No acknowledgement comes for a refused read: ``finish`` raises the stream's status."""
+    src, dst = make_pool(torch.float32, True), make_pool(torch.float32, False)
+    sender_agent, receiver_agent = agent(src), agent(dst)
+
+    async def scenario() -> None:
+        async with decode_worker(dst, nixl=receiver_agent) as peer:
+            reservation = peer.table.reserve("req-1", DST_IDS)
+            channel = grpc.aio.insecure_channel(peer.address, options=GRPC_MESSAGE_OPTIONS)
+            sender = GrpcKVSender(lambda address: channel, transports=["nixl"], nixl=sender_agent)
+            destination = KVDestination(peer.address, reservation.reservation_id, kv_transports=("nixl",))
+            try:
+                with pytest.raises(StatusError) as info:
+                    async with sender.open(destination, "req-1") as transfer:
+                        await transfer.send(src, 0, [100] + SRC_IDS[1:])
+                        await transfer.finish()
+            finally:
+                await channel.close()
+            assert info.value.code == grpc.StatusCode.INVALID_ARGUMENT and not transfer.acknowledged
+            await wait_for(lambda: len(peer.table) == 0)
+            assert sorted(peer.freed) == sorted(DST_IDS)
+
+    asyncio.run(scenario())
+    sender_agent.close()
+    receiver_agent.close()
+
+
 @pytest.mark.parametrize("case", ["checksum", "outside the pool", "no nixl here"])
 def test_nixl_refusals_free_the_reservation(case: str) -> None:
     src, dst = make_pool(torch.float32, True), make_pool(torch.float32, False)
