@@ -37,8 +37,10 @@ Every output is greedy with EOS ignored, so the token counts are exact. One reco
 workload and setting (benchmark ``serving``) goes under ``bench/results/``; ``--setups
 disagg,colocated`` runs both deployments of the same GPUs in one call and writes the goodput
 comparison (benchmark ``serving_2gpu``, see ``bench/serving_compare.py``); ``adaptive`` is the
-``disagg`` deployment with the gateway placing each prefill by prediction against the first SLO
-pair (``TANDEM_PREFILL_PLACEMENT=adaptive``), while ``disagg`` is a fixed split (``static``).
+``disagg`` deployment with the gateway placing each prefill by prediction against an SLO pair
+(``TANDEM_PREFILL_PLACEMENT=adaptive``, ``TANDEM_SLO_TTFT_S``, ``TANDEM_SLO_ITL_S``), deployed
+once per pair of ``--slos`` (its goodput at each pair is that of the deployment aiming at it),
+while ``disagg`` is a fixed split (``static``).
 
 Usage: ``python bench/serving.py --model llama-3-8b --load-format dummy --workloads random
 --concurrency 128`` (``--help`` lists the rest).
@@ -61,7 +63,7 @@ import grpc
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 from bench.common import machine, write_result  # noqa: E402
-from bench.serving_compare import slo_suffix, write_comparison  # noqa: E402
+from bench.serving_compare import fold_aimed_runs, setup_label, slo_suffix, write_comparison  # noqa: E402
 from cli.launcher import LocalCluster, gpu_placement  # noqa: E402
 from gateway.settings import GatewaySettings  # noqa: E402
 from protos.tandem.v1 import gateway_pb2, gateway_pb2_grpc  # noqa: E402
@@ -319,11 +321,11 @@ def offline_tokens_per_s(model: str, load_format: str, requests: list[Request], 
     return sum(len(o.outputs[0].token_ids) for o in outputs) / elapsed
 
 
-def start_cluster(args, setup: str) -> LocalCluster:
+def start_cluster(args, setup: str, aim: tuple[float, float]) -> LocalCluster:
     """The deployment under test: ``disagg`` (``--prefill`` prefill + ``--decode`` decode
     workers, a fixed split), ``adaptive`` (the same workers, each prefill placed by the gateway's
-    prediction against the first SLO pair) or ``colocated`` (decode workers only, each
-    prefilling its own requests), placed on
+    prediction against ``aim``, a (TTFT, ITL) SLO pair in seconds) or ``colocated`` (decode
+    workers only, each prefilling its own requests), placed on
     ``--gpus`` GPUs (``cli.launcher.gpu_placement``: each worker on as many consecutive GPUs as
     its tensor-parallel size, ``--prefill-tp`` / ``--decode-tp``); workers sharing a GPU share
     ``--gpu-memory-utilization``."""
@@ -332,7 +334,7 @@ def start_cluster(args, setup: str) -> LocalCluster:
            "TANDEM_KV_TRANSPORT": args.kv_transport, "TANDEM_ADMIT_WAIT_S": "600",
            "TANDEM_PREFILL_PLACEMENT": "adaptive" if setup == "adaptive" else "static", **args.env}
     if setup == "adaptive":
-        env |= {"TANDEM_SLO_TTFT_S": str(args.slos[0][0]), "TANDEM_SLO_ITL_S": str(args.slos[0][1])}
+        env |= {"TANDEM_SLO_TTFT_S": str(aim[0]), "TANDEM_SLO_ITL_S": str(aim[1])}
     split = setup != "colocated"
     num_prefill = args.prefill if split else 0
     num_decode = args.decode if split else args.prefill + args.decode
@@ -371,6 +373,64 @@ def sweep(args, vocab_size: int) -> list[tuple[str, str, float, list[Request]]]:
     return runs
 
 
+def run_setup(args, setup: str, aim: int, vocab: int) -> dict:
+    """Start ``setup`` (adaptive placement aiming at SLO pair ``aim`` of ``--slos``), run the
+    sweep on it, stop it.
+
+    Returns:
+        ``(workload, mode, value)`` → ``(metrics, requests)``.
+    """
+    cluster = start_cluster(args, setup, args.slos[aim])
+    label = setup_label(setup, aim, args.slos)
+    runs = {}
+    try:
+        for workload, mode, value, requests in sweep(args, vocab):
+            if mode == "closed":
+                results, elapsed = asyncio.run(closed_loop(cluster.gateway_addr, requests, int(value)))
+            else:
+                results, elapsed = asyncio.run(open_loop(cluster.gateway_addr, requests, value))
+            metrics = summarize(results, elapsed, args.slos)
+            metrics["concurrency" if mode == "closed" else "rate_rps"] = value
+            runs[(workload, mode, value)] = (metrics, requests)
+            print(f"{label:>9} {workload:>13} {mode}={value:g}: {metrics['service_output_tokens_per_s']:.0f} "
+                  f"tok/s, TTFT p50 {metrics['ttft_p50_s']:.3f} s, TPOT p50 {metrics['tpot_p50_s'] * 1e3:.1f} ms, "
+                  f"ITL p99 {metrics['itl_p99_s'] * 1e3:.1f} ms, "
+                  f"goodput {metrics['goodput_rps']:.2f} req/s", flush=True)
+    finally:
+        cluster.stop()
+    return runs
+
+
+def write_runs(args, setup: str, aim: int, runs: dict, gpu: str | None, keys: dict) -> None:
+    """One ``serving`` record per run of ``setup`` (aiming at SLO pair ``aim``), with the offline
+    engine's figure on the same prompts beside the runs aiming at the first pair."""
+    offline_by_workload: dict[str, float] = {}
+    for (workload, mode, value), (metrics, requests) in runs.items():
+        if args.offline and not aim and workload not in offline_by_workload:
+            engine_args = {"max_num_seqs": args.max_num_seqs}
+            if gpu:
+                engine_args["gpu_memory_utilization"] = args.gpu_memory_utilization
+            offline_by_workload[workload] = offline_tokens_per_s(args.model, args.load_format, requests, engine_args)
+        if workload in offline_by_workload:
+            metrics["offline_output_tokens_per_s"] = round(offline_by_workload[workload], 3)
+            metrics["service_to_offline_ratio"] = round(
+                metrics["service_output_tokens_per_s"] / offline_by_workload[workload], 4)
+        split = setup != "colocated"
+        workload_desc = {"name": workload, "setup": setup, "mode": mode, "value": value,
+                         "num_requests": args.num_requests, "prefill_workers": args.prefill if split else 0,
+                         "decode_workers": args.decode if split else args.prefill + args.decode,
+                         "gpus": args.gpus, "prefill_tp": args.prefill_tp, "decode_tp": args.decode_tp,
+                         "kv_transport": args.kv_transport,
+                         "local_prefill_max_tokens": args.local_prefill,
+                         "slos_ttft_tpot_s": args.slos, "greedy": True, "ignore_eos": True,
+                         "env": args.env, "decode_env": args.split_decode_env if split else {}}
+        if setup == "adaptive":
+            workload_desc["placement_slo_ttft_itl_s"] = args.slos[aim]
+        label = setup_label(setup, aim, args.slos)
+        write_result("serving", metrics, workload_desc,
+                     tag=f"{args.tag + '-' if args.tag else ''}{label}-{workload}-{mode}{value:g}", model=args.model, **keys)
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--model", default="smollm2-135m")
@@ -381,8 +441,8 @@ def main() -> None:
     parser.add_argument("--concurrency", default="", help="closed-loop stream counts, comma-separated")
     parser.add_argument("--rates", default="", help="open-loop request rates per second, comma-separated")
     parser.add_argument("--slos", default="0.5:0.02,1:0.04",
-                        help="TTFT:TPOT SLO pairs in seconds, comma-separated; the first is the main one (goodput_rps) "
-                             "and the one adaptive placement aims at")
+                        help="TTFT:TPOT SLO pairs in seconds, comma-separated; the first is the main one "
+                             "(goodput_rps); adaptive placement is deployed aiming at each in turn")
     parser.add_argument("--prefill", type=int, default=1)
     parser.add_argument("--decode", type=int, default=1)
     parser.add_argument("--setups", default="disagg", help="of disagg, colocated, adaptive, comma-separated")
@@ -422,48 +482,20 @@ def main() -> None:
         gpu = torch.cuda.get_device_name()
     keys = {"gpu": f"{gpu} x{args.gpus}" if gpu else None} if gpu else {"machine": machine()}
     by_setup: dict[str, dict] = {}
+    aimed: dict[int, dict] = {}  # adaptive's runs aimed at each later SLO pair
     for setup in args.setups.split(","):
-        cluster = start_cluster(args, setup)
-        runs = {}
-        try:
-            for workload, mode, value, requests in sweep(args, vocab):
-                if mode == "closed":
-                    results, elapsed = asyncio.run(closed_loop(cluster.gateway_addr, requests, int(value)))
-                else:
-                    results, elapsed = asyncio.run(open_loop(cluster.gateway_addr, requests, value))
-                metrics = summarize(results, elapsed, args.slos)
-                metrics["concurrency" if mode == "closed" else "rate_rps"] = value
-                runs[(workload, mode, value)] = (metrics, requests)
-                print(f"{setup:>9} {workload:>13} {mode}={value:g}: {metrics['service_output_tokens_per_s']:.0f} "
-                      f"tok/s, TTFT p50 {metrics['ttft_p50_s']:.3f} s, TPOT p50 {metrics['tpot_p50_s'] * 1e3:.1f} ms, "
-                      f"ITL p99 {metrics['itl_p99_s'] * 1e3:.1f} ms, "
-                      f"goodput {metrics['goodput_rps']:.2f} req/s", flush=True)
-        finally:
-            cluster.stop()
-        by_setup[setup] = runs
+        for aim in range(len(args.slos)) if setup == "adaptive" else range(1):
+            runs = run_setup(args, setup, aim, vocab)
+            if aim:
+                aimed[aim] = runs
+            else:
+                by_setup[setup] = runs
     for setup, runs in by_setup.items():
-        offline_by_workload: dict[str, float] = {}
-        for (workload, mode, value), (metrics, requests) in runs.items():
-            if args.offline and workload not in offline_by_workload:
-                engine_args = {"max_num_seqs": args.max_num_seqs}
-                if gpu:
-                    engine_args["gpu_memory_utilization"] = args.gpu_memory_utilization
-                offline_by_workload[workload] = offline_tokens_per_s(args.model, args.load_format, requests, engine_args)
-            if workload in offline_by_workload:
-                metrics["offline_output_tokens_per_s"] = round(offline_by_workload[workload], 3)
-                metrics["service_to_offline_ratio"] = round(
-                    metrics["service_output_tokens_per_s"] / offline_by_workload[workload], 4)
-            split = setup != "colocated"
-            workload_desc = {"name": workload, "setup": setup, "mode": mode, "value": value,
-                             "num_requests": args.num_requests, "prefill_workers": args.prefill if split else 0,
-                             "decode_workers": args.decode if split else args.prefill + args.decode,
-                             "gpus": args.gpus, "prefill_tp": args.prefill_tp, "decode_tp": args.decode_tp,
-                             "kv_transport": args.kv_transport,
-                             "local_prefill_max_tokens": args.local_prefill,
-                             "slos_ttft_tpot_s": args.slos, "greedy": True, "ignore_eos": True,
-                             "env": args.env, "decode_env": args.split_decode_env if split else {}}
-            write_result("serving", metrics, workload_desc, tag=f"{args.tag + '-' if args.tag else ''}{setup}-{workload}-{mode}{value:g}",
-                         model=args.model, **keys)
+        write_runs(args, setup, 0, runs, gpu, keys)
+    for aim, runs in aimed.items():
+        write_runs(args, "adaptive", aim, runs, gpu, keys)
+    if "adaptive" in by_setup:
+        by_setup["adaptive"] = fold_aimed_runs(by_setup["adaptive"], aimed, args.slos)
     if len(by_setup) > 1:
         write_comparison(by_setup, args, keys)
 

@@ -4,7 +4,8 @@
 deployments have run the same workloads; per workload it writes one record (benchmark
 ``serving_2gpu``) whose metrics are the best goodput of each setup over the runs at each SLO pair
 (``goodput_rps_disagg``, ``goodput_rps_colocated``, ``goodput_rps_adaptive``; at a later pair
-with its suffix, e.g. ``goodput_rps_adaptive_ttft1s_tpot40ms``), their ratios
+with its suffix, e.g. ``goodput_rps_adaptive_ttft1s_tpot40ms``, adaptive's from a deployment
+aiming at that pair: :func:`fold_aimed_runs`), their ratios
 (``goodput_ratio``: disagg over colocated; ``adaptive_over_colocated``, ``adaptive_over_disagg``,
 ``adaptive_over_best_fixed``: over the better of the two fixed setups; each with the pair's
 suffix), every run's latency quantiles and goodput (``{setup}_{mode}{value}_{metric}``, e.g.
@@ -89,6 +90,36 @@ def slo_suffix(slo: tuple[float, float], first: bool) -> str:
     """The suffix of a goodput metric at ``slo`` (TTFT, TPOT seconds): none for the first pair,
     else e.g. ``_ttft1s_tpot40ms``."""
     return "" if first else f"_ttft{slo[0]:g}s_tpot{slo[1] * 1e3:g}ms"
+
+
+def fold_aimed_runs(runs: dict, aimed: dict[int, dict], slos: list[tuple[float, float]]) -> dict:
+    """Adaptive placement measured at each SLO pair as it would be deployed for that pair:
+    ``runs`` (aiming at the first pair) with the goodput and SLO attainment at each later pair
+    ``i`` taken from the same workload and load run aiming at pair ``i`` (``aimed[i]``).
+
+    Args:
+        runs, aimed[i]: ``(workload, mode, value)`` → ``(metrics, requests)``.
+        slos: the (TTFT, TPOT) pairs, seconds, the first one the main one.
+
+    Returns:
+        ``runs``' layout, new metric dicts (``runs`` is left as it was).
+    """
+    folded = {}
+    for key, (metrics, requests) in runs.items():
+        metrics = dict(metrics)
+        for aim, aimed_runs in aimed.items():
+            if key in aimed_runs:
+                suffix = slo_suffix(slos[aim], False)
+                for name in ("goodput_rps", "slo_attainment"):
+                    metrics[name + suffix] = aimed_runs[key][0][name + suffix]
+        folded[key] = (metrics, requests)
+    return folded
+
+
+def setup_label(setup: str, aim: int, slos: list[tuple[float, float]]) -> str:
+    """A deployment's name in output and file tags: ``setup``, and for adaptive placement aiming
+    at a later SLO pair, that pair (``adaptive-ttft1s-tpot40ms``)."""
+    return setup + (slo_suffix(slos[aim], False).replace("_", "-") if aim else "")
 
 
 def slos_of(workload: dict) -> list[tuple[float, float]]:

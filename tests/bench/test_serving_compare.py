@@ -7,7 +7,7 @@ from __future__ import annotations
 import pytest
 
 from bench.serving import Result, summarize
-from bench.serving_compare import COLUMNS, comparison_metrics, markdown_table, plot, runs_of
+from bench.serving_compare import COLUMNS, comparison_metrics, fold_aimed_runs, markdown_table, plot, runs_of, setup_label
 
 
 def run(goodput: float, ttft_p99: float, relaxed: float | None = None) -> dict[str, float]:
@@ -37,6 +37,19 @@ def test_adaptive_is_compared_with_each_fixed_setup_and_the_better_one_at_each_s
     assert metrics["adaptive_over_colocated"] == 1.6 and metrics["adaptive_over_disagg"] == 0.8
     assert metrics["adaptive_over_best_fixed"] == 0.8  # disagg's 3.0 is the better fixed setup
     assert metrics["adaptive_over_best_fixed_ttft1s_tpot40ms"] == 0.75  # colocated's 6.0 is, at the relaxed pair
+
+
+def test_adaptive_goodput_at_a_later_slo_pair_comes_from_the_deployment_aiming_at_it():
+    slos = [(0.5, 0.02), (1.0, 0.04)]
+    aiming_first = {("long", "open", 4.0): (run(2.4, 0.8, relaxed=3.0), ["prompts"])}
+    aiming_relaxed = {("long", "open", 4.0): (run(1.0, 0.9, relaxed=5.5) | {"slo_attainment_ttft1s_tpot40ms": 0.9},
+                                              ["prompts"])}
+    folded = fold_aimed_runs(aiming_first, {1: aiming_relaxed}, slos)
+    metrics, requests = folded[("long", "open", 4.0)]
+    assert metrics["goodput_rps"] == 2.4 and metrics["ttft_p99_s"] == 0.8  # the main pair's run, as it was
+    assert metrics["goodput_rps_ttft1s_tpot40ms"] == 5.5 and metrics["slo_attainment_ttft1s_tpot40ms"] == 0.9
+    assert requests == ["prompts"] and aiming_first[("long", "open", 4.0)][0]["goodput_rps_ttft1s_tpot40ms"] == 3.0
+    assert setup_label("adaptive", 1, slos) == "adaptive-ttft1s-tpot40ms" and setup_label("adaptive", 0, slos) == "adaptive"
 
 
 def test_a_run_is_summarized_with_its_token_gaps_apart_from_tpot():
