@@ -447,6 +447,18 @@ def test_nixl_reads_blocks_bit_exact_into_the_reserved_slots(verify: bool, ranks
     receiver_agent.close()
 
 
+@contextlib.asynccontextmanager
+async def nixl_transfer(peer: DecodePeer, sender_agent: NixlAgent, reservation_id: str) -> AsyncIterator[GrpcKVTransfer]:
+    """A NIXL transfer of request ``req-1`` into ``peer``'s reservation, opened as a prefill worker opens it."""
+    channel = grpc.aio.insecure_channel(peer.address, options=GRPC_MESSAGE_OPTIONS)
+    sender = GrpcKVSender(lambda address: channel, transports=["nixl"], nixl=sender_agent)
+    try:
+        async with sender.open(KVDestination(peer.address, reservation_id, kv_transports=("nixl",)), "req-1") as transfer:
+            yield transfer
+    finally:
+        await channel.close()
+
+
 @pytest.mark.parametrize("after", ["finish", "a duplicate announcement"])
 def test_nixl_acknowledgement_comes_by_notification_and_hands_the_reservation_over(after: str) -> None:
     """The read that completes the reservation is acknowledged by a NIXL notification while the
@@ -458,22 +470,16 @@ def test_nixl_acknowledgement_comes_by_notification_and_hands_the_reservation_ov
     async def scenario() -> None:
         async with decode_worker(dst, nixl=receiver_agent) as peer:
             reservation = peer.table.reserve("req-1", DST_IDS)
-            channel = grpc.aio.insecure_channel(peer.address, options=GRPC_MESSAGE_OPTIONS)
-            sender = GrpcKVSender(lambda address: channel, transports=["nixl"], nixl=sender_agent)
-            destination = KVDestination(peer.address, reservation.reservation_id, kv_transports=("nixl",))
-            try:
-                async with sender.open(destination, "req-1") as transfer:
-                    await transfer.send(src, 0, SRC_IDS)
-                    await wait_for(lambda: transfer.acknowledged)
-                    assert reservation.complete and not reservation.attached  # the lease runs again
-                    if after == "finish":
-                        assert await transfer.finish() == len(DST_IDS) and transfer.acknowledged_by == "nixl"
-                    else:
-                        await transfer.send(src, 0, SRC_IDS[:1])
-                        await wait_for(transfer._call.done)
-                        assert await transfer._call.code() == grpc.StatusCode.INVALID_ARGUMENT
-            finally:
-                await channel.close()
+            async with nixl_transfer(peer, sender_agent, reservation.reservation_id) as transfer:
+                await transfer.send(src, 0, SRC_IDS)
+                await wait_for(lambda: transfer.acknowledged)
+                assert reservation.complete and not reservation.attached  # the lease runs again
+                if after == "finish":
+                    assert await transfer.finish() == len(DST_IDS) and transfer.acknowledged_by == "nixl"
+                else:
+                    await transfer.send(src, 0, SRC_IDS[:1])
+                    await wait_for(transfer._call.done)
+                    assert await transfer._call.code() == grpc.StatusCode.INVALID_ARGUMENT
             assert len(peer.table) == 1 and peer.freed == []
             assert peer.table.claim(reservation.reservation_id, "req-1") == DST_IDS
 
@@ -491,16 +497,10 @@ def test_nixl_refusal_reaches_finish_as_the_stream_status() -> None:
     async def scenario() -> None:
         async with decode_worker(dst, nixl=receiver_agent) as peer:
             reservation = peer.table.reserve("req-1", DST_IDS)
-            channel = grpc.aio.insecure_channel(peer.address, options=GRPC_MESSAGE_OPTIONS)
-            sender = GrpcKVSender(lambda address: channel, transports=["nixl"], nixl=sender_agent)
-            destination = KVDestination(peer.address, reservation.reservation_id, kv_transports=("nixl",))
-            try:
-                with pytest.raises(StatusError) as info:
-                    async with sender.open(destination, "req-1") as transfer:
-                        await transfer.send(src, 0, [100] + SRC_IDS[1:])
-                        await transfer.finish()
-            finally:
-                await channel.close()
+            with pytest.raises(StatusError) as info:
+                async with nixl_transfer(peer, sender_agent, reservation.reservation_id) as transfer:
+                    await transfer.send(src, 0, [100] + SRC_IDS[1:])
+                    await transfer.finish()
             assert info.value.code == grpc.StatusCode.INVALID_ARGUMENT and not transfer.acknowledged
             await wait_for(lambda: len(peer.table) == 0)
             assert sorted(peer.freed) == sorted(DST_IDS)
