@@ -82,8 +82,7 @@ class GrpcKVReceiver:
                     reservation = await self._read(reservation_id, chunk, peer)
                     if reservation.complete and not acknowledged:
                         table.detach(reservation_id)
-                        self.receiver.nixl.acknowledge(peer, reservation_id, reservation.num_blocks)
-                        acknowledged = True
+                        acknowledged = self.receiver.nixl.acknowledge(peer, reservation_id, reservation.num_blocks)
                 else:
                     blocks = decode_chunk(chunk, self.receiver.layout)
                     self.receiver.install(reservation_id, chunk.request_id, chunk.first_block_index, blocks)

@@ -233,12 +233,21 @@ class NixlAgent:
         """Stop waiting for ``reservation_id``'s acknowledgement."""
         self._acks.pop(reservation_id, None)
 
-    def acknowledge(self, peer: _Peer, reservation_id: str, num_blocks: int) -> None:
+    def acknowledge(self, peer: _Peer, reservation_id: str, num_blocks: int) -> bool:
         """Tell ``peer``'s agent that every block of ``reservation_id`` (``num_blocks``) has been
-        read. Best effort: the stream's answer follows whatever becomes of the message."""
-        self.agent.send_notif(peer.name, _ACK_PREFIX + f"{reservation_id}/{num_blocks}".encode())
+        read. Best effort: the stream's answer follows whatever becomes of the message.
+
+        Returns:
+            Whether NIXL took the message (``False``, logged, where it refused it: peer gone).
+        """
+        try:
+            self.agent.send_notif(peer.name, _ACK_PREFIX + f"{reservation_id}/{num_blocks}".encode())
+        except Exception as exc:  # nixl raises its own binding errors
+            logger.warning("NIXL acknowledgement of reservation %s to %s not sent: %s", reservation_id, peer.name, exc)
+            return False
         self.poll_notifications()  # sends it now where UCX can: eager active messages
         self._keep_progressing()  # else while the loop progresses the agent
+        return True
 
     def add_peer(self, source: kvtransfer_pb2.NixlSource) -> _Peer:
         """Know a sender's agent (once per agent; its metadata is checked on every stream).
