@@ -195,6 +195,10 @@ class WorkerSettings(TandemSettings):
                             "have it)")
     kv_verify_checksums: bool = Field(False, description="debug: check a CRC-32 of every block moved by NIXL "
                                                          "(copies each block to the host on both sides)")
+    stream_interval: int = Field(1, ge=1, description="decode: new tokens a stream message waits for (the last one "
+                                                      "of a sample goes whatever it holds); more: fewer messages per "
+                                                      "token for the worker's event loop, coarser streaming "
+                                                      "(SGLang's stream_interval)")
 
     @field_validator("cuda_graph_batch_sizes", mode="before")
     @classmethod

@@ -49,8 +49,8 @@ class DecodeServicer(worker_pb2_grpc.DecodeWorkerServicer):
 
     Args:
         engine: the worker's running engine.
-        settings: ``lease_s`` (reservation lease), the KV transport settings and the request
-            caps are used.
+        settings: ``lease_s`` (reservation lease), ``stream_interval``, the KV transport
+            settings and the request caps are used.
         metrics: the worker's metrics.
 
     Raises:
@@ -66,6 +66,7 @@ class DecodeServicer(worker_pb2_grpc.DecodeWorkerServicer):
         self.engine = engine
         self.metrics = metrics
         self.limits = settings.limits()
+        self.stream_interval = settings.stream_interval
         self.table = ReservationTable(engine.free_blocks, lease_s=settings.lease_s)
         pool = KVPool(engine.kv_pools)
         _, self.nixl = kv_transport(settings, settings.resolved_worker_id(str(Role.DECODE)), pool)
@@ -213,7 +214,8 @@ class DecodeServicer(worker_pb2_grpc.DecodeWorkerServicer):
     async def _stream(self, outputs: AsyncIterator[RequestOutput], params: SamplingParams, num_first: int,
                       start: float):
         """Each sample's new tokens (after the ``num_first`` the prefill worker already
-        returned); a sample's last message has its finish reason."""
+        returned), ``stream_interval`` or more a message; a sample's last message has its finish
+        reason."""
         sent = [num_first] * params.n
         done = [False] * params.n
         try:
@@ -221,7 +223,7 @@ class DecodeServicer(worker_pb2_grpc.DecodeWorkerServicer):
                 async for out in stream:
                     for c in out.outputs:
                         i = c.index
-                        if done[i] or (len(c.token_ids) == sent[i] and not c.finished):
+                        if done[i] or (len(c.token_ids) - sent[i] < self.stream_interval and not c.finished):
                             continue
                         yield worker_pb2.DecodeResponse(
                             index=i, token_ids=c.token_ids[sent[i]:],

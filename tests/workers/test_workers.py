@@ -116,6 +116,23 @@ def test_greedy_through_the_pair_equals_offline(engines, offline, transport):
         assert reasons == [want]
 
 
+def test_stream_interval_sends_tokens_in_groups_and_loses_none(engines, offline):
+    """``stream_interval=4``: each Decode message but a sample's last carries at least 4 tokens,
+    and the tokens are the offline engine's."""
+    tok = offline.get_tokenizer()
+    prompt = tok.encode(PROMPTS[0], add_special_tokens=False)
+    expected = reference(offline, [prompt], SamplingParams(max_tokens=14, temperature=0))[0].outputs[0].token_ids
+
+    async def main():
+        async with pair(engines, stream_interval=4) as p:
+            pre, call = await start_decode(p, "grouped", prompt, gateway_pb2.SamplingParams(max_tokens=14, temperature=0))
+            return [t.token_id for t in pre.first_tokens], [list(msg.token_ids) async for msg in call]
+
+    first, messages = asyncio.run(main())
+    assert [*first, *(t for m in messages for t in m)] == expected
+    assert all(len(m) >= 4 for m in messages[:-1]) and len(messages) <= 4  # 13 decoded tokens, 4 at least a message
+
+
 def test_the_next_turn_is_neither_recomputed_nor_resent(engines, offline):
     """Multi-turn chat: the decode worker keeps the previous turn (prompt and answer) in its
     prefix cache; the next turn's Admit reports those blocks cached, and with a local prefill
