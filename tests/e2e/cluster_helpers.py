@@ -104,6 +104,20 @@ def wait_free_blocks(cluster: LocalCluster, expected: dict[str, int], within_s: 
         time.sleep(0.05)
 
 
+def settled_free_blocks(cluster: LocalCluster, within_s: float) -> dict[str, int]:
+    """Every live worker's free-block count once no request holds a block (free == total), waited
+    for: the reference a leak check compares with, taken after an earlier request's last frees
+    (an Abort after a cut or a cancel lands asynchronously) rather than during them.
+
+    Raises:
+        AssertionError: a worker still holds blocks after ``within_s`` seconds.
+    """
+    total = {name: stats(cluster, w.address, name.split("-")[0]).num_total_blocks
+             for name, w in cluster.workers.items() if w.alive}
+    assert wait_free_blocks(cluster, total, within_s) == total, "a worker still holds blocks"
+    return total
+
+
 def collect(stub, request, timeout_s: float = 120) -> dict:
     """Run one Generate call; per sample: token ids, text, finish reason; plus usage (checked to
     come exactly once, on the stream's last message)."""

@@ -41,7 +41,7 @@ from cli.launcher import free_port
 from cli.redis_server import RedisServer
 from protos.tandem.v1 import gateway_pb2
 
-from .cluster_helpers import SP, collect, gateway_stub, start_cluster, stats, wait_free_blocks
+from .cluster_helpers import SP, collect, gateway_stub, settled_free_blocks, start_cluster, stats, wait_free_blocks
 
 pytestmark = pytest.mark.slow
 LEASE_S = 5.0
@@ -142,10 +142,7 @@ def _heal(cluster) -> dict[str, int]:
         cluster.restart(name)
     if dead:
         time.sleep(2.5)  # the gateway's probe and refresh see a restarted worker; ejections lapse
-    total = {name: stats(cluster, w.address, name.split("-")[0]).num_total_blocks
-             for name, w in cluster.workers.items()}
-    assert wait_free_blocks(cluster, total, within_s=LEASE_S + 3) == total, "a worker still holds blocks"
-    return total
+    return settled_free_blocks(cluster, within_s=LEASE_S + 3)
 
 
 def _serving(cluster, role: str, baseline: dict[str, int]) -> str | None:
