@@ -155,7 +155,7 @@ class DecodeServicer(worker_pb2_grpc.DecodeWorkerServicer):
                     outputs = self.engine.add_prefilled(request_id, prompt, first, params, block_ids, salt)
                 self._decoding.add(request_id)
                 try:
-                    async for response in self._stream(outputs, params, len(first), start):
+                    async for response in self._stream(outputs, params, 1 if first else 0, start):
                         yield response
                 finally:
                     self._decoding.discard(request_id)
@@ -213,9 +213,9 @@ class DecodeServicer(worker_pb2_grpc.DecodeWorkerServicer):
 
     async def _stream(self, outputs: AsyncIterator[RequestOutput], params: SamplingParams, num_first: int,
                       start: float):
-        """Each sample's new tokens (after the ``num_first`` the prefill worker already
-        returned), ``stream_interval`` or more a message; a sample's last message has its finish
-        reason."""
+        """Each sample's new tokens (after the ``num_first`` of each, 1 or 0, that the prefill
+        worker already returned), ``stream_interval`` or more a message; a sample's last message
+        has its finish reason."""
         sent = [num_first] * params.n
         done = [False] * params.n
         try:
