@@ -24,8 +24,8 @@ completes the reservation, it sends the sender's agent a short message naming th
 and the sender's :meth:`~kvtransfer.grpc_sender.GrpcKVTransfer.finish` returns on whichever
 comes first, that message or the stream's gRPC answer (which still follows: the stream is closed
 as before, and every refusal still arrives as the stream's status). On one GPU the answer
-reached the sender 0.35-0.6 ms after the last read was seen done (H200, the probe of the
-closing note of issue 20); the notification takes tens of microseconds. The acknowledgement is
+reached the sender 0.35-0.6 ms after the last read was seen done (one H200, one H100: both
+processes' clocks probed); a notification arrives in tens of microseconds. The acknowledgement is
 sent only after the read is counted in (``ReservationTable.end_write``), so a ``Decode`` that the
 sender's success triggers finds the reservation complete.
 
