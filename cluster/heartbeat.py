@@ -4,13 +4,12 @@ once Redis is back)."""
 
 from __future__ import annotations
 
-import asyncio
-import contextlib
 import dataclasses
 import logging
 from collections.abc import Callable, Iterable
 from typing import Protocol
 
+from cluster.periodic import PeriodicTask
 from cluster.prefix_index import PrefixIndex
 from cluster.registry import REDIS_ERRORS, WorkerInfo, WorkerLoad, WorkerRegistry
 from engine.block_pool import BlockEvents
@@ -70,7 +69,8 @@ class Heartbeat:
         self._index = index
         self._blocks = blocks
         self._index_synced = False
-        self._task: asyncio.Task[None] | None = None
+        self._failing = False
+        self._loop = PeriodicTask(self._beat_logged, interval_s, f"heartbeat-{worker.worker_id}")
 
     def start(self) -> None:
         """Start beating in the background (call from the running event loop).
@@ -78,18 +78,14 @@ class Heartbeat:
         Raises:
             RuntimeError: already started.
         """
-        if self._task is not None:
-            raise RuntimeError("heartbeat already started")
-        self._task = asyncio.get_running_loop().create_task(self._run(), name=f"heartbeat-{self.worker.worker_id}")
+        self._loop.start()
 
     async def stop(self) -> None:
-        """Stop beating and deregister (best effort: if Redis is down the entries expire)."""
-        task, self._task = self._task, None
-        if task is None:
+        """Stop beating, then deregister (best effort: if Redis is down the entries expire).
+        No beat follows the deregistration (:class:`cluster.periodic.PeriodicTask`)."""
+        if not self._loop.running:
             return
-        task.cancel()
-        with contextlib.suppress(asyncio.CancelledError):
-            await task
+        await self._loop.stop()
         try:
             await self.registry.deregister(self.worker.worker_id, self.worker.role)
             if self._index is not None:
@@ -119,19 +115,16 @@ class Heartbeat:
             await self._index.publish(self.worker.worker_id, events.stored, events.removed)
         self._index_synced = True
 
-    async def _run(self) -> None:
-        failing = False
-        while True:
-            try:
-                await self.beat()
-                if failing:
-                    logger.info("heartbeat of %s reaches Redis again", self.worker.worker_id)
-                failing = False
-            except REDIS_ERRORS as exc:
-                if not failing:
-                    logger.warning("heartbeat of %s failed (%s); retrying every %.1f s",
-                                   self.worker.worker_id, exc, self.interval_s)
-                failing = True
-            except Exception:  # a bug in a callback must not kill the worker's registration
-                logger.exception("heartbeat of %s failed", self.worker.worker_id)
-            await asyncio.sleep(self.interval_s)
+    async def _beat_logged(self) -> None:
+        """One beat; a Redis error is logged once per outage and retried by the next beat."""
+        try:
+            await self.beat()
+        except REDIS_ERRORS as exc:
+            if not self._failing:
+                logger.warning("heartbeat of %s failed (%s); retrying every %.1f s",
+                               self.worker.worker_id, exc, self.interval_s)
+            self._failing = True
+            return
+        if self._failing:
+            logger.info("heartbeat of %s reaches Redis again", self.worker.worker_id)
+        self._failing = False

@@ -30,7 +30,8 @@ logger = logging.getLogger(__name__)
 
 
 class HealthProber:
-    """Probes the view's workers; :meth:`run` until cancelled, or :meth:`probe_once`.
+    """Probes the view's workers, a round per :meth:`probe_once` (the gateway runs it every
+    ``interval_s`` in a :class:`cluster.periodic.PeriodicTask`).
 
     Args:
         view: the routing state (its workers are probed; verdicts go to ``view.outliers``).
@@ -46,14 +47,6 @@ class HealthProber:
         self.timeout_s = timeout_s
         self._known: dict[str, str] = {}  # address -> worker id seen there
         self._ejected: frozenset[str] = frozenset()
-
-    async def run(self) -> None:
-        while True:
-            try:
-                await self.probe_once()
-            except Exception:  # a probe round must never end the loop
-                logger.exception("health probe round failed")
-            await asyncio.sleep(self.interval_s)
 
     async def probe_once(self) -> None:
         """Probe every worker of the view once, concurrently."""

@@ -29,6 +29,7 @@ from cluster import tracing
 from cluster.channels import ChannelCache, client_keepalive_options, server_keepalive_options
 from cluster.health import NOT_SERVING, SERVING
 from cluster.log import request_id_var
+from cluster.periodic import PeriodicTask
 from cluster.registry import ClusterNamespace, Role, WorkerConfig, WorkerRegistry, redis_client
 from cluster.server import Admission, ServerScaffold, StartupError, serve_metrics
 from cluster.settings import RequestLimits, setting_name
@@ -256,7 +257,9 @@ class Gateway:
         self.servicer = GatewayServicer(self.model, self.view, self.orchestrator, settings.limits(),
                                         settings.max_request_bytes, settings.max_prompt_bytes, self.tokenizer_pool)
         self._scaffold: ServerScaffold | None = None
-        self._tasks: list[asyncio.Task] = []
+        self._loops = [PeriodicTask(self._refresh, settings.refresh_interval_s, "refresh",
+                                    first_after_s=settings.refresh_interval_s),
+                       PeriodicTask(self.prober.probe_once, self.prober.interval_s, "health-probe")]
 
     @property
     def health(self):
@@ -296,8 +299,8 @@ class Gateway:
                            setting_name(GatewaySettings, "tls_dir"))
         await self._scaffold.start()
         await self._refresh()
-        self._tasks.append(asyncio.get_running_loop().create_task(self._refresh_loop(), name="refresh"))
-        self._tasks.append(asyncio.get_running_loop().create_task(self.prober.run(), name="health-probe"))
+        for loop in self._loops:
+            loop.start()
         logger.info("listening on %s:%d (model %s, %s)", s.listen_host, self.port, self.model.model_id,
                     f"redis {s.redis_url}" if s.redis_url else f"static workers {s.static_prefill}+{s.static_decode}")
         return self.port
@@ -336,22 +339,14 @@ class Gateway:
         await self.view.refresh()
         await self.health.set_all(SERVING if self.view.routable else NOT_SERVING)
 
-    async def _refresh_loop(self) -> None:
-        while True:
-            await asyncio.sleep(self.settings.refresh_interval_s)
-            try:
-                await self._refresh()
-            except Exception:  # refresh handles Redis errors itself; anything else must not stop routing
-                logger.exception("cluster refresh failed")
-
     async def stop(self, grace_s: float | None = None) -> None:
         """NOT_SERVING and health watches ended, new calls refused (UNAVAILABLE), in-flight ones
         given ``grace_s`` (default ``drain_timeout_s``) to finish, then everything closed."""
         grace_s = self.settings.drain_timeout_s if grace_s is None else grace_s
         await shutdown_step("health NOT_SERVING", self.health.shutdown())
         self.servicer.admission.open = False
-        for task in self._tasks:
-            task.cancel()
+        await shutdown_step("stopping the refresh and the health probe",
+                            asyncio.gather(*(loop.stop() for loop in self._loops)))
         await self.servicer.admission.wait_idle(grace_s)
         await shutdown_step("stopping the gRPC server", self._scaffold.stop(0.5))
         await shutdown_step("sending the last Aborts", self.orchestrator.drain_aborts())

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import asyncio
 import dataclasses
+import random
 
 import pytest
 
@@ -141,6 +142,29 @@ def test_heartbeat_task_keeps_worker_alive_then_deregisters(key_prefix, redis_ur
         assert await registry.live_workers(Role.PREFILL) == []
         assert await client.exists(ns.blocks_key("p0")) == 0
         await client.aclose()
+
+    asyncio.run(main())
+
+
+def test_a_heartbeat_stopped_at_any_moment_ends_and_stays_deregistered(key_prefix, redis_url):
+    """Stops landing at random points of a beat, connecting included: each returns and no beat
+    re-registers the worker after it (on Python 3.11 redis-py's use of asyncio.wait_for drops
+    some of these cancellations; the old loop then beat on and its stop never returned)."""
+
+    async def main():
+        rng = random.Random(0)
+        for attempt in range(40):
+            client = redis_client(redis_url)  # a fresh pool: the first beat also connects
+            registry = WorkerRegistry(client, _ns(key_prefix, ttl_s=0.5))
+            beat = Heartbeat(registry, _worker("p0"), WorkerLoad, interval_s=0.001)
+            beat.start()
+            for _ in range(rng.randrange(12)):
+                await asyncio.sleep(0)
+            async with asyncio.timeout(5):
+                await beat.stop()
+            await asyncio.sleep(0.01)  # ten intervals: a loop still running would have beaten again
+            assert await registry.live_workers(Role.PREFILL) == []
+            await client.aclose()
 
     asyncio.run(main())
 
