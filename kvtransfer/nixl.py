@@ -47,7 +47,7 @@ import itertools
 import logging
 import os
 import time
-from collections.abc import Sequence
+from collections.abc import Generator, Sequence
 from dataclasses import dataclass
 
 import grpc
@@ -136,13 +136,15 @@ class NixlAgent:
     """
 
     def __init__(self, name: str, pool: KVPool) -> None:
-        from nixl._api import nixl_agent, nixl_agent_config
+        from nixl._api import nixl_agent, nixl_agent_config, nixl_thread_sync_t
 
         cuda = pool.ranks[0].tensor.is_cuda
         if cuda:  # (UCX warns of a CUDA setting where it has no CUDA transport)
             for key, value in UCX_DEFAULTS.items():
                 os.environ.setdefault(key, value)  # read by UCX when the agent's backend starts
-        self.agent = nixl_agent(name, nixl_agent_config(enable_prog_thread=False, backends=["UCX"]))
+        # A host-memory read runs in a thread (see read); NIXL then serializes the agent's calls.
+        sync = None if cuda else nixl_thread_sync_t.NIXL_THREAD_SYNC_STRICT
+        self.agent = nixl_agent(name, nixl_agent_config(enable_prog_thread=False, backends=["UCX"], sync_mode=sync))
         if "UCX" not in self.agent.backends:
             raise RuntimeError("NIXL's UCX backend is not available")
         self.name = name
@@ -313,7 +315,11 @@ class NixlAgent:
         (:meth:`read_plan`).
 
         Runs to completion even if the caller is cancelled meanwhile only when shielded: callers
-        hold the destination blocks until this returns.
+        hold the destination blocks until this returns. Between host-memory pools UCX copies the
+        bytes inside NIXL's ``transfer`` call itself (tens of milliseconds for a long prompt's
+        blocks on a small host), so there the whole read runs in a thread of ``_POLL_THREADS``
+        (NIXL releases the GIL meanwhile) and the event loop goes on serving the worker's other
+        streams. A GPU read only starts in ``transfer``; it is polled from the event loop.
 
         Raises:
             StatusError: ``INVALID_ARGUMENT`` for a source block outside the peer's pool,
@@ -325,19 +331,31 @@ class NixlAgent:
             raise StatusError.invalid_argument("source_block_ids", f"{bad[:4].tolist()} outside the sender's pool "
                                                                    f"of {peer.num_blocks} blocks")
         local, remote = self.read_plan(peer, src, dst_blocks)
+        polls = self._read_polls(peer, local, remote)
+        if self.memory_type == "DRAM":  # the whole read, the handle's release included, in a thread
+            state = await asyncio.get_running_loop().run_in_executor(_POLL_THREADS, _drive_blocking, polls)
+        else:
+            state = await _drive(polls)
+        if state != "DONE":
+            raise StatusError(grpc.StatusCode.UNAVAILABLE, f"NIXL read from {peer.name} failed ({state})")
+
+    def _read_polls(self, peer: _Peer, local: np.ndarray, remote: np.ndarray) -> Generator[float, None, str]:
+        """Post the read of :meth:`read_plan`'s ``remote`` ranges into ``local`` and yield the
+        seconds to wait before each next look at its state, until it has ended; return its final
+        state (``"DONE"`` or ``"ERR"``). Its handle is made on the first ``next`` and released at
+        the end or when the generator is closed before it."""
         handle = self.agent.initialize_xfer(
             "READ", self.agent.get_xfer_descs(local, self.memory_type),
             self.agent.get_xfer_descs(remote, peer.memory_type), peer.name)
         try:
             state, delay = self.agent.transfer(handle), _POLL_MIN_S
             while state == "PROC":
-                await _poll_sleep(delay)
+                yield delay
                 delay = min(2 * delay, _POLL_MAX_S)
                 state = self.agent.check_xfer_state(handle)
+            return state
         finally:
             self.agent.release_xfer_handle(handle)
-        if state != "DONE":
-            raise StatusError(grpc.StatusCode.UNAVAILABLE, f"NIXL read from {peer.name} failed ({state})")
 
     def close(self) -> None:
         """Forget every peer and deregister the pool."""
@@ -353,6 +371,27 @@ async def _poll_sleep(seconds: float) -> None:
     thread of ``_POLL_THREADS``, which wakes the event loop through its self-pipe when done.
     Hand-written because asyncio's own timers are whole milliseconds here (above)."""
     await asyncio.get_running_loop().run_in_executor(_POLL_THREADS, time.sleep, seconds)
+
+
+async def _drive(polls: Generator[float, None, str]) -> str:
+    """Run a read's polls (:meth:`NixlAgent._read_polls`) to the end from the event loop, each
+    wait slept off it (:func:`_poll_sleep`); return the read's final state."""
+    try:
+        while True:
+            await _poll_sleep(next(polls))
+    except StopIteration as end:
+        return end.value
+    finally:
+        polls.close()
+
+
+def _drive_blocking(polls: Generator[float, None, str]) -> str:
+    """Run a read's polls to the end in this thread, sleeping in between; return its final state."""
+    try:
+        while True:
+            time.sleep(next(polls))
+    except StopIteration as end:
+        return end.value
 
 
 def _device_id(tensor: torch.Tensor) -> int:

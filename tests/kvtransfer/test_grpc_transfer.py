@@ -4,6 +4,7 @@ reservation's blocks handed back to the pool."""
 
 import asyncio
 import contextlib
+import threading
 from collections.abc import AsyncIterator, Awaitable, Callable
 from dataclasses import dataclass
 
@@ -443,6 +444,31 @@ def test_nixl_reads_blocks_bit_exact_into_the_reserved_slots(verify: bool, ranks
     asyncio.run(scenario())
     assert torch.equal(blocks(dst, DST_IDS), blocks(src, SRC_IDS))
     assert not blocks(dst, untouched(dst, DST_IDS)).any()
+    sender_agent.close()
+    receiver_agent.close()
+
+
+def test_a_host_memory_nixl_read_runs_off_the_event_loop() -> None:
+    """Between host-memory pools UCX copies the bytes inside ``transfer`` itself: that call is
+    made in another thread, so the worker's event loop serves its other streams meanwhile."""
+    src, dst = make_pool(torch.bfloat16, True), make_pool(torch.bfloat16, False)
+    sender_agent, receiver_agent = agent(src), agent(dst)
+    transfer, transfer_threads = receiver_agent.agent.transfer, []
+
+    def recorded_transfer(handle):
+        transfer_threads.append(threading.get_ident())
+        return transfer(handle)
+
+    receiver_agent.agent.transfer = recorded_transfer
+
+    async def scenario() -> None:
+        peer = receiver_agent.add_peer(sender_agent.source())
+        async with sender_agent.serving_reads():
+            await receiver_agent.read(peer, SRC_IDS, DST_IDS)
+
+    asyncio.run(scenario())
+    assert len(transfer_threads) == 1 and transfer_threads[0] != threading.get_ident()
+    assert torch.equal(blocks(dst, DST_IDS), blocks(src, SRC_IDS))
     sender_agent.close()
     receiver_agent.close()
 
