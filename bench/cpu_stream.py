@@ -11,7 +11,9 @@ the prompts one at a time (one stream) and all at once (batched):
 - ``gateway``: a ``tandem serve --local`` cluster (``cli.launcher.LocalCluster``: gateway, one
   prefill and one decode worker, with their default settings), driven through the public gRPC
   API by ``bench/serving.py``'s client: one stream, then 16 concurrent streams; the cluster
-  runs only while it is measured (started and stopped in each round);
+  runs only while it is measured (started and stopped in each round); with
+  ``--stream-interval N`` also ``gateway_interval{N}``, the same cluster with
+  ``TANDEM_STREAM_INTERVAL=N`` (a Decode message per N new tokens instead of per token);
 - ``llamacpp``: llama-cpp-python (the optional ``bench-cpu`` extra) on the same GGUF file,
   ``n_threads`` = the core count. One stream is ``Llama.generate`` (the token generator under
   ``create_completion``, which itself stops at EOS and has no way to ignore it; a logit bias
@@ -33,7 +35,7 @@ first disagreement, averaged over prompts, ``llamacpp_exact_matches`` the output
 for token. Prints the JSON record and writes it under ``bench/results/``.
 
 Usage: ``python bench/cpu_stream.py [--max-tokens 64] [--rounds 2] [--skip-gateway]
-[--skip-llamacpp] [--skip-transformers]``; llama.cpp: ``pip install -e '.[bench-cpu]'``
+[--skip-llamacpp] [--skip-transformers] [--stream-interval 8]``; llama.cpp: ``pip install -e '.[bench-cpu]'``
 (builds llama.cpp from source). On CPUs with AMX (Intel Sapphire Rapids and later) llama.cpp's
 AMX matmul crashes this build in its first decode (ggml-org/llama.cpp#20824): build it without,
 ``CMAKE_ARGS="-DGGML_NATIVE=OFF -DGGML_AVX2=ON -DGGML_FMA=ON -DGGML_F16C=ON -DGGML_AVX512=ON
@@ -234,7 +236,8 @@ class Gateway:
     :meth:`start` in each round and stopped after it is measured, so that it takes no CPU from
     the other engines."""
 
-    def __init__(self) -> None:
+    def __init__(self, env: dict[str, str] | None = None) -> None:
+        self.env = {"TANDEM_ENABLE_PREFIX_CACHING": "false", **(env or {})}
         self.cluster = None
         self.tls_dir = ""
         self.startup_s: list[float] = []
@@ -246,7 +249,7 @@ class Gateway:
         self.tls_dir = tempfile.mkdtemp(prefix="tandem-bench-certs-")
         init_certs(self.tls_dir)
         self.cluster = LocalCluster(
-            env={"TANDEM_ENABLE_PREFIX_CACHING": "false"}, tls_dir=self.tls_dir,
+            env=self.env, tls_dir=self.tls_dir,
             sink=lambda name, line: print(f"[{name}] {line}", file=sys.stderr)
             if "ERROR" in line or "Traceback" in line else None)
         started = time.perf_counter()
@@ -331,6 +334,8 @@ def main(argv: list[str] | None = None) -> Path:
     parser.add_argument("--skip-gateway", action="store_true")
     parser.add_argument("--skip-llamacpp", action="store_true")
     parser.add_argument("--skip-transformers", action="store_true")
+    parser.add_argument("--stream-interval", type=int, default=0,
+                        help="also run the gateway with TANDEM_STREAM_INTERVAL set to this (0: not)")
     parser.add_argument("--out-dir", type=Path, default=RESULTS_DIR, help="where the result JSON goes")
     args = parser.parse_args(argv)
 
@@ -344,6 +349,9 @@ def main(argv: list[str] | None = None) -> Path:
         engines["transformers"] = Transformers(path, tokenizer.pad_token_id or 0)
     if not args.skip_gateway:
         engines["gateway"] = Gateway()
+        if args.stream_interval:
+            engines[f"gateway_interval{args.stream_interval}"] = Gateway(
+                {"TANDEM_STREAM_INTERVAL": str(args.stream_interval)})
 
     batch = f"batch{len(prompts)}"
     rounds: list[dict[str, float]] = []
@@ -374,6 +382,10 @@ def main(argv: list[str] | None = None) -> Path:
     metrics = summarize(rounds, batch)
     if "gateway" in engines:
         metrics["gateway_startup_s"] = round(min(engines["gateway"].startup_s), 3)
+    for name in engines:
+        if name.startswith("gateway_interval"):
+            metrics[f"{name}_over_offline_one_stream"] = round(
+                metrics[f"{name}_tok_s_one_stream"] / metrics["tandem_tok_s_one_stream"], 4)
     if "llamacpp" in outputs:
         share, exact = prefix_agreement(outputs["llamacpp"], outputs["tandem"])
         metrics["llamacpp_agreement"], metrics["llamacpp_exact_matches"] = round(share, 4), exact
