@@ -214,8 +214,9 @@ class DecodeServicer(worker_pb2_grpc.DecodeWorkerServicer):
     async def _stream(self, outputs: AsyncIterator[RequestOutput], params: SamplingParams, num_first: int,
                       start: float):
         """Each sample's new tokens (after the ``num_first`` of each, 1 or 0, that the prefill
-        worker already returned), ``stream_interval`` or more a message; a sample's last message
-        has its finish reason."""
+        worker already returned), ``stream_interval`` or more a message; a sample's first token
+        (a local prefill's) goes alone at once, as it sets the time to first token; a sample's
+        last message has its finish reason."""
         sent = [num_first] * params.n
         done = [False] * params.n
         try:
@@ -223,7 +224,8 @@ class DecodeServicer(worker_pb2_grpc.DecodeWorkerServicer):
                 async for out in stream:
                     for c in out.outputs:
                         i = c.index
-                        if done[i] or (len(c.token_ids) - sent[i] < self.stream_interval and not c.finished):
+                        held = sent[i] > 0 and len(c.token_ids) - sent[i] < self.stream_interval
+                        if done[i] or (held and not c.finished):
                             continue
                         yield worker_pb2.DecodeResponse(
                             index=i, token_ids=c.token_ids[sent[i]:],

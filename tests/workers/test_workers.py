@@ -118,19 +118,28 @@ def test_greedy_through_the_pair_equals_offline(engines, offline, transport):
 
 def test_stream_interval_sends_tokens_in_groups_and_loses_none(engines, offline):
     """``stream_interval=4``: each Decode message but a sample's last carries at least 4 tokens,
-    and the tokens are the offline engine's."""
+    and the tokens are the offline engine's; with a local prefill the first token, which the
+    time to first token waits for, comes alone in the first message."""
     tok = offline.get_tokenizer()
     prompt = tok.encode(PROMPTS[0], add_special_tokens=False)
     expected = reference(offline, [prompt], SamplingParams(max_tokens=14, temperature=0))[0].outputs[0].token_ids
+    sampling = gateway_pb2.SamplingParams(max_tokens=14, temperature=0)
 
     async def main():
         async with pair(engines, stream_interval=4) as p:
-            pre, call = await start_decode(p, "grouped", prompt, gateway_pb2.SamplingParams(max_tokens=14, temperature=0))
-            return [t.token_id for t in pre.first_tokens], [list(msg.token_ids) async for msg in call]
+            pre, call = await start_decode(p, "grouped", prompt, sampling)
+            remote = [t.token_id for t in pre.first_tokens], [list(msg.token_ids) async for msg in call]
+            admit = await p.decode.stub.Admit(worker_pb2.AdmitRequest(request_id="local", prompt_token_ids=prompt))
+            local = [list(m.token_ids) async for m in p.decode.stub.Decode(worker_pb2.DecodeRequest(
+                request_id="local", reservation_id=admit.reservation_id, prompt_token_ids=prompt, sampling=sampling,
+                local_prefill=True))]
+            return remote, local
 
-    first, messages = asyncio.run(main())
+    (first, messages), local = asyncio.run(main())
     assert [*first, *(t for m in messages for t in m)] == expected
     assert all(len(m) >= 4 for m in messages[:-1]) and len(messages) <= 4  # 13 decoded tokens, 4 at least a message
+    assert [t for m in local for t in m] == expected
+    assert len(local[0]) == 1 and all(len(m) >= 4 for m in local[1:-1])
 
 
 def test_the_next_turn_is_neither_recomputed_nor_resent(engines, offline):
