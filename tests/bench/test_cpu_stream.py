@@ -46,3 +46,11 @@ def test_best_of_rounds_is_the_highest_rate_and_the_lowest_ttft_and_ratios_use_t
     assert metrics["tandem_tok_s_one_stream"] == 100.0 and metrics["tandem_ttft_s_p50"] == 0.1
     assert metrics["tandem_over_llamacpp_one_stream"] == pytest.approx(100 / 120, abs=1e-4)
     assert "tandem_over_llamacpp_batch16" not in metrics  # no batch figures, no batch ratio
+
+
+def test_a_gateway_at_another_stream_interval_gets_its_ratio_to_offline() -> None:
+    rounds = [{"tandem_tok_s_one_stream": 50.0, "gateway_tok_s_one_stream": 35.0,
+               "gateway_interval8_tok_s_one_stream": 40.0, "gateway_interval8_ttft_s_p50": 0.2}]
+    metrics = summarize(rounds, "batch16")
+    assert metrics["gateway_over_offline_one_stream"] == pytest.approx(0.7)
+    assert metrics["gateway_interval8_over_offline_one_stream"] == pytest.approx(0.8)
