@@ -20,7 +20,8 @@ prefill worker would (:mod:`gateway.placement`).
 
 Failover (docs/architecture.md, "Failures"): a worker failure before the client has seen a
 token (UNAVAILABLE, a connection failure, a lost reservation, no answer within
-``hop_timeout_s``, a Decode stream silent for ``decode_stall_timeout_s``) is retried up to
+``hop_timeout_s``, a Decode stream silent for ``decode_stall_timeout_s``, the health probe
+finding the worker down while the gateway waits on it) is retried up to
 ``max_retries`` times, each time on workers the request has not failed on yet (other workers
 of the role where any exist); after that the client gets UNAVAILABLE. A prefill's timeout
 (the Prefill call, or a local prefill's first Decode message) grows with the prompt at the
@@ -186,11 +187,23 @@ class _WorkerCallError(Exception):
         details: its message.
         worker_fault: the worker failed (UNAVAILABLE, or no answer within the per-hop or stall
             timeout while the client's deadline had not passed): worth a retry elsewhere.
+        culprit: the one worker known to have failed (the health probe found it down), or
+            ``None``: any worker the stage involves may be at fault.
     """
 
-    def __init__(self, stage: str, code: grpc.StatusCode, details: str, worker_fault: bool) -> None:
+    def __init__(self, stage: str, code: grpc.StatusCode, details: str, worker_fault: bool,
+                 culprit: str | None = None) -> None:
         super().__init__(f"{stage}: {code.name} {details}")
         self.stage, self.code, self.details, self.worker_fault = stage, code, details, worker_fault
+        self.culprit = culprit
+
+
+class _WorkerDown(Exception):
+    """The health probe found ``worker_id`` down while a call waited on it."""
+
+    def __init__(self, worker_id: str) -> None:
+        super().__init__(worker_id)
+        self.worker_id = worker_id
 
 
 class Orchestrator:
@@ -329,7 +342,8 @@ class Orchestrator:
                         and not _expired(time_left):
                     retries += 1
                     metrics.RETRIES.inc()
-                    avoid = avoid | _involved(route, failure.stage)
+                    avoid = avoid | (frozenset({failure.culprit}) if failure.culprit
+                                     else _involved(route, failure.stage))
                     continue
                 raise _status_from_worker(failure) from failure
             except BaseException:
@@ -394,7 +408,8 @@ class Orchestrator:
             timeout=timeout_s)
         attempt.calls.append(prefill)
         with self._prefilling(route.prefill.worker_id, remote_tokens, placement) as measured:
-            response = await self._staged(prefill, "Prefill", route.prefill, time_left, timeout_s)
+            response = await self._staged(prefill, "Prefill", route.prefill, time_left, timeout_s,
+                                          watched=(route.prefill, route.decode))
             measured.tokens = len(prompt) - response.num_cached_tokens
         attempt.prefill_counted = attempt.prefill_holds = False
         self.view.prefill_done(route)
@@ -440,10 +455,14 @@ class Orchestrator:
         async with asyncio.timeout(timeout_s or self.decode_stall_timeout_s):
             return await call.read()
 
-    async def _staged(self, awaitable, stage: str, worker: WorkerInfo, time_left, timeout_s: float | None = None):
-        """Await one step of a worker call (a unary call, or a stream's next message); its
-        failure comes out as :class:`_WorkerCallError`, and the worker's own failures and
-        successes go to the outlier detector.
+    async def _staged(self, awaitable, stage: str, worker: WorkerInfo, time_left, timeout_s: float | None = None,
+                      watched: tuple[WorkerInfo, ...] = ()):
+        """Await one step of a worker call (a unary call, or a stream's next message) before the
+        client's first token; its failure comes out as :class:`_WorkerCallError`, and the
+        worker's own failures and successes go to the outlier detector. The health probe finding
+        the worker (or one of ``watched``, default: the worker) down ends the wait at once as a
+        failure of that worker's: a frozen worker is left within the probe's interval and
+        timeout, not after a prefill's timeout, which grows with the prompt.
 
         A failed Prefill counts against the prefill worker only when the gateway's connection
         to it is down (keepalive closes the connection of a frozen worker too): an UNAVAILABLE
@@ -453,7 +472,10 @@ class Orchestrator:
         """
         outliers = self.view.outliers
         try:
-            result = await awaitable
+            result = await self._unless_down(awaitable, watched or (worker,))
+        except _WorkerDown as down:
+            raise _WorkerCallError(stage, grpc.StatusCode.UNAVAILABLE,
+                                   f"worker {down.worker_id} failed its health probe", True, down.worker_id) from down
         except TimeoutError as exc:
             outliers.failure(worker.worker_id)
             metrics.WORKER_FAILURES.labels(stage).inc()
@@ -472,6 +494,28 @@ class Orchestrator:
             raise _WorkerCallError(stage, code, details or "", fault) from exc
         outliers.success(worker.worker_id)
         return result
+
+    async def _unless_down(self, awaitable, workers: tuple[WorkerInfo, ...]):
+        """``awaitable``'s result, unless the health probe finds one of ``workers`` down first (a
+        worker already down is not watched: routing chose it for want of another).
+
+        Raises:
+            _WorkerDown: the probe's verdict came first; ``awaitable`` is cancelled.
+        """
+        signals = {w.worker_id: self.view.outliers.down_signal(w.worker_id) for w in workers}
+        watchers = {asyncio.ensure_future(signal.wait()): worker_id
+                    for worker_id, signal in signals.items() if not signal.is_set()}
+        if not watchers:
+            return await awaitable
+        step = asyncio.ensure_future(awaitable)
+        try:
+            done, _ = await asyncio.wait({step, *watchers}, return_when=asyncio.FIRST_COMPLETED)
+        finally:
+            for watcher in (step, *watchers):
+                watcher.cancel()
+        if step in done:
+            return step.result()
+        raise _WorkerDown(next(worker_id for watcher, worker_id in watchers.items() if watcher in done))
 
     def _decode_call(self, attempt: _Attempt, prompt, first_ids: list[int], sampling, time_left,
                      local_prefill: bool = False):

@@ -12,7 +12,8 @@ Two independent reasons keep a worker out of routing:
 - **down**: its last health probe got no SERVING answer within the probe's deadline (dead,
   frozen, draining). It is back as soon as a probe answers SERVING, and that also ends an
   ejection: whatever failed before, the worker answers now (a restarted or thawed worker serves
-  its next request at once).
+  its next request at once). A call to it waiting for an answer before the client's first token
+  fails over at the verdict (:meth:`OutlierDetector.down_signal`), not at its own timeout.
 
 Routing prefers workers that are neither; it falls back to them only when no other worker of
 the role exists (:meth:`gateway.router.ClusterView.choose`). The clock is injected so that the
@@ -21,10 +22,11 @@ rules can be tested without sleeping.
 
 from __future__ import annotations
 
+import asyncio
 import logging
 import time
 from collections.abc import Callable, Iterable
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 from gateway import metrics
 
@@ -37,6 +39,7 @@ class _Record:
     ejections: int = 0  # earlier ejections still remembered (the next one lasts 2**ejections times longer)
     ejected_until: float = 0.0
     down: bool = False
+    went_down: asyncio.Event = field(default_factory=asyncio.Event)  # set while ``down``
 
 
 class OutlierDetector:
@@ -95,6 +98,7 @@ class OutlierDetector:
         record = self._records.setdefault(worker_id, _Record())
         was_up, record.down = not record.down, True
         if was_up:
+            record.went_down.set()
             self._publish()
         return was_up
 
@@ -104,8 +108,15 @@ class OutlierDetector:
         if record is None or not record.down:
             return False
         record.down, record.consecutive, record.ejected_until = False, 0, 0.0
+        record.went_down.clear()
         self._publish()
         return True
+
+    def down_signal(self, worker_id: str) -> asyncio.Event:
+        """An event set while the health probe finds ``worker_id`` down: a caller waiting on the
+        worker can stop waiting as soon as the probe gives its verdict (:mod:`gateway.orchestrator`
+        fails a call over this way before its own timeout)."""
+        return self._records.setdefault(worker_id, _Record()).went_down
 
     def avoided(self) -> tuple[frozenset[str], frozenset[str]]:
         """The ids down now and the ids ejected now (a worker may be in both)."""
