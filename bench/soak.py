@@ -21,7 +21,10 @@ settled: a channel retired when its worker re-registered holds its socket for
 ``cluster.channels.RETIRE_GRACE_S``, so the end waits up to that long for the count to come
 back; the fds opened or closed between the two are printed, their peers named; connections to
 Redis are not counted in ``leaked_fds``: they are its client's pool, which keeps up to
-``REDIS_MAX_CONNECTIONS`` open, ``redis_connections_before`` / ``_after``), ``faults``. The
+``REDIS_MAX_CONNECTIONS`` open, ``redis_connections_before`` / ``_after``; nor are the ones the
+Redis restart reset, which that pool holds until it takes them again and finds them dead: a
+socket in no table of ``/proc/<pid>/net/`` whose inode was a connection to Redis just before
+the restart), ``faults``. The
 invariant ``sent == completed + cancelled + failed_with_status + hung`` is checked.
 
 Usage: ``python bench/soak.py --minutes 60`` (``--help`` lists the knobs).
@@ -144,12 +147,26 @@ def _process(pid: int) -> dict[str, float]:
     return {"threads": int(fields["Threads"]), "rss_mb": int(fields["VmRSS"].split()[0]) / 1024}
 
 
-def _fd_table(pid: int) -> dict[int, str]:
+def _fd_table(pid: int, known: dict[str, str] | None = None) -> dict[int, str]:
     """What each open fd of ``pid`` is: a TCP or UDP socket as ``tcp <local port> -> <peer
     port>`` (from ``/proc/<pid>/net/``), a Unix socket as ``unix <path>``, a netlink socket as
     ``netlink <protocol>``, anything else as its ``/proc/<pid>/fd`` link (a socket in none of
     these tables stays ``socket:[inode]``: e.g. a TCP socket not yet connected, or reset by its
-    peer and not yet closed)."""
+    peer and not yet closed), unless ``known`` (link -> description, from an earlier
+    :func:`_sockets`) named it: then ``reset <its description then>``."""
+    sockets = {link: f"reset {description}" for link, description in (known or {}).items()}
+    sockets.update(_sockets(pid))
+    table = {}
+    for fd in os.listdir(f"/proc/{pid}/fd"):
+        with contextlib.suppress(OSError):  # closed meanwhile
+            link = os.readlink(f"/proc/{pid}/fd/{fd}")
+            table[int(fd)] = sockets.get(link, link)
+    return table
+
+
+def _sockets(pid: int) -> dict[str, str]:
+    """The sockets of ``pid``'s network namespace in ``/proc/<pid>/net/``: fd link
+    (``socket:[inode]``) -> description (see :func:`_fd_table`)."""
     sockets = {}
     for name in ("tcp", "tcp6", "udp", "udp6"):
         with open(f"/proc/{pid}/net/{name}") as f:
@@ -165,29 +182,32 @@ def _fd_table(pid: int) -> dict[int, str]:
         for row in f.read().splitlines()[1:]:
             fields = row.split()
             sockets[f"socket:[{fields[9]}]"] = f"netlink {fields[1]}"
-    table = {}
-    for fd in os.listdir(f"/proc/{pid}/fd"):
-        with contextlib.suppress(OSError):  # closed meanwhile
-            link = os.readlink(f"/proc/{pid}/fd/{fd}")
-            table[int(fd)] = sockets.get(link, link)
-    return table
+    return sockets
+
+
+def _is_connection_to(description: str, port: int) -> bool:
+    """Whether an :func:`_fd_table` description is a TCP connection to ``port`` (or was, and
+    its peer reset it)."""
+    description = description.removeprefix("reset ")
+    return description.startswith("tcp ") and description.endswith(f" -> {port}")
 
 
 def _connections_to(table: dict[int, str], port: int) -> int:
-    """TCP connections to ``port`` in an :func:`_fd_table`."""
-    return sum(d.startswith("tcp ") and d.endswith(f" -> {port}") for d in table.values())
+    """TCP connections to ``port`` in an :func:`_fd_table`, reset ones included."""
+    return sum(_is_connection_to(d, port) for d in table.values())
 
 
-def _settled_fd_table(pid: int, redis_port: int, baseline: int, within_s: float) -> dict[int, str]:
+def _settled_fd_table(pid: int, redis_port: int, baseline: int, within_s: float,
+                      known: dict[str, str]) -> dict[int, str]:
     """The :func:`_fd_table` with the fewest fds besides Redis connections, sampled every second
     until that count is back to ``baseline`` or ``within_s`` seconds have passed: a socket gRPC
     is connecting or closing at one instant (not yet or no longer in ``/proc/net/tcp``), or one
     held by a channel retired within the last ``RETIRE_GRACE_S`` seconds (``cluster.channels``:
     a worker that re-registered gets a fresh channel, the old one is closed after that grace),
-    is not a leak; a leaked fd is in every sample."""
+    is not a leak; a leaked fd is in every sample. ``known``: as for :func:`_fd_table`."""
     deadline, best = time.monotonic() + within_s, None
     while True:
-        table = _fd_table(pid)
+        table = _fd_table(pid, known)
         count = len(table) - _connections_to(table, redis_port)
         if best is None or count < best[0]:
             best = (count, table)
@@ -223,6 +243,9 @@ class Faults:
         self._restarts: list[tuple[float, str]] = []
         self.not_exiting, self.unclean_drains = 0, 0
         self._draining: set[str] = set()
+        # the gateway's connections to Redis when it was restarted: the restart resets those its
+        # pool holds, which stay open there until redis-py takes them again and finds them dead
+        self.redis_sockets: dict[str, str] = {}
 
     def inject(self) -> None:
         fault = self._cycle[self._next % len(self._cycle)]
@@ -281,6 +304,9 @@ class Faults:
         return fault
 
     def _redis_restart(self) -> None:
+        gateway = self.cluster.gateway.proc.pid
+        self.redis_sockets.update((link, description) for link, description in _sockets(gateway).items()
+                                  if _is_connection_to(description, self.redis.port))
         self.redis.kill()
         self.redis.start()
         self.done["redis_restart"] += 1
@@ -330,7 +356,8 @@ def main(argv: list[str] | None = None) -> int:
         ports[redis_server.port] = "redis"
         settle_started = time.monotonic()
         fds_after = _settled_fd_table(cluster.gateway.proc.pid, redis_server.port,
-                                      baseline=len(fds_before) - redis_before, within_s=RETIRE_GRACE_S + 5)
+                                      baseline=len(fds_before) - redis_before, within_s=RETIRE_GRACE_S + 5,
+                                      known=faults.redis_sockets)
         print(f"gateway fds settled in {time.monotonic() - settle_started:.0f} s", file=sys.stderr, flush=True)
         redis_after = _connections_to(fds_after, redis_server.port)
         _print_fd_change(fds_before, fds_after, ports)
