@@ -132,9 +132,12 @@ class CpuPagedAttentionBackend(PagedAttentionBackend):
     def decode(self, query: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
                metadata: AttentionMetadata, scale: float, out: torch.Tensor) -> None:
         plan = self._plan_for(metadata, k_cache)
-        # [num_decodes, num_kv_heads, blocks, block_size, head_dim] -> one context row per head
-        k = k_cache.transpose(1, 2)[plan.decode_blocks, plan.heads].flatten(2, 3).float()
-        v = v_cache.transpose(1, 2)[plan.decode_blocks, plan.heads].flatten(2, 3).float()
+        nd, (_, _, num_kv_heads, head_dim) = query.shape[0], k_cache.shape
+        # the sequences' blocks in order, [num_decodes, blocks * block_size, num_kv_heads, head_dim],
+        # as [num_decodes, num_kv_heads, context, head_dim]: one gather of whole blocks (an
+        # index_select, several times cheaper than indexing the heads too)
+        k, v = (cache.index_select(0, plan.decode_blocks).view(nd, -1, num_kv_heads, head_dim).transpose(1, 2).float()
+                for cache in (k_cache, v_cache))
         q = query.float().unsqueeze(2)  # [num_decodes, num_q_heads, 1, head_dim]
         result = F.scaled_dot_product_attention(q, k, v, attn_mask=plan.decode_mask, scale=scale, enable_gqa=True)
         out.copy_(result.squeeze(2))
@@ -155,9 +158,8 @@ class _StepPlan:
     Attributes:
         write_rows: ``[n]`` int64 rows of the step's tokens written to the cache (``None``: all).
         write_blocks, write_offsets: ``[n]`` int64 block and offset of each written token.
-        decode_blocks: ``[num_decodes, 1, blocks]`` int64, the decode sequences' first blocks
-            (enough for the longest context).
-        heads: ``[1, num_kv_heads, 1]`` int64.
+        decode_blocks: ``[num_decodes * blocks]`` int64, each decode sequence's first blocks
+            (enough for the longest context), one sequence after the other.
         decode_mask: ``[num_decodes, 1, 1, blocks * block_size]`` bool, True at context positions.
     """
 
@@ -165,12 +167,11 @@ class _StepPlan:
     write_blocks: torch.Tensor
     write_offsets: torch.Tensor
     decode_blocks: torch.Tensor
-    heads: torch.Tensor
     decode_mask: torch.Tensor
 
     @staticmethod
     def of(md: AttentionMetadata, k_cache: torch.Tensor) -> _StepPlan:
-        block_size, num_kv_heads = k_cache.shape[1], k_cache.shape[2]
+        block_size = k_cache.shape[1]
         slots = md.slot_mapping
         keep = slots >= 0
         rows = None if bool(keep.all()) else keep.nonzero().squeeze(1)
@@ -181,7 +182,7 @@ class _StepPlan:
         positions = torch.arange(num_blocks * block_size)
         mask = positions[None, :] < md.seq_lens[:nd, None].long()
         return _StepPlan(rows, slots // block_size, slots % block_size,
-                         md.block_tables[:nd, None, :num_blocks].long(), torch.arange(num_kv_heads)[None, :, None],
+                         md.block_tables[:nd, :num_blocks].reshape(-1).long(),
                          mask[:, None, None, :])
 
 
