@@ -38,8 +38,11 @@ class _Record:
     consecutive: int = 0
     ejections: int = 0  # earlier ejections still remembered (the next one lasts 2**ejections times longer)
     ejected_until: float = 0.0
-    down: bool = False
-    went_down: asyncio.Event = field(default_factory=asyncio.Event)  # set while ``down``
+    went_down: asyncio.Event = field(default_factory=asyncio.Event)  # set while the probe finds it down
+
+    @property
+    def down(self) -> bool:
+        return self.went_down.is_set()
 
 
 class OutlierDetector:
@@ -96,7 +99,7 @@ class OutlierDetector:
     def probe_failed(self, worker_id: str) -> bool:
         """No SERVING answer from ``worker_id``'s health probe in time; True when it was up until now."""
         record = self._records.setdefault(worker_id, _Record())
-        was_up, record.down = not record.down, True
+        was_up = not record.down
         if was_up:
             record.went_down.set()
             self._publish()
@@ -107,8 +110,8 @@ class OutlierDetector:
         record = self._records.get(worker_id)
         if record is None or not record.down:
             return False
-        record.down, record.consecutive, record.ejected_until = False, 0, 0.0
         record.went_down.clear()
+        record.consecutive, record.ejected_until = 0, 0.0
         self._publish()
         return True
 
