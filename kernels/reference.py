@@ -16,8 +16,8 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
-__all__ = ["paged_decode_attention", "paged_prefill_attention", "rms_norm", "rotary_embedding",
-           "sample_tokens", "silu_and_mul", "to_cache_dtype", "write_kv_cache"]
+__all__ = ["paged_decode_attention", "paged_prefill_attention", "rms_norm", "rope_decode_attention",
+           "rotary_embedding", "sample_tokens", "silu_and_mul", "to_cache_dtype", "write_kv_cache"]
 
 # The largest finite float8 e4m3 value (e4m3fn has no infinity): what an fp8 cache saturates to.
 FP8_E4M3_MAX = float(torch.finfo(torch.float8_e4m3fn).max)  # 448.0
@@ -222,6 +222,35 @@ def rotary_embedding(
     """
     rotated = _rotate_half(torch.cat([q, k], dim=1), cos, sin)
     return rotated.split([q.shape[1], k.shape[1]], dim=1)
+
+
+def rope_decode_attention(
+    qkv: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
+    slot_mapping: torch.Tensor, block_tables: torch.Tensor, seq_lens: torch.Tensor, num_q_heads: int,
+    scale: float, out: torch.Tensor,
+) -> torch.Tensor:
+    """A decode layer's attention from its fused QKV projection: RoPE of the query and key
+    heads, the new K/V written into the cache, then each token's attention over its sequence's
+    cached context (every token is a decode token of its own sequence).
+
+    Args:
+        qkv: ``[num_tokens, (num_q_heads + 2 * num_kv_heads) * head_dim]``, q then k then v heads.
+        cos, sin: ``[num_tokens, 1, head_dim // 2]`` (:class:`engine.layers.rotary.RotaryEmbedding`).
+        k_cache, v_cache: ``[num_blocks, block_size, num_kv_heads, head_dim]``, any strides.
+        slot_mapping: ``[num_tokens]`` int64 cache slot of each token's K/V (-1: not written).
+        block_tables: ``[num_tokens, max_blocks_per_seq]`` int32.
+        seq_lens: ``[num_tokens]`` int32 context length, the new token included.
+        num_q_heads: query heads (a multiple of the cache's KV heads).
+        scale: softmax scale.
+        out: ``[num_tokens, num_q_heads * head_dim]``, written and returned.
+    """
+    num_tokens, (_, _, num_kv_heads, head_dim) = qkv.shape[0], k_cache.shape
+    q, k, v = qkv.view(num_tokens, -1, head_dim).split([num_q_heads, num_kv_heads, num_kv_heads], dim=1)
+    q, k = rotary_embedding(q, k, cos, sin)
+    write_kv_cache(k, v, k_cache, v_cache, slot_mapping)
+    paged_decode_attention(q, k_cache, v_cache, block_tables, seq_lens, scale,
+                           out=out.view(num_tokens, num_q_heads, head_dim))
+    return out
 
 
 def silu_and_mul(x: torch.Tensor) -> torch.Tensor:

@@ -1,0 +1,117 @@
+/* A decoder layer's small ops on the CPU, each one call where PyTorch takes several:
+ * - tandem_rms_norm: the residual add and RMSNorm;
+ * - tandem_silu_and_mul: SwiGLU's silu(gate) * up;
+ * - tandem_rope_decode_attention: RoPE of the query and key heads, the new key and value written
+ *   into the paged KV cache, and each decode token's attention over its sequence's cached
+ *   context (a softmax over the scores, then the weighted sum of the values).
+ * Float32 throughout. The caller (kernels/cpu_ops.py) checks shapes, dtypes and strides; its
+ * docstrings give the arguments' meaning. Built with -O3 for the host's vector ISA. */
+#include <math.h>
+#include <stdint.h>
+#include <stdlib.h>
+#include <string.h>
+
+static float dot(const float *a, const float *b, int64_t n) {
+    float acc = 0.0f;
+    for (int64_t i = 0; i < n; i++) acc += a[i] * b[i];
+    return acc;
+}
+
+/* Rotate-half RoPE of one head x[head_dim] into y. */
+static void rope(const float *x, const float *cos, const float *sin, int64_t half, float *y) {
+    for (int64_t i = 0; i < half; i++) {
+        float x1 = x[i], x2 = x[i + half];
+        y[i] = x1 * cos[i] - x2 * sin[i];
+        y[i + half] = x2 * cos[i] + x1 * sin[i];
+    }
+}
+
+int tandem_rope_decode_attention(
+    const float *qkv, int64_t num_tokens, int64_t qkv_row_stride,
+    int64_t num_q_heads, int64_t num_kv_heads, int64_t head_dim,
+    const float *cos, const float *sin, int64_t rope_row_stride,
+    float *k_cache, float *v_cache, int64_t block_size,
+    int64_t cache_block_stride, int64_t cache_offset_stride, int64_t cache_head_stride,
+    const int64_t *slot_mapping, const int32_t *block_tables, int64_t block_table_stride,
+    const int32_t *seq_lens, float scale, float *out, int64_t out_row_stride) {
+    const int64_t half = head_dim / 2, group = num_q_heads / num_kv_heads;
+    int64_t max_len = 1;
+    for (int64_t t = 0; t < num_tokens; t++)
+        if (seq_lens[t] > max_len) max_len = seq_lens[t];
+    float *scores = malloc(sizeof(float) * (size_t)max_len);
+    float *q = malloc(sizeof(float) * (size_t)(num_q_heads * head_dim));
+    if (scores == NULL || q == NULL) {
+        free(scores);
+        free(q);
+        return -1;
+    }
+    for (int64_t t = 0; t < num_tokens; t++) {
+        const float *row = qkv + t * qkv_row_stride;
+        const float *c = cos + t * rope_row_stride, *s = sin + t * rope_row_stride;
+        for (int64_t h = 0; h < num_q_heads; h++) rope(row + h * head_dim, c, s, half, q + h * head_dim);
+        int64_t slot = slot_mapping[t];
+        if (slot >= 0) {
+            int64_t base = (slot / block_size) * cache_block_stride + (slot % block_size) * cache_offset_stride;
+            const float *k_new = row + num_q_heads * head_dim, *v_new = k_new + num_kv_heads * head_dim;
+            for (int64_t g = 0; g < num_kv_heads; g++) {
+                rope(k_new + g * head_dim, c, s, half, k_cache + base + g * cache_head_stride);
+                memcpy(v_cache + base + g * cache_head_stride, v_new + g * head_dim, sizeof(float) * (size_t)head_dim);
+            }
+        }
+        const int32_t *table = block_tables + t * block_table_stride;
+        int64_t len = seq_lens[t];
+        for (int64_t h = 0; h < num_q_heads; h++) {
+            const float *qh = q + h * head_dim;
+            int64_t head = (h / group) * cache_head_stride;
+            float max_score = -INFINITY;
+            for (int64_t j = 0; j < len; j++) {
+                int64_t at = (int64_t)table[j / block_size] * cache_block_stride + (j % block_size) * cache_offset_stride + head;
+                scores[j] = dot(qh, k_cache + at, head_dim) * scale;
+                if (scores[j] > max_score) max_score = scores[j];
+            }
+            float total = 0.0f;
+            for (int64_t j = 0; j < len; j++) {
+                scores[j] = expf(scores[j] - max_score);
+                total += scores[j];
+            }
+            float *o = out + t * out_row_stride + h * head_dim;
+            memset(o, 0, sizeof(float) * (size_t)head_dim);
+            for (int64_t j = 0; j < len; j++) {
+                int64_t at = (int64_t)table[j / block_size] * cache_block_stride + (j % block_size) * cache_offset_stride + head;
+                const float *v = v_cache + at;
+                float p = scores[j] / total;
+                for (int64_t d = 0; d < head_dim; d++) o[d] += p * v[d];
+            }
+        }
+    }
+    free(scores);
+    free(q);
+    return 0;
+}
+
+void tandem_rms_norm(const float *x, int64_t x_row_stride, const float *residual, int64_t residual_row_stride,
+                     float *residual_out, const float *weight, int64_t num_rows, int64_t size, float eps,
+                     float *out) {
+    for (int64_t r = 0; r < num_rows; r++) {
+        const float *xr = x + r * x_row_stride;
+        float *o = out + r * size;
+        const float *h = xr;
+        if (residual != NULL) {
+            const float *res = residual + r * residual_row_stride;
+            float *sum = residual_out + r * size;
+            for (int64_t i = 0; i < size; i++) sum[i] = xr[i] + res[i];
+            h = sum;
+        }
+        float squares = dot(h, h, size);
+        float inv = 1.0f / sqrtf(squares / (float)size + eps);
+        for (int64_t i = 0; i < size; i++) o[i] = h[i] * inv * weight[i];
+    }
+}
+
+void tandem_silu_and_mul(const float *x, int64_t x_row_stride, int64_t num_rows, int64_t size, float *out) {
+    for (int64_t r = 0; r < num_rows; r++) {
+        const float *gate = x + r * x_row_stride, *up = gate + size;
+        float *o = out + r * size;
+        for (int64_t i = 0; i < size; i++) o[i] = gate[i] / (1.0f + expf(-gate[i])) * up[i];
+    }
+}

@@ -1,0 +1,111 @@
+"""The C kernels of kernels/cpu_ops.py against their PyTorch references."""
+
+from __future__ import annotations
+
+import logging
+
+import pytest
+import torch
+
+import kernels.reference as ref
+from engine.kv_cache import KVCache
+from engine.model_config import ModelConfig
+from kernels.cpu_ops import load
+from tests.kernels.paged_inputs import rel_err, shuffled_block_tables
+
+
+@pytest.fixture(scope="module")
+def kernel(tmp_path_factory):
+    built = load(tmp_path_factory.mktemp("kernels"))
+    if built is None:
+        pytest.skip("no C compiler on this machine")
+    return built
+
+
+def _inputs(seq_lens, num_q_heads, num_kv_heads, head_dim, block_size, generator):
+    """A real block-major pool (engine.kv_cache.KVCache, layer 1 of 3), random contents, and a
+    decode step of one token per sequence (its slot the last position of its context)."""
+    config = ModelConfig(vocab_size=8, intermediate_size=8, num_hidden_layers=3, num_attention_heads=num_q_heads, num_key_value_heads=num_kv_heads,
+                         head_dim=head_dim, hidden_size=num_q_heads * head_dim)
+    num_blocks = sum(-(-n // block_size) for n in seq_lens) + 3
+    cache = KVCache(config, num_blocks, block_size, torch.float32, "cpu")
+    cache.tensor.copy_(torch.randn(cache.tensor.shape, generator=generator))
+    tables = shuffled_block_tables(seq_lens, block_size, num_blocks, generator)
+    lens = torch.tensor(seq_lens, dtype=torch.int32)
+    last = lens.long() - 1
+    slots = tables[torch.arange(len(seq_lens)), last // block_size].long() * block_size + last % block_size
+    qkv = torch.randn(len(seq_lens), (num_q_heads + 2 * num_kv_heads) * head_dim, generator=generator)
+    angles = torch.rand(len(seq_lens), 1, head_dim // 2, generator=generator) * 6.28
+    cos_sin = torch.cat([angles.cos(), angles.sin()], dim=-1)
+    return config, cache, tables, lens, slots, qkv, cos_sin.chunk(2, dim=-1)
+
+
+@pytest.mark.parametrize("seq_lens, num_q_heads, num_kv_heads, block_size", [
+    ([1], 4, 4, 16),  # the first token: a context of itself
+    ([37, 16, 5, 64], 9, 3, 16),  # SmolLM2's GQA, contexts ending inside and at block ends
+    ([300, 2], 8, 1, 8),  # MQA, a long context over many blocks
+])
+def test_matches_the_reference(kernel, seq_lens, num_q_heads, num_kv_heads, block_size):
+    gen = torch.Generator().manual_seed(len(seq_lens))
+    config, cache, tables, lens, slots, qkv, (cos, sin) = _inputs(seq_lens, num_q_heads, num_kv_heads, 64, block_size, gen)
+    slots[-1] = -1 if len(seq_lens) > 1 else slots[-1]  # a token whose K/V is not written
+    expected_cache = KVCache(config, cache.num_blocks, block_size, torch.float32, "cpu", tensor=cache.tensor.clone())
+    expected = ref.rope_decode_attention(qkv, cos, sin, *expected_cache.layer(1), slots, tables, lens, num_q_heads, 0.125,
+                                         torch.empty(len(seq_lens), num_q_heads * 64))
+    out = kernel.rope_decode_attention(qkv, cos, sin, *cache.layer(1), slots, tables, lens, num_q_heads, 0.125,
+                 torch.full((len(seq_lens), num_q_heads * 64), float("nan")))
+    assert rel_err(out, expected) < 1e-5
+    # the same K/V written at the same slots, nothing else touched (every layer, every block)
+    assert torch.allclose(cache.tensor, expected_cache.tensor, rtol=0, atol=1e-5)
+
+
+def test_refuses_tensors_it_cannot_read(kernel):
+    gen = torch.Generator().manual_seed(0)
+    _, cache, tables, lens, slots, qkv, (cos, sin) = _inputs([5], 2, 2, 8, 4, gen)
+    with pytest.raises(ValueError, match="qkv"):
+        kernel.rope_decode_attention(qkv.double(), cos, sin, *cache.layer(0), slots, tables, lens, 2, 1.0, torch.empty(1, 16))
+    with pytest.raises(ValueError, match="block_tables"):
+        kernel.rope_decode_attention(qkv, cos, sin, *cache.layer(0), slots, tables.long(), lens, 2, 1.0, torch.empty(1, 16))
+
+
+def test_builds_once_per_machine(tmp_path):
+    first = load(tmp_path)
+    if first is None:
+        pytest.skip("no C compiler on this machine")
+    built = list(tmp_path.glob("*.so"))
+    mtime = built[0].stat().st_mtime_ns
+    assert load(tmp_path) is not None
+    assert list(tmp_path.glob("*.so")) == built and built[0].stat().st_mtime_ns == mtime
+
+
+def test_without_a_compiler_the_caller_keeps_pytorch(tmp_path, monkeypatch, caplog):
+    monkeypatch.setenv("CC", "no-such-compiler")
+    with caplog.at_level(logging.WARNING, logger="kernels.cpu_ops"):
+        assert load(tmp_path) is None
+    assert "no-such-compiler" in caplog.text
+
+
+@pytest.mark.parametrize("with_residual", [False, True])
+def test_rms_norm_matches_the_reference(kernel, with_residual):
+    gen = torch.Generator().manual_seed(3)
+    x = torch.randn(5, 2 * 576, generator=gen)[:, :576]  # rows apart: a strided view
+    residual = torch.randn(5, 576, generator=gen) if with_residual else None
+    weight = torch.rand(576, generator=gen) + 0.5
+    expected = ref.rms_norm(x, weight, 1e-5, residual)
+    got = kernel.rms_norm(x, weight, 1e-5, residual)
+    if with_residual:
+        assert rel_err(got[0], expected[0]) < 1e-6 and torch.equal(got[1], expected[1])
+    else:
+        assert rel_err(got, expected) < 1e-6
+
+
+def test_rms_norm_leaves_other_dtypes_to_the_reference(kernel):
+    x, weight = torch.randn(3, 8, dtype=torch.bfloat16), torch.ones(8, dtype=torch.bfloat16)
+    assert torch.equal(kernel.rms_norm(x, weight, 1e-6), ref.rms_norm(x, weight, 1e-6))
+
+
+def test_silu_and_mul_matches_the_reference(kernel):
+    x = torch.randn(4, 2 * 1536, generator=torch.Generator().manual_seed(4)) * 4
+    assert rel_err(kernel.silu_and_mul(x[1:]), ref.silu_and_mul(x[1:])) < 1e-6
+    half = x.bfloat16()
+    assert torch.equal(kernel.silu_and_mul(half), ref.silu_and_mul(half))
