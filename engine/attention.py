@@ -14,7 +14,8 @@ import torch
 import torch.nn.functional as F
 
 import kernels.reference
-from engine.layers.ops import ops_for
+from engine.layers.ops import cpu_kernels, ops_for
+from kernels.cpu_ops import CpuKernels
 
 
 @dataclass
@@ -89,6 +90,15 @@ class PagedAttentionBackend:
             )
         return out
 
+    def rope_decode_attention(self, qkv: torch.Tensor, rope: tuple[torch.Tensor, torch.Tensor],
+                              k_cache: torch.Tensor, v_cache: torch.Tensor, metadata: AttentionMetadata,
+                              num_q_heads: int, scale: float) -> torch.Tensor | None:
+        """RoPE and :meth:`forward` in one fused call, where this backend has one for the step:
+        ``qkv`` ``[num_tokens, (num_q_heads + 2 * num_kv_heads) * head_dim]`` (the fused QKV
+        projection) and ``rope`` ``(cos, sin)`` -> ``[num_tokens, num_q_heads * head_dim]``.
+        ``None`` when it has none: the caller applies RoPE and calls :meth:`forward`. (None here.)"""
+        return None
+
     def write_kv(self, key: torch.Tensor, value: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
                  metadata: AttentionMetadata) -> None:
         """Write the step's new K/V (``[num_tokens, num_kv_heads, head_dim]``) at their slots."""
@@ -114,12 +124,29 @@ class CpuPagedAttentionBackend(PagedAttentionBackend):
     (PyTorch's CPU attention is also 2-5x faster in float32 than in bfloat16 at decode sizes):
     both backends compute the same values. An fp8 cache is written with the reference's
     saturating cast and read upcast to float32, as the reference does.
+
+    A decode-only step over a float32 cache runs each layer's RoPE, KV write and attention as one
+    C call (:meth:`kernels.cpu_ops.CpuKernels.rope_decode_attention`) when ``cpu_kernels`` is given.
+
+    Args:
+        cpu_kernels: the compiled C kernels, or ``None`` (PyTorch ops only).
     """
 
-    def __init__(self) -> None:
+    def __init__(self, cpu_kernels: CpuKernels | None = None) -> None:
         super().__init__(kernels.reference)
+        self.cpu_kernels = cpu_kernels
         self._metadata: AttentionMetadata | None = None
         self._plan: _StepPlan | None = None
+
+    def rope_decode_attention(self, qkv: torch.Tensor, rope: tuple[torch.Tensor, torch.Tensor],
+                              k_cache: torch.Tensor, v_cache: torch.Tensor, metadata: AttentionMetadata,
+                              num_q_heads: int, scale: float) -> torch.Tensor | None:
+        if (self.cpu_kernels is None or metadata.max_query_len or qkv.dtype != torch.float32
+                or k_cache.dtype != torch.float32):
+            return None
+        out = qkv.new_empty(qkv.shape[0], num_q_heads * k_cache.shape[3])
+        return self.cpu_kernels.rope_decode_attention(qkv, *rope, k_cache, v_cache, metadata.slot_mapping, metadata.block_tables,
+                                  metadata.seq_lens, num_q_heads, scale, out)
 
     def write_kv(self, key: torch.Tensor, value: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
                  metadata: AttentionMetadata) -> None:
@@ -187,5 +214,8 @@ class _StepPlan:
 
 
 def get_attention_backend(device: torch.device) -> PagedAttentionBackend:
-    """Return the Triton backend on CUDA, the CPU backend (:class:`CpuPagedAttentionBackend`) elsewhere."""
-    return PagedAttentionBackend(ops_for(device)) if device.type == "cuda" else CpuPagedAttentionBackend()
+    """Return the Triton backend on CUDA, the CPU backend (:class:`CpuPagedAttentionBackend`, with
+    the C kernels where a compiler built them) elsewhere."""
+    if device.type == "cuda":
+        return PagedAttentionBackend(ops_for(device))
+    return CpuPagedAttentionBackend(cpu_kernels())

@@ -67,6 +67,9 @@ class KVCache:
             raise ValueError(f"KV cache tensor {tuple(tensor.shape)} {tensor.dtype} on {tensor.device} is not "
                              f"{shape} {dtype} on {device}")
         self.tensor = tensor
+        # the per-layer views, made once: a step asks for each layer's (four view ops each time)
+        self._layers = [(tensor[:, :, i, 0].transpose(1, 2), tensor[:, :, i, 1].transpose(1, 2))
+                        for i in range(self.num_layers)]
 
     @staticmethod
     def shape(config: ModelConfig, num_blocks: int, block_size: int) -> tuple[int, ...]:
@@ -83,7 +86,7 @@ class KVCache:
         """Return layer ``index``'s ``(k_cache, v_cache)`` views, each
         ``[num_blocks, block_size, num_kv_heads, head_dim]`` (block stride = one whole block,
         head stride = one head's slice of the block)."""
-        return self.tensor[:, :, index, 0].transpose(1, 2), self.tensor[:, :, index, 1].transpose(1, 2)
+        return self._layers[index]
 
     def block(self, block_id: int) -> torch.Tensor:
         """Return block ``block_id``: ``[num_kv_heads, num_layers, 2, block_size, head_dim]``, contiguous."""

@@ -66,6 +66,11 @@ class LlamaAttention(nn.Module):
         ``rope`` is the step's ``(cos, sin)`` from :class:`RotaryEmbedding`."""
         num_tokens = hidden.shape[0]
         qkv = self.qkv_proj(hidden)  # [T, (Hq + 2 Hkv) * D]
+        if not self.qk_norm:
+            out = self.attn_backend.rope_decode_attention(qkv, rope, k_cache, v_cache, metadata, self.num_heads,
+                                                          self.scale)
+            if out is not None:
+                return self.o_proj(out)
         q, k, v = qkv.split(self.shard_sizes(), dim=-1)
         q = q.view(num_tokens, self.num_heads, self.head_dim)
         k = k.view(num_tokens, self.num_kv_heads, self.head_dim)

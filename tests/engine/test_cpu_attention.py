@@ -7,6 +7,7 @@ import torch
 
 import kernels.reference
 from engine.attention import AttentionMetadata, CpuPagedAttentionBackend, PagedAttentionBackend
+from engine.layers.ops import cpu_kernels
 
 BLOCK_SIZE, KV_HEADS, Q_HEADS, HEAD_DIM, NUM_BLOCKS, LAYERS = 4, 2, 6, 16, 24, 3
 FP8 = torch.float8_e4m3fn
@@ -61,3 +62,34 @@ def test_a_new_step_gets_a_new_plan():
     moved = AttentionMetadata(**{**metadata.__dict__, "slot_mapping": metadata.slot_mapping + 4})
     backend.forward(q, 2 * kv, 2 * kv, k_cache, v_cache, moved, 1.0)
     assert k_cache[5, 2].eq(1).all() and k_cache[6, 2].eq(2).all()  # slot 22 from step 1, slot 26 from step 2
+
+
+def test_a_decode_only_step_runs_rope_and_attention_in_one_c_call():
+    kernels_built = cpu_kernels()
+    if kernels_built is None:
+        pytest.skip("no C compiler on this machine")
+    full, _ = _step()
+    decodes = AttentionMetadata(  # the three decode sequences of _step, without the prefill chunk
+        slot_mapping=full.slot_mapping[:3], block_tables=full.block_tables[:3], seq_lens=full.seq_lens[:3],
+        query_start_loc=full.query_start_loc[:4], num_decodes=3, max_query_len=0, max_seq_len=14,
+        max_decode_seq_len=14)
+    generator = torch.Generator().manual_seed(1)
+    pool = torch.randn(NUM_BLOCKS, KV_HEADS, LAYERS, 2, BLOCK_SIZE, HEAD_DIM, generator=generator)
+    pools = [pool, pool.clone()]
+    qkv = torch.randn(3, (Q_HEADS + 2 * KV_HEADS) * HEAD_DIM, generator=generator)
+    angles = torch.rand(3, 1, HEAD_DIM // 2, generator=generator)
+    rope = (angles.cos(), angles.sin())
+    fused = CpuPagedAttentionBackend(kernels_built)
+    k_cache, v_cache = (pools[0][:, :, 1, i].transpose(1, 2) for i in (0, 1))
+    out = fused.rope_decode_attention(qkv, rope, k_cache, v_cache, decodes, Q_HEADS, HEAD_DIM ** -0.5)
+    # what the model does without it: RoPE, then the reference backend
+    q, k, v = qkv.view(3, -1, HEAD_DIM).split([Q_HEADS, KV_HEADS, KV_HEADS], dim=1)
+    q, k = kernels.reference.rotary_embedding(q, k, *rope)
+    k_cache, v_cache = (pools[1][:, :, 1, i].transpose(1, 2) for i in (0, 1))
+    expected = PagedAttentionBackend(kernels.reference).forward(q, k, v, k_cache, v_cache, decodes, HEAD_DIM ** -0.5)
+    assert torch.allclose(out, expected.view(3, -1), rtol=1e-5, atol=1e-5)
+    assert torch.allclose(pools[0], pools[1], rtol=0, atol=1e-6)
+    # no fused call for a step with a prefill chunk, a bfloat16 cache, or without the C kernels
+    assert fused.rope_decode_attention(qkv, rope, k_cache, v_cache, full, Q_HEADS, 1.0) is None
+    assert fused.rope_decode_attention(qkv, rope, k_cache.bfloat16(), v_cache.bfloat16(), decodes, Q_HEADS, 1.0) is None
+    assert CpuPagedAttentionBackend().rope_decode_attention(qkv, rope, k_cache, v_cache, decodes, Q_HEADS, 1.0) is None
