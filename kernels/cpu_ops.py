@@ -119,18 +119,17 @@ class CpuKernels:
 
 def _plain(t: torch.Tensor, dim: int) -> bool:
     """``t`` is a ``dim``-D float32 CPU tensor with a unit last stride."""
-    return t.dim() == dim and t.dtype == torch.float32 and t.device.type == "cpu" and t.stride(-1) == 1
+    return t.dim() == dim and t.dtype == torch.float32 and t.is_cpu and t.stride(-1) == 1
 
 
 def _check(qkv: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
            out: torch.Tensor, slot_mapping: torch.Tensor, block_tables: torch.Tensor, seq_lens: torch.Tensor) -> None:
     """Raise ``ValueError`` unless every tensor is on the CPU in the dtype and layout the C code reads."""
-    for name, t in {"qkv": qkv, "cos": cos, "sin": sin, "k_cache": k_cache, "v_cache": v_cache, "out": out}.items():
-        if t.dtype != torch.float32 or t.device.type != "cpu" or t.stride(-1) != 1:
-            raise ValueError(f"{name} must be a float32 CPU tensor with a unit last stride")
-    for name, t, dtype in (("slot_mapping", slot_mapping, torch.int64), ("block_tables", block_tables, torch.int32),
-                           ("seq_lens", seq_lens, torch.int32)):
-        if t.dtype != dtype or t.device.type != "cpu" or t.stride(-1) != 1:
+    for name, t, dtype in (("qkv", qkv, torch.float32), ("cos", cos, torch.float32), ("sin", sin, torch.float32),
+                           ("k_cache", k_cache, torch.float32), ("v_cache", v_cache, torch.float32),
+                           ("out", out, torch.float32), ("slot_mapping", slot_mapping, torch.int64),
+                           ("block_tables", block_tables, torch.int32), ("seq_lens", seq_lens, torch.int32)):
+        if t.dtype != dtype or not t.is_cpu or t.stride(-1) != 1:
             raise ValueError(f"{name} must be a {dtype} CPU tensor with a unit last stride")
 
 

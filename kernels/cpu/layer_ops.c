@@ -11,7 +11,7 @@
 #include <stdlib.h>
 #include <string.h>
 
-static float dot(const float *a, const float *b, int64_t n) {
+static inline __attribute__((always_inline)) float dot(const float *a, const float *b, int64_t n) {
     float acc = 0.0f;
     for (int64_t i = 0; i < n; i++) acc += a[i] * b[i];
     return acc;
@@ -24,6 +24,53 @@ static void rope(const float *x, const float *cos, const float *sin, int64_t hal
         y[i] = x1 * cos[i] - x2 * sin[i];
         y[i + half] = x2 * cos[i] + x1 * sin[i];
     }
+}
+
+/* One query head's attention over its sequence's paged context, the context a block at a time
+ * (no division per position): scores, softmax, then the weighted sum of V into o[head_dim]. */
+static inline __attribute__((always_inline)) void attend(
+    const float *qh, const float *k_cache, const float *v_cache, const int32_t *table, int64_t len,
+    int64_t block_size, int64_t block_stride, int64_t offset_stride, int64_t head, int64_t head_dim, float scale,
+    float *scores, float *o) {
+    float max_score = -INFINITY;
+    for (int64_t start = 0; start < len; start += block_size) {
+        const float *k = k_cache + (int64_t)table[start / block_size] * block_stride + head;
+        const int64_t n = len - start < block_size ? len - start : block_size;
+        for (int64_t j = 0; j < n; j++) {
+            float score = dot(qh, k + j * offset_stride, head_dim) * scale;
+            scores[start + j] = score;
+            if (score > max_score) max_score = score;
+        }
+    }
+    float total = 0.0f;
+    for (int64_t j = 0; j < len; j++) {
+        scores[j] = expf(scores[j] - max_score);
+        total += scores[j];
+    }
+    memset(o, 0, sizeof(float) * (size_t)head_dim);
+    for (int64_t start = 0; start < len; start += block_size) {
+        const float *v = v_cache + (int64_t)table[start / block_size] * block_stride + head;
+        const int64_t n = len - start < block_size ? len - start : block_size;
+        for (int64_t j = 0; j < n; j++) {
+            const float p = scores[start + j], *vj = v + j * offset_stride;
+            for (int64_t d = 0; d < head_dim; d++) o[d] += p * vj[d];
+        }
+    }
+    const float inv_total = 1.0f / total;
+    for (int64_t d = 0; d < head_dim; d++) o[d] *= inv_total;
+}
+
+/* attend() compiled for the common head sizes as constants (unrolled, no remainder loops). */
+static void attend_head(const float *qh, const float *k_cache, const float *v_cache, const int32_t *table,
+                        int64_t len, int64_t block_size, int64_t block_stride, int64_t offset_stride, int64_t head,
+                        int64_t head_dim, float scale, float *scores, float *o) {
+    if (head_dim == 64)
+        attend(qh, k_cache, v_cache, table, len, block_size, block_stride, offset_stride, head, 64, scale, scores, o);
+    else if (head_dim == 128)
+        attend(qh, k_cache, v_cache, table, len, block_size, block_stride, offset_stride, head, 128, scale, scores, o);
+    else
+        attend(qh, k_cache, v_cache, table, len, block_size, block_stride, offset_stride, head, head_dim, scale,
+               scores, o);
 }
 
 int tandem_rope_decode_attention(
@@ -59,30 +106,11 @@ int tandem_rope_decode_attention(
             }
         }
         const int32_t *table = block_tables + t * block_table_stride;
-        int64_t len = seq_lens[t];
-        for (int64_t h = 0; h < num_q_heads; h++) {
-            const float *qh = q + h * head_dim;
-            int64_t head = (h / group) * cache_head_stride;
-            float max_score = -INFINITY;
-            for (int64_t j = 0; j < len; j++) {
-                int64_t at = (int64_t)table[j / block_size] * cache_block_stride + (j % block_size) * cache_offset_stride + head;
-                scores[j] = dot(qh, k_cache + at, head_dim) * scale;
-                if (scores[j] > max_score) max_score = scores[j];
-            }
-            float total = 0.0f;
-            for (int64_t j = 0; j < len; j++) {
-                scores[j] = expf(scores[j] - max_score);
-                total += scores[j];
-            }
-            float *o = out + t * out_row_stride + h * head_dim;
-            memset(o, 0, sizeof(float) * (size_t)head_dim);
-            for (int64_t j = 0; j < len; j++) {
-                int64_t at = (int64_t)table[j / block_size] * cache_block_stride + (j % block_size) * cache_offset_stride + head;
-                const float *v = v_cache + at;
-                float p = scores[j] / total;
-                for (int64_t d = 0; d < head_dim; d++) o[d] += p * v[d];
-            }
-        }
+        const int64_t len = seq_lens[t];
+        for (int64_t h = 0; h < num_q_heads; h++)
+            attend_head(q + h * head_dim, k_cache, v_cache, table, len, block_size, cache_block_stride,
+                        cache_offset_stride, (h / group) * cache_head_stride, head_dim, scale, scores,
+                        out + t * out_row_stride + h * head_dim);
     }
     free(scores);
     free(q);
