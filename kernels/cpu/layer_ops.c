@@ -27,11 +27,14 @@ static void rope(const float *x, const float *cos, const float *sin, int64_t hal
 }
 
 /* One query head's attention over its sequence's paged context, the context a block at a time
- * (no division per position): scores, softmax, then the weighted sum of V into o[head_dim]. */
+ * (no division per position): scores, softmax, then the weighted sum of V into o[head_dim]; zeros
+ * for an empty context (a padding row's). */
 static inline __attribute__((always_inline)) void attend(
     const float *qh, const float *k_cache, const float *v_cache, const int32_t *table, int64_t len,
     int64_t block_size, int64_t block_stride, int64_t offset_stride, int64_t head, int64_t head_dim, float scale,
     float *scores, float *o) {
+    memset(o, 0, sizeof(float) * (size_t)head_dim);
+    if (len == 0) return; /* a padding row: zeros, as the PyTorch path gives */
     float max_score = -INFINITY;
     for (int64_t start = 0; start < len; start += block_size) {
         const float *k = k_cache + (int64_t)table[start / block_size] * block_stride + head;
@@ -47,7 +50,6 @@ static inline __attribute__((always_inline)) void attend(
         scores[j] = expf(scores[j] - max_score);
         total += scores[j];
     }
-    memset(o, 0, sizeof(float) * (size_t)head_dim);
     for (int64_t start = 0; start < len; start += block_size) {
         const float *v = v_cache + (int64_t)table[start / block_size] * block_stride + head;
         const int64_t n = len - start < block_size ? len - start : block_size;

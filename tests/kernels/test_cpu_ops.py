@@ -30,7 +30,7 @@ def _inputs(seq_lens, num_q_heads, num_kv_heads, head_dim, block_size, generator
     num_blocks = sum(-(-n // block_size) for n in seq_lens) + 3
     cache = KVCache(config, num_blocks, block_size, torch.float32, "cpu")
     cache.tensor.copy_(torch.randn(cache.tensor.shape, generator=generator))
-    tables = shuffled_block_tables(seq_lens, block_size, num_blocks, generator)
+    tables = shuffled_block_tables(seq_lens, block_size, num_blocks, generator).cpu()  # CPU kernels, any host
     lens = torch.tensor(seq_lens, dtype=torch.int32)
     last = lens.long() - 1
     slots = tables[torch.arange(len(seq_lens)), last // block_size].long() * block_size + last % block_size
@@ -44,6 +44,7 @@ def _inputs(seq_lens, num_q_heads, num_kv_heads, head_dim, block_size, generator
     ([1], 4, 4, 16),  # the first token: a context of itself
     ([37, 16, 5, 64], 9, 3, 16),  # SmolLM2's GQA, contexts ending inside and at block ends
     ([300, 2], 8, 1, 8),  # MQA, a long context over many blocks
+    ([9, 0], 4, 2, 8),  # a padding row (a CUDA graph's): empty context, not written, zeros out
 ])
 def test_matches_the_reference(kernel, seq_lens, num_q_heads, num_kv_heads, block_size):
     gen = torch.Generator().manual_seed(len(seq_lens))
