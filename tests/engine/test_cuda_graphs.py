@@ -32,14 +32,14 @@ def _decode_batch(engine: LLMEngine, num_seqs: int):
     return step
 
 
+@torch.inference_mode()  # as ModelRunner.execute runs (on CUDA the step's buffers are inference tensors)
 def test_padded_rows_neither_write_the_cache_nor_change_real_rows(tiny_dir):
     engine = LLMEngine(str(tiny_dir), EngineConfig(block_size=8, num_blocks=64))
     step = _decode_batch(engine, 3)
     runner = engine.runner
     eager = runner.buffers.prepare(step)
     cache_before = engine.kv_cache.tensor.clone()
-    with torch.inference_mode():
-        expected = engine.model(eager.input_ids, eager.positions, engine.kv_cache, eager.metadata)
+    expected = engine.model(eager.input_ids, eager.positions, engine.kv_cache, eager.metadata)
     written = engine.kv_cache.tensor.clone()
     engine.kv_cache.tensor.copy_(cache_before)
 
