@@ -69,15 +69,18 @@ class CpuKernels:
                  ) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
         """:func:`kernels.reference.rms_norm`; in C for float32 ``[rows, size]`` tensors with a unit
         last stride (the decoder's hidden states), by the reference otherwise."""
-        if (not all(_plain(t, 2) for t in (x, residual) if t is not None) or weight.dtype != torch.float32
-                or not weight.is_contiguous() or (residual is not None and residual.shape != x.shape)):
+        if not (_plain(x, 2) and weight.dtype == torch.float32 and weight.is_contiguous()
+                and (residual is None or (_plain(residual, 2) and residual.shape == x.shape))):
             return reference.rms_norm(x, weight, eps, residual)
-        out = torch.empty(x.shape)
-        summed = None if residual is None else torch.empty(x.shape)
-        self._rms_norm(x.data_ptr(), x.stride(0), 0 if residual is None else residual.data_ptr(),
-                       0 if residual is None else residual.stride(0), 0 if summed is None else summed.data_ptr(),
-                       weight.data_ptr(), x.shape[0], x.shape[1], eps, out.data_ptr())
-        return out if residual is None else (out, summed)
+        rows, size = x.shape
+        out = torch.empty(rows, size)
+        if residual is None:
+            self._rms_norm(x.data_ptr(), x.stride(0), None, 0, None, weight.data_ptr(), rows, size, eps, out.data_ptr())
+            return out
+        summed = torch.empty(rows, size)
+        self._rms_norm(x.data_ptr(), x.stride(0), residual.data_ptr(), residual.stride(0), summed.data_ptr(),
+                       weight.data_ptr(), rows, size, eps, out.data_ptr())
+        return out, summed
 
     def silu_and_mul(self, x: torch.Tensor) -> torch.Tensor:
         """:func:`kernels.reference.silu_and_mul`; in C for float32 ``[rows, 2 * d]`` tensors with a
