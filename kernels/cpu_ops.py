@@ -36,13 +36,13 @@ logger = logging.getLogger(__name__)
 SOURCE = Path(__file__).with_name("cpu") / "layer_ops.c"
 # -fassociative-math (with the two flags it needs) lets the compiler vectorize the dot products'
 # sums; the result then differs from a sequential sum by float32 rounding only.
-CFLAGS = ["-O3", "-march=native", "-fPIC", "-shared", "-fno-math-errno", "-fno-trapping-math",
+CFLAGS = ["-O3", "-march=native", "-fPIC", "-shared", "-pthread", "-fno-math-errno", "-fno-trapping-math",
           "-fassociative-math", "-fno-signed-zeros"]
 
 _P, _I, _F = ctypes.c_void_p, ctypes.c_int64, ctypes.c_float
 _SIGNATURES = {
     "tandem_rope_decode_attention": [_P, _I, _I, _I, _I, _I, _P, _P, _I, _P, _P, _I, _I, _I, _I, _P, _P, _I, _P, _F,
-                                     _P, _I],
+                                     _P, _I, _I],
     "tandem_rms_norm": [_P, _I, _P, _I, _P, _P, _I, _I, _F, _P],
     "tandem_silu_and_mul": [_P, _I, _I, _I, _P],
 }
@@ -95,7 +95,9 @@ class CpuKernels:
                               v_cache: torch.Tensor, slot_mapping: torch.Tensor, block_tables: torch.Tensor,
                               seq_lens: torch.Tensor, num_q_heads: int, scale: float, out: torch.Tensor
                               ) -> torch.Tensor:
-        """:func:`kernels.reference.rope_decode_attention`, float32 tensors only.
+        """:func:`kernels.reference.rope_decode_attention`, float32 tensors only; a call with a
+        long context (16k positions over its query heads) splits its heads over
+        ``torch.get_num_threads()`` threads.
 
         Raises:
             ValueError: a tensor has a dtype, device or layout the kernel does not take.
@@ -113,7 +115,7 @@ class CpuKernels:
             cos.data_ptr(), sin.data_ptr(), cos.stride(0),
             k_cache.data_ptr(), v_cache.data_ptr(), block_size, *k_cache.stride()[:3],
             slot_mapping.data_ptr(), block_tables.data_ptr(), block_tables.stride(0), seq_lens.data_ptr(),
-            scale, out.data_ptr(), out.stride(0),
+            scale, out.data_ptr(), out.stride(0), torch.get_num_threads(),
         )
         if status != 0:
             raise MemoryError("rope_decode_attention: out of memory for its scratch")

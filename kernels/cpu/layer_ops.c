@@ -7,6 +7,7 @@
  * Float32 throughout. The caller (kernels/cpu_ops.py) checks shapes, dtypes and strides; its
  * docstrings give the arguments' meaning. Built with -O3 for the host's vector ISA. */
 #include <math.h>
+#include <pthread.h>
 #include <stdint.h>
 #include <stdlib.h>
 #include <string.h>
@@ -75,6 +76,49 @@ static void attend_head(const float *qh, const float *k_cache, const float *v_ca
                scores, o);
 }
 
+/* What every thread of one tandem_rope_decode_attention call reads. */
+struct attention_job {
+    const float *q; /* [num_tokens, num_q_heads, head_dim], after RoPE */
+    const float *k_cache, *v_cache;
+    const int32_t *block_tables, *seq_lens;
+    int64_t num_q_heads, group, head_dim, block_size, block_table_stride;
+    int64_t cache_block_stride, cache_offset_stride, cache_head_stride, out_row_stride;
+    float scale;
+    float *out;
+    int64_t max_len;
+};
+
+struct attention_share {
+    const struct attention_job *job;
+    int64_t first, last; /* (token, query head) items [first, last) */
+    int status;
+};
+
+static void *attend_share(void *arg) {
+    struct attention_share *share = arg;
+    const struct attention_job *job = share->job;
+    float *scores = malloc(sizeof(float) * (size_t)job->max_len);
+    if (scores == NULL) {
+        share->status = -1;
+        return NULL;
+    }
+    for (int64_t item = share->first; item < share->last; item++) {
+        const int64_t t = item / job->num_q_heads, h = item % job->num_q_heads;
+        attend_head(job->q + item * job->head_dim, job->k_cache, job->v_cache,
+                    job->block_tables + t * job->block_table_stride, job->seq_lens[t], job->block_size,
+                    job->cache_block_stride, job->cache_offset_stride, (h / job->group) * job->cache_head_stride,
+                    job->head_dim, job->scale, scores, job->out + t * job->out_row_stride + h * job->head_dim);
+    }
+    free(scores);
+    share->status = 0;
+    return NULL;
+}
+
+/* Context positions (summed over a call's query heads) below which one thread does all: a
+ * thread's start and join (~20 us) would cost more than the split saves. */
+#define PARALLEL_MIN_POSITIONS 16384
+#define MAX_THREADS 64
+
 int tandem_rope_decode_attention(
     const float *qkv, int64_t num_tokens, int64_t qkv_row_stride,
     int64_t num_q_heads, int64_t num_kv_heads, int64_t head_dim,
@@ -82,22 +126,21 @@ int tandem_rope_decode_attention(
     float *k_cache, float *v_cache, int64_t block_size,
     int64_t cache_block_stride, int64_t cache_offset_stride, int64_t cache_head_stride,
     const int64_t *slot_mapping, const int32_t *block_tables, int64_t block_table_stride,
-    const int32_t *seq_lens, float scale, float *out, int64_t out_row_stride) {
-    const int64_t half = head_dim / 2, group = num_q_heads / num_kv_heads;
-    int64_t max_len = 1;
-    for (int64_t t = 0; t < num_tokens; t++)
+    const int32_t *seq_lens, float scale, float *out, int64_t out_row_stride, int64_t num_threads) {
+    const int64_t half = head_dim / 2;
+    int64_t max_len = 1, positions = 0;
+    for (int64_t t = 0; t < num_tokens; t++) {
         if (seq_lens[t] > max_len) max_len = seq_lens[t];
-    float *scores = malloc(sizeof(float) * (size_t)max_len);
-    float *q = malloc(sizeof(float) * (size_t)(num_q_heads * head_dim));
-    if (scores == NULL || q == NULL) {
-        free(scores);
-        free(q);
-        return -1;
+        positions += seq_lens[t] * num_q_heads;
     }
+    float *q = malloc(sizeof(float) * (size_t)(num_tokens * num_q_heads * head_dim));
+    if (q == NULL) return -1;
+    /* RoPE and the cache writes first: every token's K/V is in place before any attention reads */
     for (int64_t t = 0; t < num_tokens; t++) {
         const float *row = qkv + t * qkv_row_stride;
         const float *c = cos + t * rope_row_stride, *s = sin + t * rope_row_stride;
-        for (int64_t h = 0; h < num_q_heads; h++) rope(row + h * head_dim, c, s, half, q + h * head_dim);
+        for (int64_t h = 0; h < num_q_heads; h++)
+            rope(row + h * head_dim, c, s, half, q + (t * num_q_heads + h) * head_dim);
         int64_t slot = slot_mapping[t];
         if (slot >= 0) {
             int64_t base = (slot / block_size) * cache_block_stride + (slot % block_size) * cache_offset_stride;
@@ -107,16 +150,34 @@ int tandem_rope_decode_attention(
                 memcpy(v_cache + base + g * cache_head_stride, v_new + g * head_dim, sizeof(float) * (size_t)head_dim);
             }
         }
-        const int32_t *table = block_tables + t * block_table_stride;
-        const int64_t len = seq_lens[t];
-        for (int64_t h = 0; h < num_q_heads; h++)
-            attend_head(q + h * head_dim, k_cache, v_cache, table, len, block_size, cache_block_stride,
-                        cache_offset_stride, (h / group) * cache_head_stride, head_dim, scale, scores,
-                        out + t * out_row_stride + h * head_dim);
     }
-    free(scores);
+    const struct attention_job job = {q, k_cache, v_cache, block_tables, seq_lens, num_q_heads,
+                                      num_q_heads / num_kv_heads, head_dim, block_size, block_table_stride,
+                                      cache_block_stride, cache_offset_stride, cache_head_stride, out_row_stride,
+                                      scale, out, max_len};
+    const int64_t items = num_tokens * num_q_heads;
+    int64_t threads = positions < PARALLEL_MIN_POSITIONS ? 1 : num_threads;
+    if (threads > items) threads = items;
+    if (threads > MAX_THREADS) threads = MAX_THREADS;
+    if (threads < 1) threads = 1;
+    struct attention_share shares[MAX_THREADS];
+    pthread_t ids[MAX_THREADS];
+    int started[MAX_THREADS] = {0};
+    for (int64_t i = 0; i < threads; i++)
+        shares[i] = (struct attention_share){&job, items * i / threads, items * (i + 1) / threads, -1};
+    for (int64_t i = 1; i < threads; i++) /* a thread that cannot start leaves its share to this one */
+        started[i] = pthread_create(&ids[i], NULL, attend_share, &shares[i]) == 0;
+    attend_share(&shares[0]);
+    int status = shares[0].status;
+    for (int64_t i = 1; i < threads; i++) {
+        if (started[i])
+            pthread_join(ids[i], NULL);
+        else
+            attend_share(&shares[i]);
+        if (shares[i].status != 0) status = -1;
+    }
     free(q);
-    return 0;
+    return status;
 }
 
 void tandem_rms_norm(const float *x, int64_t x_row_stride, const float *residual, int64_t residual_row_stride,

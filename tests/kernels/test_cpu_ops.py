@@ -45,8 +45,18 @@ def _inputs(seq_lens, num_q_heads, num_kv_heads, head_dim, block_size, generator
     ([37, 16, 5, 64], 9, 3, 16),  # SmolLM2's GQA, contexts ending inside and at block ends
     ([300, 2], 8, 1, 8),  # MQA, a long context over many blocks
     ([9, 0], 4, 2, 8),  # a padding row (a CUDA graph's): empty context, not written, zeros out
+    ([1200, 900, 700], 9, 3, 16),  # enough context to split the heads over threads (three here)
 ])
 def test_matches_the_reference(kernel, seq_lens, num_q_heads, num_kv_heads, block_size):
+    threads = torch.get_num_threads()
+    torch.set_num_threads(3)  # the kernel splits a large call over torch's thread count
+    try:
+        _compare(kernel, seq_lens, num_q_heads, num_kv_heads, block_size)
+    finally:
+        torch.set_num_threads(threads)
+
+
+def _compare(kernel, seq_lens, num_q_heads, num_kv_heads, block_size):
     gen = torch.Generator().manual_seed(len(seq_lens))
     config, cache, tables, lens, slots, qkv, (cos, sin) = _inputs(seq_lens, num_q_heads, num_kv_heads, 64, block_size, gen)
     slots[-1] = -1 if len(seq_lens) > 1 else slots[-1]  # a token whose K/V is not written
