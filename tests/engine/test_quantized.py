@@ -11,7 +11,7 @@ from gguf.quants import dequantize, quantize
 from engine import EngineConfig, LLMEngine
 from engine.block_hash import hash_seed
 from engine.gguf_tensors import decode, read_gguf, tensor_table
-from engine.layers.quantized import GroupQuantized, Int4Linear, QuantizedEmbedding, QuantizedLogitsHead
+from engine.layers.quantized import GroupQuantized, Int4Linear, QuantizedEmbedding, QuantizedLogitsHead, RowInt8Linear
 from engine.model_source import default_gguf_path, resolve_model
 
 BLOCK_TYPES = [GGMLQuantizationType.Q4_0, GGMLQuantizationType.Q4_1, GGMLQuantizationType.Q8_0]
@@ -83,6 +83,18 @@ def test_the_logits_head_gives_each_rows_best_tokens_float32_logits():
     assert torch.equal(logits.argmax(-1), expected.argmax(-1))
     coarse = Int4Linear(weight)(hidden)  # the bfloat16 grid alone: far coarser
     assert (coarse.gather(1, best) - expected.gather(1, best)).abs().max() > 1e-3
+
+
+def test_the_row_int8_shortlist_matmul_errs_by_at_most_half_a_step_per_weight():
+    gen = torch.Generator().manual_seed(5)
+    weight, x = torch.randn(512, 64, generator=gen), torch.randn(3, 64, generator=gen)
+    expected = x @ weight.T
+    got = RowInt8Linear(weight)(x)
+    half_step = weight.abs().amax(dim=1) / 127 / 2  # [512]
+    bound = x.abs().sum(dim=1, keepdim=True) * half_step  # the weights' rounding, at worst
+    bfloat16 = 2 ** -7 * (x.abs() @ weight.abs().T)  # the input's and the output's rounding
+    assert ((got - expected).abs() <= bound + bfloat16).all()
+    assert (got - expected).abs().max() > 0  # an approximation: what the exact recomputation is for
 
 
 def test_fusing_weights_of_different_formats_is_refused():
