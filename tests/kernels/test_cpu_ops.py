@@ -3,6 +3,8 @@
 from __future__ import annotations
 
 import logging
+import subprocess
+import sys
 
 import pytest
 import torch
@@ -87,6 +89,19 @@ def test_builds_once_per_machine(tmp_path):
     mtime = built[0].stat().st_mtime_ns
     assert load(tmp_path) is not None
     assert list(tmp_path.glob("*.so")) == built and built[0].stat().st_mtime_ns == mtime
+
+
+def test_processes_starting_together_build_it_once(tmp_path):
+    """``make run`` starts three processes that all need the kernels at once: one compiles, the
+    others wait on the lock and load its library."""
+    script = ("import sys; from pathlib import Path; from kernels.cpu_ops import load; "
+              "sys.exit(0 if load(Path(sys.argv[1])) is not None else 3)")
+    procs = [subprocess.Popen([sys.executable, "-c", script, str(tmp_path)]) for _ in range(3)]
+    codes = [p.wait(timeout=120) for p in procs]
+    if codes == [3, 3, 3]:
+        pytest.skip("no C compiler on this machine")
+    assert codes == [0, 0, 0]
+    assert len(list(tmp_path.glob("*.so"))) == 1 and not list(tmp_path.glob("tmp*"))
 
 
 def test_without_a_compiler_the_caller_keeps_pytorch(tmp_path, monkeypatch, caplog):
