@@ -145,8 +145,8 @@ class CpuPagedAttentionBackend(PagedAttentionBackend):
                 or k_cache.dtype != torch.float32):
             return None
         out = qkv.new_empty(qkv.shape[0], num_q_heads * k_cache.shape[3])
-        return self.cpu_kernels.rope_decode_attention(qkv, *rope, k_cache, v_cache, metadata.slot_mapping, metadata.block_tables,
-                                  metadata.seq_lens, num_q_heads, scale, out)
+        return self.cpu_kernels.rope_decode_attention(qkv, *rope, k_cache, v_cache, metadata.slot_mapping,
+                                                      metadata.block_tables, metadata.seq_lens, num_q_heads, scale, out)
 
     def write_kv(self, key: torch.Tensor, value: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
                  metadata: AttentionMetadata) -> None:

@@ -70,6 +70,7 @@ class CpuKernels:
         """:func:`kernels.reference.rms_norm`; in C for float32 ``[rows, size]`` tensors with a unit
         last stride (the decoder's hidden states), by the reference otherwise."""
         if not (_plain(x, 2) and weight.dtype == torch.float32 and weight.is_contiguous()
+                and weight.shape == x.shape[1:]
                 and (residual is None or (_plain(residual, 2) and residual.shape == x.shape))):
             return reference.rms_norm(x, weight, eps, residual)
         rows, size = x.shape
@@ -85,7 +86,7 @@ class CpuKernels:
     def silu_and_mul(self, x: torch.Tensor) -> torch.Tensor:
         """:func:`kernels.reference.silu_and_mul`; in C for float32 ``[rows, 2 * d]`` tensors with a
         unit last stride, by the reference otherwise."""
-        if not _plain(x, 2):
+        if not _plain(x, 2) or x.shape[1] % 2:
             return reference.silu_and_mul(x)
         out = torch.empty(x.shape[0], x.shape[1] // 2)
         self._silu_and_mul(x.data_ptr(), x.stride(0), x.shape[0], out.shape[1], out.data_ptr())
@@ -100,7 +101,8 @@ class CpuKernels:
         ``torch.get_num_threads()`` threads.
 
         Raises:
-            ValueError: a tensor has a dtype, device or layout the kernel does not take.
+            ValueError: a tensor has a dtype, device, layout or shape the kernel does not take, or a
+                sequence is longer than its block table holds.
             MemoryError: the kernel could not allocate its scratch.
         """
         num_tokens = qkv.shape[0]
@@ -108,8 +110,19 @@ class CpuKernels:
         _check(qkv, cos, sin, k_cache, v_cache, out, slot_mapping, block_tables, seq_lens)
         if cos.stride() != sin.stride() or k_cache.stride() != v_cache.stride():
             raise ValueError("cos and sin, k_cache and v_cache must have the same strides")
+        if (num_q_heads % num_kv_heads or head_dim % 2 or k_cache.shape != v_cache.shape
+                or qkv.shape[1] != (num_q_heads + 2 * num_kv_heads) * head_dim
+                or out.shape != (num_tokens, num_q_heads * head_dim) or cos.shape != (num_tokens, 1, head_dim // 2)
+                or sin.shape != cos.shape or slot_mapping.shape != (num_tokens,) or seq_lens.shape != (num_tokens,)
+                or block_tables.shape[0] != num_tokens):
+            raise ValueError(f"shapes do not fit: qkv {tuple(qkv.shape)}, cos {tuple(cos.shape)}, k_cache "
+                             f"{tuple(k_cache.shape)}, {num_q_heads} query heads, out {tuple(out.shape)}, slot_mapping "
+                             f"{tuple(slot_mapping.shape)}, block_tables {tuple(block_tables.shape)}, seq_lens "
+                             f"{tuple(seq_lens.shape)}")
         if num_tokens == 0:
             return out
+        if int(seq_lens.max()) > block_tables.shape[1] * block_size:
+            raise ValueError("a sequence's length exceeds its block table")
         status = self._attention(
             qkv.data_ptr(), num_tokens, qkv.stride(0), num_q_heads, num_kv_heads, head_dim,
             cos.data_ptr(), sin.data_ptr(), cos.stride(0),

@@ -79,6 +79,11 @@ def test_refuses_tensors_it_cannot_read(kernel):
         kernel.rope_decode_attention(qkv.double(), cos, sin, *cache.layer(0), slots, tables, lens, 2, 1.0, torch.empty(1, 16))
     with pytest.raises(ValueError, match="block_tables"):
         kernel.rope_decode_attention(qkv, cos, sin, *cache.layer(0), slots, tables.long(), lens, 2, 1.0, torch.empty(1, 16))
+    with pytest.raises(ValueError, match="shapes do not fit"):  # 3 query heads: qkv holds 2
+        kernel.rope_decode_attention(qkv, cos, sin, *cache.layer(0), slots, tables, lens, 3, 1.0, torch.empty(1, 24))
+    with pytest.raises(ValueError, match="exceeds its block table"):
+        kernel.rope_decode_attention(qkv, cos, sin, *cache.layer(0), slots, tables, lens + 100, 2, 1.0,
+                                     torch.empty(1, 16))
 
 
 def test_builds_once_per_machine(tmp_path):
@@ -125,9 +130,11 @@ def test_rms_norm_matches_the_reference(kernel, with_residual):
         assert rel_err(got, expected) < 1e-6
 
 
-def test_rms_norm_leaves_other_dtypes_to_the_reference(kernel):
+def test_rms_norm_leaves_other_dtypes_and_misfits_to_the_reference(kernel):
     x, weight = torch.randn(3, 8, dtype=torch.bfloat16), torch.ones(8, dtype=torch.bfloat16)
     assert torch.equal(kernel.rms_norm(x, weight, 1e-6), ref.rms_norm(x, weight, 1e-6))
+    with pytest.raises(RuntimeError):  # a weight of another size: the reference's error, not a stray read
+        kernel.rms_norm(torch.randn(3, 8), torch.ones(4), 1e-6)
 
 
 def test_silu_and_mul_matches_the_reference(kernel):
