@@ -188,9 +188,10 @@ class QuantizedLogitsHead(nn.Module):
     requantization (:class:`RowInt8Linear`): one int8 matmul where the codes' two int4 planes
     take two, the same bytes in half the arithmetic (49152 x 576 on a 2-core Xeon: 7.9 against
     14.1 ms at 16 rows, 16 SmolLM2 streams 228 -> 241 tok/s; at one row, inside a decode step,
-    both are bound by reading the 28 MB and take ~2.5 ms). Its extra error, within half a row's step per weight (~0.02 of a
-    logit for SmolLM2-135M), is of the order of the bfloat16 output's own, far below the gap
-    that separates a row's best token from its 64th; the recomputed logits are exact either way.
+    both are bound by reading the 28 MB and take ~2.5 ms). Its extra error, within half a row's
+    step per weight (~0.02 of a logit for SmolLM2-135M), is of the order of the bfloat16
+    output's own, far below the gap that separates a row's best token from its 64th; the
+    recomputed logits are exact either way (the accuracy workload's greedy tokens did not move).
     Measured on a 2-core Zen 4: ~70 µs per row at one row (top-k over 49152 and 64 rows
     dequantized), beside ~0.8 ms for the matmul.
 

@@ -27,8 +27,8 @@ def kernel(tmp_path_factory):
 def _inputs(seq_lens, num_q_heads, num_kv_heads, head_dim, block_size, generator):
     """A real block-major pool (engine.kv_cache.KVCache, layer 1 of 3), random contents, and a
     decode step of one token per sequence (its slot the last position of its context)."""
-    config = ModelConfig(vocab_size=8, intermediate_size=8, num_hidden_layers=3, num_attention_heads=num_q_heads, num_key_value_heads=num_kv_heads,
-                         head_dim=head_dim, hidden_size=num_q_heads * head_dim)
+    config = ModelConfig(vocab_size=8, intermediate_size=8, num_hidden_layers=3, num_attention_heads=num_q_heads,
+                         num_key_value_heads=num_kv_heads, head_dim=head_dim, hidden_size=num_q_heads * head_dim)
     num_blocks = sum(-(-n // block_size) for n in seq_lens) + 3
     cache = KVCache(config, num_blocks, block_size, torch.float32, "cpu")
     cache.tensor.copy_(torch.randn(cache.tensor.shape, generator=generator))
