@@ -41,8 +41,8 @@ CFLAGS = ["-O3", "-march=native", "-fPIC", "-shared", "-pthread", "-fno-math-err
 
 _P, _I, _F = ctypes.c_void_p, ctypes.c_int64, ctypes.c_float
 _SIGNATURES = {
-    "tandem_rope_decode_attention": [_P, _I, _I, _I, _I, _I, _P, _P, _I, _P, _P, _I, _I, _I, _I, _P, _P, _I, _P, _F,
-                                     _P, _I, _I],
+    "tandem_rope_decode_attention": [_P, _I, _I, _I, _I, _I, _P, _P, _I, _P, _P, _I, _I, _I, _I, _P, _P, _I, _P, _I,
+                                     _F, _P, _I, _I],
     "tandem_rms_norm": [_P, _I, _P, _I, _P, _P, _I, _I, _F, _P],
     "tandem_silu_and_mul": [_P, _I, _I, _I, _P],
 }
@@ -121,15 +121,15 @@ class CpuKernels:
                              f"{tuple(seq_lens.shape)}")
         if num_tokens == 0:
             return out
-        if int(seq_lens.max()) > block_tables.shape[1] * block_size:
-            raise ValueError("a sequence's length exceeds its block table")
         status = self._attention(
             qkv.data_ptr(), num_tokens, qkv.stride(0), num_q_heads, num_kv_heads, head_dim,
             cos.data_ptr(), sin.data_ptr(), cos.stride(0),
             k_cache.data_ptr(), v_cache.data_ptr(), block_size, *k_cache.stride()[:3],
             slot_mapping.data_ptr(), block_tables.data_ptr(), block_tables.stride(0), seq_lens.data_ptr(),
-            scale, out.data_ptr(), out.stride(0), torch.get_num_threads(),
+            block_tables.shape[1], scale, out.data_ptr(), out.stride(0), torch.get_num_threads(),
         )
+        if status == -2:
+            raise ValueError("a sequence's length exceeds its block table")
         if status != 0:
             raise MemoryError("rope_decode_attention: out of memory for its scratch")
         return out

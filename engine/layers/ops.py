@@ -18,7 +18,8 @@ from kernels.cpu_ops import CpuKernels, load
 @functools.cache
 def cpu_kernels() -> CpuKernels | None:
     """The C kernels, built once per machine under ``<cache root>/kernels``; ``None`` without a
-    C compiler (the CPU then runs the references only)."""
+    C compiler (the CPU then runs the references only). Their norm and SwiGLU stand in for the
+    references in :func:`ops_for`; their decode attention is the CPU attention backend's."""
     return load(cache_root() / "kernels")
 
 
@@ -28,8 +29,7 @@ def _cpu_ops() -> ModuleType | SimpleNamespace:
     if built is None:
         return kernels.reference
     return SimpleNamespace(**{name: getattr(kernels.reference, name) for name in kernels.reference.__all__}
-                           | {"rms_norm": built.rms_norm, "rope_decode_attention": built.rope_decode_attention,
-                              "silu_and_mul": built.silu_and_mul})
+                           | {"rms_norm": built.rms_norm, "silu_and_mul": built.silu_and_mul})
 
 
 def ops_for(device: torch.device) -> ModuleType | SimpleNamespace:

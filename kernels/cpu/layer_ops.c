@@ -5,7 +5,8 @@
  *   into the paged KV cache, and each decode token's attention over its sequence's cached
  *   context (a softmax over the scores, then the weighted sum of the values).
  * Float32 throughout. The caller (kernels/cpu_ops.py) checks shapes, dtypes and strides; its
- * docstrings give the arguments' meaning. Built with -O3 for the host's vector ISA. */
+ * docstrings give the arguments' meaning. tandem_rope_decode_attention returns 0, -1 (out of
+ * memory) or -2 (a sequence longer than its block table holds; nothing written). Built with -O3 for the host's vector ISA. */
 #include <math.h>
 #include <pthread.h>
 #include <stdint.h>
@@ -126,13 +127,15 @@ int tandem_rope_decode_attention(
     float *k_cache, float *v_cache, int64_t block_size,
     int64_t cache_block_stride, int64_t cache_offset_stride, int64_t cache_head_stride,
     const int64_t *slot_mapping, const int32_t *block_tables, int64_t block_table_stride,
-    const int32_t *seq_lens, float scale, float *out, int64_t out_row_stride, int64_t num_threads) {
+    const int32_t *seq_lens, int64_t max_blocks_per_seq, float scale, float *out, int64_t out_row_stride,
+    int64_t num_threads) {
     const int64_t half = head_dim / 2;
     int64_t max_len = 1, positions = 0;
     for (int64_t t = 0; t < num_tokens; t++) {
         if (seq_lens[t] > max_len) max_len = seq_lens[t];
         positions += seq_lens[t] * num_q_heads;
     }
+    if (max_len > max_blocks_per_seq * block_size) return -2; /* past its block table: nothing is read */
     float *q = malloc(sizeof(float) * (size_t)(num_tokens * num_q_heads * head_dim));
     if (q == NULL) return -1;
     /* RoPE and the cache writes first: every token's K/V is in place before any attention reads */
