@@ -125,8 +125,9 @@ class CpuPagedAttentionBackend(PagedAttentionBackend):
     both backends compute the same values. An fp8 cache is written with the reference's
     saturating cast and read upcast to float32, as the reference does.
 
-    A decode-only step over a float32 cache runs each layer's RoPE, KV write and attention as one
-    C call (:meth:`kernels.cpu_ops.CpuKernels.rope_decode_attention`) when ``cpu_kernels`` is given.
+    Over a float32 cache, a step's decode tokens run each layer's RoPE, KV write and attention as
+    one C call (:meth:`kernels.cpu_ops.CpuKernels.rope_decode_attention`) when ``cpu_kernels`` is
+    given, whatever else the step holds (its prefill chunks then go the reference's way).
 
     Args:
         cpu_kernels: the compiled C kernels, or ``None`` (PyTorch ops only).
@@ -141,12 +142,27 @@ class CpuPagedAttentionBackend(PagedAttentionBackend):
     def rope_decode_attention(self, qkv: torch.Tensor, rope: tuple[torch.Tensor, torch.Tensor],
                               k_cache: torch.Tensor, v_cache: torch.Tensor, metadata: AttentionMetadata,
                               num_q_heads: int, scale: float) -> torch.Tensor | None:
-        if (self.cpu_kernels is None or metadata.max_query_len or qkv.dtype != torch.float32
-                or k_cache.dtype != torch.float32):
+        if self.cpu_kernels is None or qkv.dtype != torch.float32 or k_cache.dtype != torch.float32:
             return None
-        out = qkv.new_empty(qkv.shape[0], num_q_heads * k_cache.shape[3])
-        return self.cpu_kernels.rope_decode_attention(qkv, *rope, k_cache, v_cache, metadata.slot_mapping,
-                                                      metadata.block_tables, metadata.seq_lens, num_q_heads, scale, out)
+        md, nd, (_, _, num_kv_heads, head_dim) = metadata, metadata.num_decodes, k_cache.shape
+        out = qkv.new_empty(qkv.shape[0], num_q_heads * head_dim)
+        cos, sin = rope
+        # Decode rows always take the C call, with or without prefill chunks in the step: a decode
+        # token's result must not depend on what it is batched with (the float32 rounding of the
+        # two paths differs, and the quantized path turns that into different greedy tokens).
+        self.cpu_kernels.rope_decode_attention(qkv[:nd], cos[:nd], sin[:nd], k_cache, v_cache, md.slot_mapping[:nd],
+                                               md.block_tables[:nd], md.seq_lens[:nd], num_q_heads, scale, out[:nd])
+        if md.max_query_len:  # the prefill chunks: as forward() computes them
+            q, k, v = qkv[nd:].view(-1, num_q_heads + 2 * num_kv_heads, head_dim).split(
+                [num_q_heads, num_kv_heads, num_kv_heads], dim=1)
+            q, k = self.ops.rotary_embedding(q, k, cos[nd:], sin[nd:])
+            self.ops.write_kv_cache(k, v, k_cache, v_cache, md.slot_mapping[nd:])
+            self.ops.paged_prefill_attention(
+                q, k_cache, v_cache, md.block_tables[nd:], md.query_start_loc[nd:] - nd, md.seq_lens[nd:], scale,
+                out=out[nd:].view(-1, num_q_heads, head_dim), max_query_len=md.max_query_len,
+                max_seq_len=md.max_seq_len,
+            )
+        return out
 
     def write_kv(self, key: torch.Tensor, value: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
                  metadata: AttentionMetadata) -> None:

@@ -89,7 +89,36 @@ def test_a_decode_only_step_runs_rope_and_attention_in_one_c_call():
     expected = PagedAttentionBackend(kernels.reference).forward(q, k, v, k_cache, v_cache, decodes, HEAD_DIM ** -0.5)
     assert torch.allclose(out, expected.view(3, -1), rtol=1e-5, atol=1e-5)
     assert torch.allclose(pools[0], pools[1], rtol=0, atol=1e-6)
-    # no fused call for a step with a prefill chunk, a bfloat16 cache, or without the C kernels
-    assert fused.rope_decode_attention(qkv, rope, k_cache, v_cache, full, Q_HEADS, 1.0) is None
+    # no fused call for a bfloat16 cache or without the C kernels
     assert fused.rope_decode_attention(qkv, rope, k_cache.bfloat16(), v_cache.bfloat16(), decodes, Q_HEADS, 1.0) is None
     assert CpuPagedAttentionBackend().rope_decode_attention(qkv, rope, k_cache, v_cache, decodes, Q_HEADS, 1.0) is None
+
+
+def test_decode_rows_get_the_same_result_with_or_without_prefill_chunks_beside_them():
+    """A decode token's attention does not depend on its batch: in a step with a prefill chunk
+    its row is the C call's, bit for bit; the chunk's rows are the reference backend's."""
+    kernels_built = cpu_kernels()
+    if kernels_built is None:
+        pytest.skip("no C compiler on this machine")
+    full, num_tokens = _step()
+    decodes = AttentionMetadata(
+        slot_mapping=full.slot_mapping[:3], block_tables=full.block_tables[:3], seq_lens=full.seq_lens[:3],
+        query_start_loc=full.query_start_loc[:4], num_decodes=3, max_query_len=0, max_seq_len=14,
+        max_decode_seq_len=14)
+    generator = torch.Generator().manual_seed(2)
+    pool = torch.randn(NUM_BLOCKS, KV_HEADS, LAYERS, 2, BLOCK_SIZE, HEAD_DIM, generator=generator)
+    pools = [pool, pool.clone(), pool.clone()]
+    qkv = torch.randn(num_tokens, (Q_HEADS + 2 * KV_HEADS) * HEAD_DIM, generator=generator)
+    angles = torch.rand(num_tokens, 1, HEAD_DIM // 2, generator=generator)
+    rope = (angles.cos(), angles.sin())
+    backend = CpuPagedAttentionBackend(kernels_built)
+    views = [tuple(p[:, :, 0, i].transpose(1, 2) for i in (0, 1)) for p in pools]
+    mixed = backend.rope_decode_attention(qkv, rope, *views[0], full, Q_HEADS, HEAD_DIM ** -0.5)
+    alone = backend.rope_decode_attention(qkv[:3], (rope[0][:3], rope[1][:3]), *views[1], decodes, Q_HEADS,
+                                          HEAD_DIM ** -0.5)
+    assert torch.equal(mixed[:3], alone)
+    q, k, v = qkv.view(num_tokens, -1, HEAD_DIM).split([Q_HEADS, KV_HEADS, KV_HEADS], dim=1)
+    q, k = kernels.reference.rotary_embedding(q, k, *rope)
+    expected = PagedAttentionBackend(kernels.reference).forward(q, k, v, *views[2], full, HEAD_DIM ** -0.5)
+    assert torch.equal(mixed[3:], expected[3:].reshape(num_tokens - 3, -1))
+    assert torch.allclose(pools[0], pools[2], rtol=0, atol=1e-6)  # every token's K/V written, nothing else
