@@ -150,18 +150,21 @@ class CpuPagedAttentionBackend(PagedAttentionBackend):
         # Decode rows always take the C call, with or without prefill chunks in the step: a decode
         # token's result must not depend on what it is batched with (the float32 rounding of the
         # two paths differs, and the quantized path turns that into different greedy tokens).
+        if not md.max_query_len:  # decode only: every row (no slicing, ~8 ops a layer)
+            return self.cpu_kernels.rope_decode_attention(qkv, cos, sin, k_cache, v_cache, md.slot_mapping,
+                                                          md.block_tables, md.seq_lens, num_q_heads, scale, out)
         self.cpu_kernels.rope_decode_attention(qkv[:nd], cos[:nd], sin[:nd], k_cache, v_cache, md.slot_mapping[:nd],
                                                md.block_tables[:nd], md.seq_lens[:nd], num_q_heads, scale, out[:nd])
-        if md.max_query_len:  # the prefill chunks: as forward() computes them
-            q, k, v = qkv[nd:].view(-1, num_q_heads + 2 * num_kv_heads, head_dim).split(
-                [num_q_heads, num_kv_heads, num_kv_heads], dim=1)
-            q, k = self.ops.rotary_embedding(q, k, cos[nd:], sin[nd:])
-            self.ops.write_kv_cache(k, v, k_cache, v_cache, md.slot_mapping[nd:])
-            self.ops.paged_prefill_attention(
-                q, k_cache, v_cache, md.block_tables[nd:], md.query_start_loc[nd:] - nd, md.seq_lens[nd:], scale,
-                out=out[nd:].view(-1, num_q_heads, head_dim), max_query_len=md.max_query_len,
-                max_seq_len=md.max_seq_len,
-            )
+        # the prefill chunks: as forward() computes them
+        q, k, v = qkv[nd:].view(-1, num_q_heads + 2 * num_kv_heads, head_dim).split(
+            [num_q_heads, num_kv_heads, num_kv_heads], dim=1)
+        q, k = self.ops.rotary_embedding(q, k, cos[nd:], sin[nd:])
+        self.ops.write_kv_cache(k, v, k_cache, v_cache, md.slot_mapping[nd:])
+        self.ops.paged_prefill_attention(
+            q, k_cache, v_cache, md.block_tables[nd:], md.query_start_loc[nd:] - nd, md.seq_lens[nd:], scale,
+            out=out[nd:].view(-1, num_q_heads, head_dim), max_query_len=md.max_query_len,
+            max_seq_len=md.max_seq_len,
+        )
         return out
 
     def write_kv(self, key: torch.Tensor, value: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
