@@ -14,6 +14,8 @@ Each close is bounded and a watchdog ends the process if the whole shutdown over
 from __future__ import annotations
 
 import asyncio
+import concurrent.futures
+import functools
 import logging
 import os
 import signal
@@ -22,6 +24,7 @@ from collections.abc import Callable
 from typing import Protocol
 
 import grpc
+import torch
 
 from cluster import tracing
 from cluster.channels import server_keepalive_options
@@ -279,13 +282,21 @@ def run_worker(settings: WorkerSettings, role: Role,
 
     async def main() -> int:
         use_device(resolve_device(settings.device))  # this thread's GPU work (KV transfers) is on the worker's GPU
+        threads = torch.get_num_threads()
         try:
-            llm = await asyncio.to_thread(LLMEngine, settings.model or None, settings.engine_config(),
-                                          settings.load_format)
+            # On a thread that ends with the load (and its OpenMP team with it: see below).
+            with concurrent.futures.ThreadPoolExecutor(1, thread_name_prefix=f"{role}-load") as loader:
+                llm = await asyncio.get_running_loop().run_in_executor(loader, functools.partial(
+                    LLMEngine, settings.model or None, settings.engine_config(), settings.load_format))
         except ValueError as exc:
             raise StartupError(str(exc)) from None
-        engine = AsyncEngine(llm, name=f"{role}-engine")
+        engine = AsyncEngine(llm, name=f"{role}-engine", num_threads=threads)
         engine.start()
+        # The engine thread's OpenMP team is the process's only one. libgomp counts the threads of
+        # every live team, and once they outnumber the cores its threads stop spin-waiting and
+        # sleep between parallel regions: a second team (this thread's KV copies, the load's)
+        # made the engine's int4 matmuls 2.4x slower on 2 cores (27 -> 66 us; probe, torch 2.13).
+        torch.set_num_threads(1)  # this thread, and threads started from now on
         metrics = WorkerMetrics(str(role), engine.stats)
         try:
             server = WorkerServer(settings, role, engine, make(engine, settings, metrics), metrics)

@@ -22,6 +22,8 @@ from collections.abc import AsyncIterator, Callable
 from dataclasses import replace
 from typing import TypeVar
 
+import torch
+
 from engine.block_pool import BlockEvents
 from engine.devices import use_device
 from engine.distributed import RankFailedError
@@ -122,12 +124,17 @@ class AsyncEngine:
     Args:
         engine: the engine; from now on only the engine thread may touch it.
         name: the thread's name (logs).
+        num_threads: PyTorch's intra-op threads for the engine thread (``torch.set_num_threads``,
+            set by that thread before :meth:`start` returns); ``None``: the process's setting.
+            A process whose other threads run PyTorch ops too should give them one thread
+            after :meth:`start` (see ``cluster.worker.run_worker``: why).
 
     Call :meth:`start` before use and ``await`` :meth:`shutdown` at the end.
     """
 
-    def __init__(self, engine: LLMEngine, name: str = "engine") -> None:
+    def __init__(self, engine: LLMEngine, name: str = "engine", num_threads: int | None = None) -> None:
         self.engine = engine
+        self.num_threads = num_threads
         self.block_size = engine.config.block_size
         self.max_model_len = engine.max_model_len
         self.vocab_size = engine.vocab_size
@@ -138,11 +145,14 @@ class AsyncEngine:
         self._stopping = False
         self._stats = EngineStats()
         self._thread = threading.Thread(target=self._run, name=name, daemon=True)
+        self._threads_set = threading.Event()
         self._publish()
 
     # ------------------------------------------------------------ lifecycle
     def start(self) -> None:
+        """Start the engine thread; returns once it has set its thread count."""
         self._thread.start()
+        self._threads_set.wait()
 
     async def shutdown(self) -> None:
         """Abort every request (their streams end with ``finish_reason="abort"``), release pinned
@@ -364,6 +374,10 @@ class AsyncEngine:
         return await asyncio.wrap_future(self._submit(fn))
 
     def _run(self) -> None:
+        if self.num_threads is not None:
+            torch.set_num_threads(self.num_threads)
+            torch.get_num_threads()  # PyTorch takes a thread's count at its first query: now, before another thread sets its own
+        self._threads_set.set()
         use_device(self.engine.device)
         stalled = False
         while True:

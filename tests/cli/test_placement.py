@@ -34,12 +34,14 @@ def test_the_cluster_gives_each_worker_its_device_and_size() -> None:
     }
 
 
-def test_cpu_workers_share_the_hosts_cores_unless_the_user_set_the_threads(monkeypatch) -> None:
+def test_each_cpu_pool_shares_the_hosts_cores_unless_the_user_set_the_threads(monkeypatch) -> None:
     monkeypatch.delenv("OMP_NUM_THREADS", raising=False)
     monkeypatch.setattr("os.sched_getaffinity", lambda pid: set(range(8)))
     cluster = LocalCluster(num_prefill=1, num_decode=3)
-    assert {env["OMP_NUM_THREADS"] for env in cluster.worker_env.values()} == {"2"}
-    assert LocalCluster(num_prefill=8, num_decode=8).worker_env["decode-7"]["OMP_NUM_THREADS"] == "1"
+    assert cluster.worker_env["prefill-0"]["OMP_NUM_THREADS"] == "8"
+    assert {cluster.worker_env[f"decode-{i}"]["OMP_NUM_THREADS"] for i in range(3)} == {"2"}
+    assert LocalCluster(num_prefill=9, num_decode=8).worker_env["decode-7"]["OMP_NUM_THREADS"] == "1"
+    assert LocalCluster(num_prefill=9, num_decode=8).worker_env["prefill-8"]["OMP_NUM_THREADS"] == "1"
     assert "OMP_NUM_THREADS" not in LocalCluster(num_prefill=1, num_decode=1, gpus=2).worker_env["decode-0"]
     assert "OMP_NUM_THREADS" not in LocalCluster(env={"OMP_NUM_THREADS": "4"}).worker_env["decode-0"]
     monkeypatch.setenv("OMP_NUM_THREADS", "3")

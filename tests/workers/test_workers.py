@@ -8,6 +8,7 @@ import time
 
 import grpc
 import pytest
+import torch
 from protos.grpc.health.v1 import health_pb2, health_pb2_grpc
 
 from engine import LLM, SamplingParams
@@ -441,6 +442,31 @@ def test_engine_failure_fails_the_request_not_the_thread(engines, monkeypatch):
             await engine.shutdown()
 
     asyncio.run(main())
+
+
+def test_the_engine_thread_keeps_its_thread_count_when_the_other_threads_take_one(engines):
+    """A worker gives its engine thread the process's intra-op threads and every other thread
+    one (one OpenMP team per process, see ``run_worker``). PyTorch fixes a thread's count at its
+    first query, from the process-wide default: the engine thread must take its own before the
+    event loop's thread lowers that default (without the query in ``AsyncEngine._run`` it ran
+    on one thread)."""
+    before = torch.get_num_threads()
+
+    async def main():
+        engine = AsyncEngine(engines[1], num_threads=3)
+        engine.start()
+        torch.set_num_threads(1)
+        try:
+            assert await engine.call(torch.get_num_threads) == 3
+            assert torch.get_num_threads() == 1
+            assert await asyncio.to_thread(torch.get_num_threads) == 1  # threads started later
+        finally:
+            await engine.shutdown()
+
+    try:
+        asyncio.run(main())
+    finally:
+        torch.set_num_threads(before)
 
 
 def test_a_prefilled_request_streams_forward_when_the_event_loop_lags(engines, monkeypatch):
