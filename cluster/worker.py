@@ -294,8 +294,9 @@ def run_worker(settings: WorkerSettings, role: Role,
         engine.start()
         # The engine thread's OpenMP team is the process's only one. libgomp counts the threads of
         # every live team, and once they outnumber the cores its threads stop spin-waiting and
-        # sleep between parallel regions: a second team (this thread's KV copies, the load's)
-        # made the engine's int4 matmuls 2.4x slower on 2 cores (27 -> 66 us; probe, torch 2.13).
+        # sleep between parallel regions: a second live team (a loader thread kept by an executor,
+        # or this thread's KV copies) made the engine's int4 matmuls 2.4x slower on 2 cores (27 ->
+        # 66 us a 3072x576 matmul; probe, torch 2.13).
         torch.set_num_threads(1)  # this thread, and threads started from now on
         metrics = WorkerMetrics(str(role), engine.stats)
         try:

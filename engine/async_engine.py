@@ -376,7 +376,9 @@ class AsyncEngine:
     def _run(self) -> None:
         if self.num_threads is not None:
             torch.set_num_threads(self.num_threads)
-            torch.get_num_threads()  # PyTorch takes a thread's count at its first query: now, before another thread sets its own
+            # PyTorch fixes a thread's count at its first query, from the process-wide default:
+            # query now, before another thread changes that default.
+            torch.get_num_threads()
         self._threads_set.set()
         use_device(self.engine.device)
         stalled = False
