@@ -97,10 +97,14 @@ def test_a_stream_resumed_after_its_decode_worker_is_killed_is_one_trace_showing
             (survivor,) = {name for name in cluster.workers if name.startswith("decode")} - {victim}
             survivor_id = f"{survivor}-{os.getpid()}"
 
-            def complete(spans):
-                names = [s.name for s in request_spans(spans, "e2e-failover")]
+            def complete(spans):  # the survivor's Admit too: each process exports on its own schedule
+                mine = request_spans(spans, "e2e-failover")
+                names = [s.name for s in mine]
+                resumed_attempts = {s.span_id for s in mine if s.name == "attempt"
+                                    and s.attributes.get("tandem.decode_worker") == survivor_id}
                 return names.count("decode") == 2 and "resume" in names and "tandem.v1.Gateway/Generate" in names \
-                    and "tandem.v1.DecodeWorker/Decode" in names and "tandem.v1.PrefillWorker/Prefill" in names
+                    and "tandem.v1.DecodeWorker/Decode" in names and "tandem.v1.PrefillWorker/Prefill" in names \
+                    and any(s.name == "tandem.v1.DecodeWorker/Admit" and s.parent_id in resumed_attempts for s in mine)
 
             everything = receiver.wait_for(complete, timeout_s=30)
             spans = request_spans(everything, "e2e-failover")
