@@ -39,8 +39,8 @@ def start_cluster(tmp: Path, key_prefix: str, redis_url: str | None, num_prefill
     by ``kv_transport`` (blocks read over NIXL are checksummed too: ``TANDEM_KV_VERIFY_CHECKSUMS``).
     Each process runs PyTorch on one thread (``OMP_NUM_THREADS=1``, not the launcher's share of
     the cores per pool): these clusters of 3-5 processes run beside the test process on a 2-core
-    machine, where OpenMP threads spin-waiting in several workers took the cores from the
-    processes' span exporters (a full run lost a worker's spans for 30 s).
+    machine, and with two threads a worker there a full run lost a worker's trace spans for 30 s
+    (not root-caused; spin-waiting OpenMP threads in several processes are the likely thief).
     ``placement`` (``gpus``, ``prefill_tp``, ``decode_tp``) goes to :class:`LocalCluster`."""
     base = {"TANDEM_REDIS_KEY_PREFIX": key_prefix, "TANDEM_LOG_LEVEL": "INFO",
             "TANDEM_REGISTRY_TTL_S": "3", "TANDEM_HEARTBEAT_INTERVAL_S": "0.5",
