@@ -38,6 +38,7 @@ from cli.healthcheck import check  # noqa: E402
 from cli.redis_server import RedisServer  # noqa: E402
 from engine.config import NVLINK_MULTICAST_OFF  # noqa: E402
 from engine.model_source import resolve_model  # noqa: E402
+from gateway.settings import GatewaySettings  # noqa: E402
 
 logger = logging.getLogger(__name__)
 
@@ -300,8 +301,13 @@ class LocalCluster:
         logger.info("started redis-server at %s", self.redis_url)
 
     def _wait_healthy(self, timeout_s: float, on_wait: Callable[[str], None] | None) -> None:
+        """Wait until every process reports SERVING, then until the gateway has re-read the worker
+        registry since the last worker did (two of its refresh intervals): it reports SERVING as
+        soon as one decode worker can take a request, and a request sent before it knows the
+        prefill workers is prefilled on its decode worker (a full run's first request was)."""
         deadline = time.monotonic() + timeout_s
         pending = {c.name: c for c in [*self.workers.values(), self.gateway]}
+        workers_ready = None
         while pending:
             for name, child in list(pending.items()):
                 if not child.alive:
@@ -311,10 +317,15 @@ class LocalCluster:
                     del pending[name]
             if on_wait is not None:
                 on_wait(f"waiting for {', '.join(pending) or 'nothing'} to report SERVING")
+            if workers_ready is None and not set(pending) & set(self.workers):
+                workers_ready = time.monotonic()
             if pending and time.monotonic() > deadline:
                 raise ClusterError(f"not SERVING after {timeout_s:.0f} s: {sorted(pending)}")
             if pending:
                 time.sleep(0.5)
+        refresh_s = float({**os.environ, **self.env}.get(
+            "TANDEM_REFRESH_INTERVAL_S", GatewaySettings.model_fields["refresh_interval_s"].default))
+        time.sleep(max(0.0, workers_ready + 2 * refresh_s - time.monotonic()))
 
     # -- run and stop ----------------------------------------------------------------------
 

@@ -37,17 +37,12 @@ def start_cluster(tmp: Path, key_prefix: str, redis_url: str | None, num_prefill
     (the gateway does only when a request can be routed). Every prompt goes through a prefill
     worker (``TANDEM_LOCAL_PREFILL_MAX_TOKENS=0``) unless ``env`` says otherwise; KV blocks move
     by ``kv_transport`` (blocks read over NIXL are checksummed too: ``TANDEM_KV_VERIFY_CHECKSUMS``).
-    Each process runs PyTorch on one thread (``OMP_NUM_THREADS=1``, not the launcher's share of
-    the cores per pool): these clusters of 3-5 processes run beside the test process on a 2-core
-    machine, and with two threads a worker there a full run lost a worker's trace spans for 30 s
-    (not root-caused; spin-waiting OpenMP threads in several processes are the likely thief).
     ``placement`` (``gpus``, ``prefill_tp``, ``decode_tp``) goes to :class:`LocalCluster`."""
     base = {"TANDEM_REDIS_KEY_PREFIX": key_prefix, "TANDEM_LOG_LEVEL": "INFO",
             "TANDEM_REGISTRY_TTL_S": "3", "TANDEM_HEARTBEAT_INTERVAL_S": "0.5",
             "TANDEM_KV_CACHE_MEMORY_BYTES": str(64 << 20), "TANDEM_DRAIN_TIMEOUT_S": "5",
             "TANDEM_MAX_MODEL_LEN": "2048", "TANDEM_LOCAL_PREFILL_MAX_TOKENS": "0",
-            "TANDEM_KV_TRANSPORT": kv_transport, "TANDEM_KV_VERIFY_CHECKSUMS": "true", "OMP_NUM_THREADS": "1",
-            **(env or {})}
+            "TANDEM_KV_TRANSPORT": kv_transport, "TANDEM_KV_VERIFY_CHECKSUMS": "true", **(env or {})}
     init_certs(str(tmp / "certs"))
     cluster = LocalCluster(num_prefill=num_prefill, num_decode=num_decode, env=base, worker_env=worker_env,
                            redis=redis_url, sink=lambda name, line: None, log_dir=tmp, tls_dir=str(tmp / "certs"),
