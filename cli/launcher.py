@@ -50,6 +50,10 @@ class ClusterError(RuntimeError):
 
 
 _LISTEN_PORTS = (10000, 32768)  # where free_port looks, unless the ephemeral range overlaps it
+# Ports free_port has returned: one picked but not bound yet looks free to the next call (a full
+# run gave a prefill and a decode worker of one cluster the same port; the decode worker could
+# not listen, and its health check, answered by the prefill worker, said SERVING).
+_HANDED_OUT: set[int] = set()
 
 
 def _ephemeral_range() -> tuple[int, int]:
@@ -66,15 +70,17 @@ def free_port() -> int:
     """A loopback TCP port free now, outside the kernel's ephemeral range: a port from bind(0)
     is an ephemeral one, which any outgoing connection of any process (a gRPC channel, a Redis
     client) may take before the process it was picked for binds it (seen: a worker's metrics
-    port taken, the cluster failing to start)."""
+    port taken, the cluster failing to start). Never one this process was given before."""
     low, high = _ephemeral_range()
-    candidates = [p for p in range(*_LISTEN_PORTS) if not low <= p <= high] or list(range(1024, low))
+    candidates = [p for p in range(*_LISTEN_PORTS) if not low <= p <= high and p not in _HANDED_OUT] \
+        or [p for p in range(1024, low) if p not in _HANDED_OUT]
     for port in random.sample(candidates, min(200, len(candidates))):
         with socket.socket() as s:
             try:
                 s.bind(("127.0.0.1", port))
             except OSError:
                 continue
+            _HANDED_OUT.add(port)
             return port
     raise ClusterError("no free port for the cluster's servers")
 
