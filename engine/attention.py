@@ -83,11 +83,7 @@ class PagedAttentionBackend:
         if nd:
             self.decode(query[:nd], k_cache, v_cache, md, scale, out[:nd])
         if md.max_query_len:
-            self.ops.paged_prefill_attention(
-                query[nd:], k_cache, v_cache, md.block_tables[nd:],
-                md.query_start_loc[nd:] - nd, md.seq_lens[nd:], scale,
-                out=out[nd:], max_query_len=md.max_query_len, max_seq_len=md.max_seq_len,
-            )
+            self.prefill(query[nd:], k_cache, v_cache, md, scale, out[nd:])
         return out
 
     def rope_decode_attention(self, qkv: torch.Tensor, rope: tuple[torch.Tensor, torch.Tensor],
@@ -103,6 +99,16 @@ class PagedAttentionBackend:
                  metadata: AttentionMetadata) -> None:
         """Write the step's new K/V (``[num_tokens, num_kv_heads, head_dim]``) at their slots."""
         self.ops.write_kv_cache(key, value, k_cache, v_cache, metadata.slot_mapping)
+
+    def prefill(self, query: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
+                metadata: AttentionMetadata, scale: float, out: torch.Tensor) -> None:
+        """Attention of the step's prefill chunks (``query`` ``[num_tokens - num_decodes,
+        num_q_heads, head_dim]``, the rows after the decode tokens) into ``out``, like it."""
+        md, nd = metadata, metadata.num_decodes
+        self.ops.paged_prefill_attention(
+            query, k_cache, v_cache, md.block_tables[nd:], md.query_start_loc[nd:] - nd, md.seq_lens[nd:], scale,
+            out=out, max_query_len=md.max_query_len, max_seq_len=md.max_seq_len,
+        )
 
     def decode(self, query: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
                metadata: AttentionMetadata, scale: float, out: torch.Tensor) -> None:
@@ -160,11 +166,7 @@ class CpuPagedAttentionBackend(PagedAttentionBackend):
             [num_q_heads, num_kv_heads, num_kv_heads], dim=1)
         q, k = self.ops.rotary_embedding(q, k, cos[nd:], sin[nd:])
         self.ops.write_kv_cache(k, v, k_cache, v_cache, md.slot_mapping[nd:])
-        self.ops.paged_prefill_attention(
-            q, k_cache, v_cache, md.block_tables[nd:], md.query_start_loc[nd:] - nd, md.seq_lens[nd:], scale,
-            out=out[nd:].view(-1, num_q_heads, head_dim), max_query_len=md.max_query_len,
-            max_seq_len=md.max_seq_len,
-        )
+        self.prefill(q, k_cache, v_cache, md, scale, out[nd:].view(-1, num_q_heads, head_dim))
         return out
 
     def write_kv(self, key: torch.Tensor, value: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
