@@ -33,6 +33,12 @@ and ITL (every gap between two streamed messages that carry tokens, which a per-
 averages away) quantiles, and goodput at each SLO pair of ``--slos`` (the first one unsuffixed:
 ``goodput_rps``, ``slo_attainment``; the others ``goodput_rps_ttft1s_tpot40ms``...).
 
+Where the time goes, per run: every worker's engine steps by kind (``decode``: decodes only;
+``mixed``: prompt chunks beside decodes; ``prefill``: chunks only), read from the workers'
+``tandem_engine_step*`` counters: ``service_{kind}_steps``, their mean ``service_{kind}_step_ms``,
+and ``service_engine_busy_fraction`` (the steps' time over the run's time and workers); the
+offline engine's own (``offline_...``) beside them.
+
 Every output is greedy with EOS ignored, so the token counts are exact. One record per
 workload and setting (benchmark ``serving``) goes under ``bench/results/``; ``--setups
 disagg,colocated`` runs both deployments of the same GPUs in one call and writes the goodput
@@ -50,25 +56,33 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import dataclasses
 import gc
 import os
 import random
 import sys
 import time
+import urllib.request
 from collections import Counter
 from dataclasses import dataclass, field
 
 import grpc
+from prometheus_client.parser import text_string_to_metric_families
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 from bench.common import machine, write_result  # noqa: E402
 from bench.serving_compare import fold_aimed_runs, setup_label, slo_suffix, write_comparison  # noqa: E402
 from cli.launcher import LocalCluster, gpu_placement  # noqa: E402
+from engine.outputs import StepTotals  # noqa: E402
 from gateway.settings import GatewaySettings  # noqa: E402
 from protos.tandem.v1 import gateway_pb2, gateway_pb2_grpc  # noqa: E402
 
 WORKLOADS = ("random", "shared_prefix", "multi_turn", "long", "interference", "decode_heavy")
+STEP_KINDS = ("decode", "mixed", "prefill")
+# A worker's step counters (cluster.metrics) and the StepTotals field each one counts.
+_STEP_COUNTERS = {"tandem_engine_steps_total": "steps", "tandem_engine_step_seconds_total": "seconds",
+                  "tandem_engine_step_tokens_total": "tokens"}
 # Token ids are drawn above this, so that no prompt is made of a tokenizer's special tokens.
 _FIRST_ID = 1000
 
@@ -301,9 +315,44 @@ def _values(results: list[Result], name: str) -> list[float]:
     return [getattr(r, name) for r in results]
 
 
-def offline_tokens_per_s(model: str, load_format: str, requests: list[Request], engine_args: dict) -> float:
-    """Output tokens per second of the same prompts through ``LLM.generate`` (later turns of a
-    conversation use the prompts the service built)."""
+def step_metrics(prefix: str, before: dict[str, StepTotals], after: dict[str, StepTotals],
+                 engine_seconds: float) -> dict[str, float]:
+    """The steps engines ran between two readings of their totals, by kind: ``{prefix}_{kind}_steps``
+    and their mean ``{prefix}_{kind}_step_ms`` (0 where none ran), and
+    ``{prefix}_engine_busy_fraction``, the steps' seconds over ``engine_seconds`` (the run's
+    seconds times the engines that ran it)."""
+    metrics, busy = {}, 0.0
+    for kind in STEP_KINDS:
+        old, new = before.get(kind, StepTotals()), after.get(kind, StepTotals())
+        steps, seconds = new.steps - old.steps, new.seconds - old.seconds
+        metrics[f"{prefix}_{kind}_steps"] = steps
+        metrics[f"{prefix}_{kind}_step_ms"] = 1e3 * seconds / steps if steps else 0.0
+        busy += seconds
+    metrics[f"{prefix}_engine_busy_fraction"] = busy / engine_seconds
+    return metrics
+
+
+def worker_step_totals(cluster: LocalCluster) -> dict[str, StepTotals]:
+    """Every worker's engine steps since its start, summed by kind, from its ``/metrics`` page."""
+    totals: dict[str, StepTotals] = {}
+    for name, port in cluster.metrics_ports.items():
+        if name == "gateway":
+            continue
+        with urllib.request.urlopen(f"http://127.0.0.1:{port}/metrics", timeout=10) as page:
+            text = page.read().decode()
+        for family in text_string_to_metric_families(text):
+            for sample in family.samples:
+                if sample.name in _STEP_COUNTERS:
+                    kind, field_name = sample.labels["kind"], _STEP_COUNTERS[sample.name]
+                    old = totals.get(kind, StepTotals())
+                    totals[kind] = dataclasses.replace(old, **{field_name: getattr(old, field_name) + sample.value})
+    return totals
+
+
+def offline_run(model: str, load_format: str, requests: list[Request], engine_args: dict) -> dict[str, float]:
+    """The same prompts through ``LLM.generate`` (later turns of a conversation use the prompts
+    the service built): ``offline_output_tokens_per_s`` and the engine's steps
+    (:func:`step_metrics`, prefix ``offline``)."""
     import torch
 
     from engine import LLM, SamplingParams
@@ -311,14 +360,17 @@ def offline_tokens_per_s(model: str, load_format: str, requests: list[Request], 
     llm = LLM(model, load_format=load_format, **engine_args)
     llm.generate([requests[0].prompt[:16]], SamplingParams(max_tokens=2, temperature=0), use_tqdm=False)
     params = [SamplingParams(max_tokens=r.max_tokens, temperature=0, ignore_eos=True) for r in requests]
+    before = llm.engine.stats().step_totals
     start = time.perf_counter()
     outputs = llm.generate([r.prompt for r in requests], params, use_tqdm=False)
     elapsed = time.perf_counter() - start
+    metrics = {"offline_output_tokens_per_s": sum(len(o.outputs[0].token_ids) for o in outputs) / elapsed,
+               **step_metrics("offline", before, llm.engine.stats().step_totals, elapsed)}
     del llm
     gc.collect()  # the engine's cycles (CUDA graphs, the KV pool) go now, not at exit,
     if torch.cuda.is_available():  # and their memory back to the driver for later processes
         torch.cuda.empty_cache()
-    return sum(len(o.outputs[0].token_ids) for o in outputs) / elapsed
+    return metrics
 
 
 def start_cluster(args, setup: str, aim: tuple[float, float]) -> LocalCluster:
@@ -349,7 +401,7 @@ def start_cluster(args, setup: str, aim: tuple[float, float]) -> LocalCluster:
     cluster = LocalCluster(model=args.model, num_prefill=num_prefill, num_decode=num_decode, env=env,
                            worker_env=worker_env, sink=lambda name, line: print(f"[{name}] {line}", file=sys.stderr)
                            if "WARNING" in line or "ERROR" in line or "Traceback" in line else None,
-                           metrics=False, gpus=args.gpus, prefill_tp=args.prefill_tp,
+                           gpus=args.gpus, prefill_tp=args.prefill_tp,
                            decode_tp=args.decode_tp if split else args.prefill_tp)
     cluster.start(timeout_s=args.startup_timeout)
     return cluster
@@ -385,11 +437,15 @@ def run_setup(args, setup: str, aim: int, vocab: int) -> dict:
     runs = {}
     try:
         for workload, mode, value, requests in sweep(args, vocab):
+            before = worker_step_totals(cluster)
             if mode == "closed":
                 results, elapsed = asyncio.run(closed_loop(cluster.gateway_addr, requests, int(value)))
             else:
                 results, elapsed = asyncio.run(open_loop(cluster.gateway_addr, requests, value))
             metrics = summarize(results, elapsed, args.slos)
+            workers = len(cluster.metrics_ports) - 1
+            metrics |= {k: round(v, 6) for k, v in step_metrics(
+                "service", before, worker_step_totals(cluster), elapsed * workers).items()}
             metrics["concurrency" if mode == "closed" else "rate_rps"] = value
             runs[(workload, mode, value)] = (metrics, requests)
             print(f"{label:>9} {workload:>13} {mode}={value:g}: {metrics['service_output_tokens_per_s']:.0f} "
@@ -404,17 +460,18 @@ def run_setup(args, setup: str, aim: int, vocab: int) -> dict:
 def write_runs(args, setup: str, aim: int, runs: dict, gpu: str | None, keys: dict) -> None:
     """One ``serving`` record per run of ``setup`` (aiming at SLO pair ``aim``), with the offline
     engine's figure on the same prompts beside the runs aiming at the first pair."""
-    offline_by_workload: dict[str, float] = {}
+    offline_by_workload: dict[str, dict[str, float]] = {}
     for (workload, mode, value), (metrics, requests) in runs.items():
         if args.offline and not aim and workload not in offline_by_workload:
             engine_args = {"max_num_seqs": args.max_num_seqs}
             if gpu:
                 engine_args["gpu_memory_utilization"] = args.gpu_memory_utilization
-            offline_by_workload[workload] = offline_tokens_per_s(args.model, args.load_format, requests, engine_args)
+            offline_by_workload[workload] = offline_run(args.model, args.load_format, requests, engine_args)
         if workload in offline_by_workload:
-            metrics["offline_output_tokens_per_s"] = round(offline_by_workload[workload], 3)
+            offline = offline_by_workload[workload]
+            metrics |= {k: round(v, 6) for k, v in offline.items()}
             metrics["service_to_offline_ratio"] = round(
-                metrics["service_output_tokens_per_s"] / offline_by_workload[workload], 4)
+                metrics["service_output_tokens_per_s"] / offline["offline_output_tokens_per_s"], 4)
         split = setup != "colocated"
         workload_desc = {"name": workload, "setup": setup, "mode": mode, "value": value,
                          "num_requests": args.num_requests, "prefill_workers": args.prefill if split else 0,

@@ -6,7 +6,7 @@ from __future__ import annotations
 from collections.abc import Callable
 
 from prometheus_client import CollectorRegistry, Counter, Histogram
-from prometheus_client.core import GaugeMetricFamily
+from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
 
 from cluster.server import serve_metrics
 from engine.outputs import EngineStats
@@ -34,6 +34,16 @@ class _EngineCollector:
         ]:
             family = GaugeMetricFamily(name, doc, labels=["role"])
             family.add_metric([self.role], value)
+            yield family
+        for name, doc, field in [
+            ("tandem_engine_steps", "Engine steps that ran the model, by kind (decode, prefill, mixed).", "steps"),
+            ("tandem_engine_step_seconds", "Wall time of those steps, by kind.", "seconds"),
+            ("tandem_engine_step_tokens", "Tokens those steps computed (prompt chunks and decodes), by kind.",
+             "tokens"),
+        ]:
+            family = CounterMetricFamily(name, doc, labels=["role", "kind"])
+            for kind, totals in sorted(s.step_totals.items()):
+                family.add_metric([self.role, kind], getattr(totals, field))
             yield family
 
 

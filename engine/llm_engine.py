@@ -26,7 +26,7 @@ from engine.distributed import RankFailedError
 from engine.kv_cache_manager import KVCacheManager
 from engine.model_shard import build_shard
 from engine.model_source import gguf_file
-from engine.outputs import CompletionOutput, EngineStats, RequestOutput, StepOutput
+from engine.outputs import CompletionOutput, EngineStats, RequestOutput, StepOutput, StepTotals
 from engine.quantized_loader import resolve_quantization
 from engine.sampling_params import SamplingParams
 from engine.scheduler import Scheduler
@@ -135,6 +135,7 @@ class LLMEngine:
         self.requests: dict[str, _Request] = {}
         self.pinned: dict[str, list[int]] = {}  # finished requests whose pinned blocks await release
         self._arrivals = itertools.count()
+        self._step_totals: dict[str, StepTotals] = {}
         if self.ranks is not None:
             self.runner.broadcast = self.ranks.group.broadcast_step
             self._close_ranks = weakref.finalize(self, self.ranks.close)
@@ -416,7 +417,9 @@ class LLMEngine:
             outputs.append(req.to_output())
             if req.finished:
                 self._retire(req)
-        return StepOutput(outputs, True, dataclasses.replace(result.stats, step_s=time.perf_counter() - started))
+        stats = dataclasses.replace(result.stats, step_s=time.perf_counter() - started)
+        self._step_totals[stats.kind] = self._step_totals.get(stats.kind, StepTotals()).add(stats)
+        return StepOutput(outputs, True, stats)
 
     def _pin_computed_prompt_blocks(self, req: _Request, seq: Sequence) -> bool:
         """Pin the prompt blocks of ``seq`` (sample 0) whose KV is now complete; True if any."""
@@ -459,6 +462,7 @@ class LLMEngine:
             num_pinned_requests=len(self.pinned) + sum(bool(r.pinned) for r in self.requests.values()),
             prefix_cache_hit_rate=self.kv_manager.prefix_hit_rate,
             num_preemptions=sched.num_preemptions,
+            step_totals=dict(self._step_totals),
         )
 
     @property

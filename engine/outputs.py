@@ -87,6 +87,33 @@ class StepStats:
     num_kv_slots_allocated: int
     step_s: float = 0.0
 
+    @property
+    def kind(self) -> str:
+        """``"decode"`` (every sequence decodes one token), ``"prefill"`` (prompt chunks only) or
+        ``"mixed"`` (both: chunked prefill beside the running batch)."""
+        if self.num_decodes == self.num_seqs:
+            return "decode"
+        return "prefill" if self.num_decodes == 0 else "mixed"
+
+
+@dataclass(frozen=True)
+class StepTotals:
+    """The steps of one kind (:attr:`StepStats.kind`) an engine ran since it started.
+
+    Attributes:
+        steps: steps that ran the model.
+        seconds: their wall time (:attr:`StepStats.step_s`), summed, seconds.
+        tokens: the tokens they computed (prompt chunks and decodes), summed.
+    """
+
+    steps: int = 0
+    seconds: float = 0.0
+    tokens: int = 0
+
+    def add(self, stats: StepStats) -> StepTotals:
+        """These totals with one more step."""
+        return StepTotals(self.steps + 1, self.seconds + stats.step_s, self.tokens + stats.num_tokens)
+
 
 @dataclass
 class StepOutput:
@@ -138,6 +165,8 @@ class EngineStats:
             until the KV transfer is done).
         prefix_cache_hit_rate: prompt tokens found in the prefix cache / prompt tokens looked up.
         num_preemptions: sequences preempted since start.
+        step_totals: the steps run since start, by kind (``"decode"``, ``"prefill"``,
+            ``"mixed"``; a kind not run yet is absent).
     """
 
     num_running: int = 0
@@ -149,3 +178,4 @@ class EngineStats:
     num_pinned_requests: int = 0
     prefix_cache_hit_rate: float = 0.0
     num_preemptions: int = 0
+    step_totals: dict[str, StepTotals] = field(default_factory=dict)

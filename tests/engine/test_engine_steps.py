@@ -35,6 +35,27 @@ def test_step_reports_what_it_ran(engine):
     assert prefill.num_kv_slots_used == 20 and prefill.num_kv_slots_allocated == 24  # 3 blocks of 8
 
 
+def test_step_totals_count_each_kind_of_step():
+    """A prefill, a step that prefills one prompt beside another's decode, then decodes: the
+    engine's totals count each kind and its tokens, and grow by exactly what each step ran."""
+    engine = LLMEngine(TINY, EngineConfig(block_size=8, num_blocks=64), load_format="dummy")
+    assert engine.stats().step_totals == {}
+    engine.add_request("a", list(range(2, 22)), SamplingParams(max_tokens=6, temperature=0, ignore_eos=True))
+    steps = [engine.step().stats]
+    engine.add_request("b", list(range(3, 13)), SamplingParams(max_tokens=3, temperature=0, ignore_eos=True))
+    while engine.has_unfinished_requests:
+        steps.append(engine.step().stats)
+    assert [s.kind for s in steps[:3]] == ["prefill", "mixed", "decode"]
+    totals = engine.stats().step_totals
+    assert set(totals) == {"prefill", "mixed", "decode"}
+    for kind, total in totals.items():
+        ran = [s for s in steps if s.kind == kind]
+        assert total.steps == len(ran) and total.tokens == sum(s.num_tokens for s in ran)
+        assert total.seconds == pytest.approx(sum(s.step_s for s in ran))
+    assert totals["prefill"].tokens == 20 and totals["mixed"].tokens == 10 + 1  # b's prompt beside a's decode
+    assert sum(t.tokens for t in totals.values()) == 20 + 10 + 5 + 2  # prompts, then every later token
+
+
 def test_startup_is_timed(engine):
     startup = engine.startup
     assert 0 < startup.load_s <= startup.total_s
