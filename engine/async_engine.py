@@ -2,9 +2,20 @@
 
 The engine is not thread-safe, so exactly one thread (the engine thread) touches it: it runs
 the step loop and executes every command (add, abort, reserve, free, release, ...) that the
-event loop submits through a queue, between two steps. Outputs go back to the event loop with
-``loop.call_soon_threadsafe`` into one queue per request. When there is nothing to step the
-thread sleeps on a condition variable (no busy spin) until a command arrives.
+event loop submits through a queue, between two steps. Outputs go back to the event loop into
+one queue per request, a whole step's in one ``loop.call_soon_threadsafe``. When there is
+nothing to step the thread sleeps on a condition variable (no busy spin) until a command arrives.
+
+On a GPU a step's outputs are handed over while the next step runs on the device
+(``LLMEngine.step``'s ``on_launched``), not between the two steps: the event loop's work on
+them (a gRPC message per stream) and the engine thread's copies then overlap the device's time
+instead of delaying the next step's launch. Both threads share the GIL, and every PyTorch call
+of the engine thread releases and retakes it: measured on one H200 (Llama-3-8B shape, one
+worker, 128 streams), a decode step took 16.8 ms in the worker against 9.8 ms offline when
+outputs were handed over between steps, one callback per stream. The cost is a token's
+delivery a step's launch later (about a millisecond). Pending outputs are handed over before
+any command runs and before the thread sleeps, so a stream never sees them after what a
+command sends it (an abort's final output).
 
 Everything the event loop reads without a round trip (load, block events for the Redis prefix
 index) is published by the engine thread as immutable snapshots after each iteration.
@@ -19,7 +30,6 @@ import logging
 import threading
 from collections import Counter, deque
 from collections.abc import AsyncIterator, Callable
-from dataclasses import replace
 from typing import TypeVar
 
 import torch
@@ -95,8 +105,7 @@ class _Stream:
         self.queue: asyncio.Queue[RequestOutput | BaseException] = asyncio.Queue()
 
     def put(self, item: RequestOutput | BaseException) -> None:  # engine thread
-        with contextlib.suppress(RuntimeError):  # the loop has closed: nobody is listening
-            self.loop.call_soon_threadsafe(self.queue.put_nowait, item)
+        _hand_over([(self, item)])
 
     async def get(self) -> RequestOutput:
         """The newest output (outputs are cumulative, so older queued ones are skipped)."""
@@ -110,12 +119,29 @@ class _Stream:
         return item
 
 
+def _hand_over(items: list[tuple[_Stream, RequestOutput | BaseException]]) -> None:  # engine thread
+    """Queue each item on its stream, with one ``call_soon_threadsafe`` per event loop (each wakes
+    the loop through its self-pipe: a system call, and a hand-over of the GIL)."""
+    by_loop: dict[asyncio.AbstractEventLoop, list[tuple[asyncio.Queue, RequestOutput | BaseException]]] = {}
+    for stream, item in items:
+        by_loop.setdefault(stream.loop, []).append((stream.queue, item))
+    for loop, puts in by_loop.items():
+        with contextlib.suppress(RuntimeError):  # the loop has closed: nobody is listening
+            loop.call_soon_threadsafe(_put_all, puts)
+
+
+def _put_all(puts: list[tuple[asyncio.Queue, RequestOutput | BaseException]]) -> None:  # event loop
+    for queue, item in puts:
+        queue.put_nowait(item)
+
+
 def _snapshot(out: RequestOutput) -> RequestOutput:
-    """A copy the event loop may read while the engine keeps appending to the original."""
+    """A copy the event loop may read while the engine keeps appending to the original (the
+    prompt's token ids are shared: the engine never changes them)."""
     samples = [CompletionOutput(c.index, c.text, list(c.token_ids), c.finish_reason, c.stop_reason,
                                 list(c.logprobs)) for c in out.outputs]
-    return replace(out, prompt_token_ids=list(out.prompt_token_ids), outputs=samples,
-                   pinned_block_ids=list(out.pinned_block_ids))
+    return RequestOutput(out.request_id, out.prompt, out.prompt_token_ids, out.num_cached_tokens, samples,
+                         out.finished, list(out.pinned_block_ids))
 
 
 class AsyncEngine:
@@ -128,13 +154,18 @@ class AsyncEngine:
             set by that thread before :meth:`start` returns); ``None``: the process's setting.
             A process whose other threads run PyTorch ops too should give them one thread
             after :meth:`start` (see ``cluster.worker.run_worker``: why).
+        overlap_outputs: hand a step's outputs over while the next step runs (module docstring);
+            ``None``: on a GPU (on a CPU a step has run by the time it is launched, so it would
+            only delay each token by a step).
 
     Call :meth:`start` before use and ``await`` :meth:`shutdown` at the end.
     """
 
-    def __init__(self, engine: LLMEngine, name: str = "engine", num_threads: int | None = None) -> None:
+    def __init__(self, engine: LLMEngine, name: str = "engine", num_threads: int | None = None,
+                 overlap_outputs: bool | None = None) -> None:
         self.engine = engine
         self.num_threads = num_threads
+        self.overlap_outputs = engine.device.type == "cuda" if overlap_outputs is None else overlap_outputs
         self.block_size = engine.config.block_size
         self.max_model_len = engine.max_model_len
         self.vocab_size = engine.vocab_size
@@ -142,6 +173,7 @@ class AsyncEngine:
         self._cv = threading.Condition()
         self._commands: deque[Callable[[], None]] = deque()
         self._streams: dict[str, _Stream] = {}  # engine thread only
+        self._pending: list[RequestOutput] = []  # engine thread only: the last step's outputs, not handed over yet
         self._stopping = False
         self._stats = EngineStats()
         self._thread = threading.Thread(target=self._run, name=name, daemon=True)
@@ -381,14 +413,21 @@ class AsyncEngine:
             torch.get_num_threads()
         self._threads_set.set()
         use_device(self.engine.device)
+        overlap = self.overlap_outputs
         stalled = False
         while True:
+            with self._cv:
+                idle = not self._commands and not self._stopping and (stalled or not self.engine.has_unfinished_requests)
+            if idle:
+                self._hand_over_pending()
             with self._cv:
                 while not self._commands and not self._stopping and (
                         stalled or not self.engine.has_unfinished_requests):
                     self._cv.wait()
                 commands, self._commands = self._commands, deque()
                 stopping = self._stopping
+            if commands or stopping:
+                self._hand_over_pending()
             for command in commands:
                 command()
             if stopping and not commands:
@@ -399,24 +438,38 @@ class AsyncEngine:
                 stalled = False
             if self.engine.has_unfinished_requests and not stalled:
                 try:
-                    step = self.engine.step()
+                    step = self.engine.step(self._hand_over_pending if overlap else None)
                 except RankFailedError as exc:
                     logger.error("engine step failed (%s); aborting %d requests", exc, len(self.engine.requests))
+                    self._hand_over_pending()
                     self._fail_all(EngineDeadError(f"the engine is down: {exc}"))
+                    step = StepOutput([], True)
                 except Exception as exc:  # noqa: BLE001 (fails the requests, not the thread)
                     logger.exception("engine step failed; aborting %d requests", len(self.engine.requests))
+                    self._hand_over_pending()
                     self._fail_all(EngineError(f"engine step failed: {type(exc).__name__}: {exc}"))
                     step = StepOutput([], True)
-                for out in step.outputs:
-                    stream = self._streams.get(out.request_id)
-                    if stream is not None:
-                        stream.put(_snapshot(out))
-                        if out.finished:
-                            del self._streams[out.request_id]
+                self._hand_over_pending()  # (the step ran nothing on the device: no launch to wait for)
+                self._pending = step.outputs
+                if not overlap:
+                    self._hand_over_pending()
                 # Nothing could be scheduled (e.g. waiting sequences need blocks that reservations
                 # or pins own): sleep until a command changes something.
                 stalled = not step.model_executed
             self._publish()
+
+    def _hand_over_pending(self) -> None:  # engine thread
+        """Hand the last step's outputs (``self._pending``) to their streams."""
+        items = []
+        for out in self._pending:
+            stream = self._streams.get(out.request_id)
+            if stream is not None:
+                items.append((stream, _snapshot(out)))
+                if out.finished:
+                    del self._streams[out.request_id]
+        self._pending = []
+        if items:
+            _hand_over(items)
 
     def _fail_all(self, error: EngineError) -> None:
         for request_id in list(self.engine.requests):

@@ -14,6 +14,7 @@ import itertools
 import logging
 import time
 import weakref
+from collections.abc import Callable
 from dataclasses import dataclass, field
 
 import torch
@@ -366,8 +367,12 @@ class LLMEngine:
         return req.to_output()
 
     # ------------------------------------------------------------------- steps
-    def step(self) -> StepOutput:
+    def step(self, on_launched: Callable[[], None] | None = None) -> StepOutput:
         """Run one iteration over the running batch.
+
+        Args:
+            on_launched: called once the step's device work is queued, before the engine waits
+                for it (``ModelRunner.execute``); not called when nothing could be scheduled.
 
         Returns:
             The outputs of every request that gained tokens, finished, or pinned more prompt
@@ -386,7 +391,7 @@ class LLMEngine:
         if step.is_empty:
             return StepOutput([], False)
         try:
-            result = self.runner.execute(step)
+            result = self.runner.execute(step, on_launched)
         except Exception as exc:
             if self.ranks is None:
                 raise

@@ -101,12 +101,18 @@ class ModelRunner:
         return batch
 
     @torch.inference_mode()
-    def execute(self, step: SchedulerOutput) -> StepResult:
+    def execute(self, step: SchedulerOutput, on_launched: Callable[[], None] | None = None) -> StepResult:
         """Run one step and sample every sequence whose last token was computed.
 
         A sequence completing its prompt with unforked samples (``n > 1``) also samples one
         token for each fork child from the same logits row. With :attr:`broadcast` set (rank 0
         of a tensor-parallel engine), the step's inputs go to the other ranks before the forward.
+
+        Args:
+            step: the scheduled batch.
+            on_launched: called once the step's forward and sampling are queued on the device,
+                before waiting for the sampled tokens: host work placed there overlaps the
+                step's GPU time (on a CPU the step has already run by then).
 
         Returns:
             The sampled tokens, one per sequence in ``StepResult.sequences``.
@@ -127,11 +133,11 @@ class ModelRunner:
         seqs = inputs.sampled
         batch = self._sampling_batch(seqs, inputs.sample_positions) if seqs else None
         prepare_s = prepared - start + time.perf_counter() - sampling_start
-        if batch is None:
-            token_ids, logprobs = [], []
-        else:
-            out = sample(logits, batch, (int(self._rng.integers(2**31)), int(self._rng.integers(2**31))))
-            token_ids, logprobs = _to_host(out, [s.params.logprobs for s in seqs])
+        out = None if batch is None else sample(
+            logits, batch, (int(self._rng.integers(2**31)), int(self._rng.integers(2**31))))
+        if on_launched is not None:
+            on_launched()
+        token_ids, logprobs = ([], []) if out is None else _to_host(out, [s.params.logprobs for s in seqs])
         stats = StepStats(
             num_seqs=len(step.scheduled), num_decodes=step.num_decodes, num_tokens=step.num_tokens,
             cuda_graph_size=graph_size, prepare_s=prepare_s, execute_s=time.perf_counter() - start,

@@ -425,11 +425,11 @@ def test_engine_failure_fails_the_request_not_the_thread(engines, monkeypatch):
             execute = decode.runner.execute
             calls = []
 
-            def fail_once(step):
+            def fail_once(step, on_launched=None):
                 calls.append(step)
                 if len(calls) == 1:
                     raise RuntimeError("injected step failure")
-                return execute(step)
+                return execute(step, on_launched)
 
             monkeypatch.setattr(decode.runner, "execute", fail_once)
             with pytest.raises(EngineError, match="engine step failed"):
@@ -500,6 +500,49 @@ def test_a_prefilled_request_streams_forward_when_the_event_loop_lags(engines, m
             await engine.shutdown()
 
     asyncio.run(main())
+
+
+def test_outputs_handed_over_during_the_next_step_lose_and_reorder_nothing(engines):
+    """A GPU engine thread hands a step's outputs to the event loop while the next step runs
+    (``overlap_outputs``, forced on here on the CPU): concurrent streams get the same tokens as
+    with outputs handed over between steps, each output longer than the last and the final one
+    last; a request aborted mid-stream ends with finish reason ``abort`` after the tokens it had;
+    every block comes back."""
+    decode = engines[1]
+    free = decode.num_free_blocks
+    params = SamplingParams(max_tokens=12, temperature=0, ignore_eos=True)
+
+    async def run(overlap: bool) -> dict[str, list[list[int]]]:
+        engine = AsyncEngine(decode, overlap_outputs=overlap)
+        engine.start()
+        try:
+            async def stream(request_id: str, prompt: list[int], abort_after: int | None = None) -> list[list[int]]:
+                seen = []
+                async for out in engine.generate(request_id, prompt, params):
+                    seen.append(list(out.outputs[0].token_ids))
+                    if abort_after is not None and len(seen[-1]) >= abort_after and not out.finished:
+                        engine.abort(request_id)
+                        abort_after = None
+                    if out.finished:
+                        seen.append(out.outputs[0].finish_reason)
+                return seen
+
+            names = [f"{'overlap' if overlap else 'between'}-{i}" for i in range(4)]
+            results = await asyncio.gather(*(stream(name, prompt_ids(20 + 3 * i, seed=i), 4 if i == 3 else None)
+                                             for i, name in enumerate(names)))
+            assert await engine.num_free_blocks() == free
+            return dict(zip(range(4), results))
+        finally:
+            await engine.shutdown()
+
+    between, overlapped = asyncio.run(run(False)), asyncio.run(run(True))
+    for i in range(3):
+        *outputs, reason = overlapped[i]
+        assert reason == "length" and outputs[-1] == between[i][-2]  # every token, the same ones
+        assert all(len(a) < len(b) and b[:len(a)] == a for a, b in zip(outputs, outputs[1:]))
+    *outputs, reason = overlapped[3]
+    assert reason == "abort" and 4 <= len(outputs[-1]) < 12
+    assert all(len(a) <= len(b) and b[:len(a)] == a for a, b in zip(outputs, outputs[1:]))
 
 
 def test_corrupted_kv_fails_that_request_only(engines):
