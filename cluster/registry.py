@@ -130,6 +130,9 @@ class WorkerConfig:
         max_num_batched_tokens: tokens one engine step computes at most (its prefill chunk):
             bounds how much a prefill on the worker stretches the step of its running sequences;
             ``0``: not published.
+        device_ids: the GPUs the worker's ranks run on (``engine.devices.device_ids``; none on a
+            CPU or where not published): a prefill worker that shares one with a decode worker
+            shares its compute too (``gateway.placement``).
     """
 
     model_id: str
@@ -142,6 +145,7 @@ class WorkerConfig:
     kv_transports: tuple[str, ...] = ("grpc",)
     quantization: str = "none"
     max_num_batched_tokens: int = 0
+    device_ids: tuple[str, ...] = ()
 
     def differences(self, other: WorkerConfig) -> list[str]:
         """Names of the fields where ``other`` differs and may not: every field but
@@ -159,7 +163,8 @@ class WorkerConfig:
 
 
 # WorkerConfig fields in which the workers of a pool may differ.
-_CLEARED = {"max_model_len": 0, "tensor_parallel_size": 0, "kv_transports": (), "max_num_batched_tokens": 0}
+_CLEARED = {"max_model_len": 0, "tensor_parallel_size": 0, "kv_transports": (), "max_num_batched_tokens": 0,
+            "device_ids": ()}
 _PER_WORKER = tuple(_CLEARED)
 
 
@@ -202,6 +207,7 @@ class WorkerInfo:
             "kv_cache_dtype": c.kv_cache_dtype, "hash_seed": c.hash_seed.hex(), "vocab_size": c.vocab_size,
             "tensor_parallel_size": c.tensor_parallel_size, "kv_transports": ",".join(c.kv_transports),
             "quantization": c.quantization, "max_num_batched_tokens": c.max_num_batched_tokens,
+            "device_ids": ",".join(c.device_ids),
             "running": load.running, "waiting": load.waiting, "free_blocks": load.free_blocks,
             "total_blocks": load.total_blocks,
         }
@@ -217,7 +223,8 @@ class WorkerInfo:
         config = WorkerConfig(f["model_id"], int(f["block_size"]), int(f["max_model_len"]), f["kv_cache_dtype"],
                               bytes.fromhex(f["hash_seed"]), int(f["vocab_size"]), int(f["tensor_parallel_size"]),
                               tuple(f["kv_transports"].split(",")), f["quantization"],
-                              int(f.get("max_num_batched_tokens", 0)))  # (not in entries of older workers)
+                              int(f.get("max_num_batched_tokens", 0)),  # (not in entries of older workers)
+                              tuple(filter(None, f.get("device_ids", "").split(","))))
         load = WorkerLoad(int(f["running"]), int(f["waiting"]), int(f["free_blocks"]), int(f["total_blocks"]))
         return cls(f["worker_id"], Role(f["role"]), f["address"], config, load)
 

@@ -39,7 +39,7 @@ from cluster.settings import WorkerSettings, advertised_address, setting_name
 from cluster.shutdown import exit_if_shutdown_hangs, shutdown_step
 from cluster.tls import ClientCredentials, PeerRoleInterceptor, server_credentials
 from engine.async_engine import AsyncEngine
-from engine.devices import resolve_device, use_device
+from engine.devices import device_ids, resolve_device, use_device
 from engine.llm_engine import LLMEngine
 from kvtransfer import GRPC_MESSAGE_OPTIONS, KVPool
 from kvtransfer.nixl import NixlAgent
@@ -84,10 +84,10 @@ def worker_tls(settings: WorkerSettings, role: Role) -> ClientCredentials | None
 
 def published_config(llm: LLMEngine, kv_transports: list[str]) -> WorkerConfig:
     """The cache settings a worker owns, as it publishes them (registry entry, ``GetStats``), with
-    the KV transports it moves blocks with."""
+    the KV transports it moves blocks with and the GPUs its ranks' KV pools lie on."""
     return WorkerConfig(llm.model_id, llm.config.block_size, llm.max_model_len, llm.kv_cache_dtype,
                         llm.hash_seed, llm.vocab_size, llm.config.tensor_parallel_size, tuple(kv_transports),
-                        llm.quantization, llm.config.max_num_batched_tokens)
+                        llm.quantization, llm.config.max_num_batched_tokens, device_ids(llm.kv_pools))
 
 
 class WorkerServicer(Protocol):

@@ -79,3 +79,10 @@ def use_device(device: torch.device) -> None:
     """Make ``device`` the calling thread's current CUDA device (nothing to do off CUDA)."""
     if device.type == "cuda":
         torch.cuda.set_device(device)
+
+
+def device_ids(tensors: list[torch.Tensor]) -> tuple[str, ...]:
+    """The physical GPUs the ``tensors`` lie on, as NVIDIA's UUIDs (``"GPU-..."``, the ids
+    ``nvidia-smi -L`` prints; a MIG instance's own), sorted, each once: the same string in every
+    process and container that uses the GPU, whatever its CUDA index there. Host memory has none."""
+    return tuple(sorted({f"GPU-{torch.cuda.get_device_properties(t.device).uuid}" for t in tensors if t.is_cuda}))

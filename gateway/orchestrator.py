@@ -378,9 +378,11 @@ class Orchestrator:
         attempt.decode_cached_tokens = admitted.num_cached_blocks * pool.block_size
         local_tokens = len(prompt) - attempt.decode_cached_tokens
         remote_tokens = len(prompt) - route.cached_blocks * pool.block_size
+        shared = route.prefill is not None and bool(
+            set(route.prefill.config.device_ids) & set(route.decode.config.device_ids))
         placement = self.placement.decide(route.prefill.worker_id if route.prefill else None, remote_tokens,
                                           route.decode.worker_id, local_tokens, route.decode.load.running, slo,
-                                          route.decode.config.max_num_batched_tokens)
+                                          route.decode.config.max_num_batched_tokens, shared_device=shared)
         metrics.PLACEMENTS.labels(placement.kind).inc()
         tracing.annotate({"tandem.placement": placement.kind})
         if placement.local:

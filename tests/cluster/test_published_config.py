@@ -1,6 +1,16 @@
 """What a worker publishes of its KV cache: an fp8 worker and a bfloat16 one of the same model
 disagree on the KV dtype and the hash seed, so no pool takes both."""
 
+import dataclasses
+import re
+import shutil
+import subprocess
+
+import pytest
+import torch
+
+from cluster.registry import Role
+from cluster.translate import worker_config_from_proto, worker_config_to_proto
 from cluster.worker import published_config
 from engine import EngineConfig, LLMEngine
 from tests.engine.model_helpers import save_tiny_llama
@@ -22,3 +32,22 @@ def test_the_step_token_budget_is_published_and_workers_may_differ_in_it(tmp_pat
                for budget in (256, 2048)]
     assert [c.max_num_batched_tokens for c in configs] == [256, 2048]
     assert configs[0].differences(configs[1]) == [] and configs[0].pool_key() == configs[1].pool_key()
+
+
+def test_a_cpu_worker_publishes_no_gpu_and_the_gpus_cross_the_wire(tmp_path):
+    config = published_config(LLMEngine(save_tiny_llama(tmp_path), EngineConfig(device="cpu", num_blocks=8)), ["grpc"])
+    assert config.device_ids == ()
+    on_gpus = dataclasses.replace(config, device_ids=("GPU-1b2c", "GPU-9f8e"))
+    assert worker_config_from_proto(worker_config_to_proto(on_gpus, Role.DECODE)) == on_gpus
+    assert on_gpus.pool_key() == config.pool_key()  # workers of a pool run on GPUs of their own
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available() or shutil.which("nvidia-smi") is None,
+                    reason="needs a CUDA GPU and nvidia-smi")
+def test_a_gpu_worker_publishes_the_uuid_nvidia_smi_lists(tmp_path):
+    config = published_config(LLMEngine(save_tiny_llama(tmp_path), EngineConfig(device="cuda:0", num_blocks=8)),
+                              ["grpc"])
+    listed = subprocess.run(["nvidia-smi", "-L"], capture_output=True, text=True, check=True).stdout
+    uuids = re.findall(r"UUID: (GPU-[0-9a-f-]+)", listed)
+    assert len(config.device_ids) == 1 and config.device_ids[0] in uuids

@@ -44,7 +44,7 @@ def test_heartbeat_registers_worker_with_its_load(key_prefix, redis_url):
 
         tp = WorkerInfo("p2", Role.PREFILL, "p2:5000", dataclasses.replace(
             CONFIG, tensor_parallel_size=2, kv_transports=("nixl", "grpc"), quantization="gguf",
-            max_num_batched_tokens=512))
+            max_num_batched_tokens=512, device_ids=("GPU-0d7c2a", "GPU-5e91b4")))
         await registry.heartbeat(tp)  # the KV layout and weights a worker publishes read back as written
         assert (await registry.live_workers(Role.PREFILL))[2] == tp
 

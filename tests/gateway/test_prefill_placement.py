@@ -4,7 +4,9 @@ from __future__ import annotations
 
 import pytest
 
-from gateway.placement import LOCAL_ONLY, LOCAL_PREDICTED, LOCAL_SHORT, REMOTE, PlacementModel, ServiceLevel
+from gateway.placement import (
+    LOCAL_ONLY, LOCAL_PREDICTED, LOCAL_SHARED, LOCAL_SHORT, REMOTE, PlacementModel, ServiceLevel,
+)
 from gateway.prefill_pace import PrefillPace
 
 PREFILL, DECODE = "prefill-0", "decode-0"
@@ -25,6 +27,19 @@ def test_static_overrides_come_first():
     assert m.decide(None, 0, DECODE, 4000, decode_running=8, slo=NONE).kind == LOCAL_ONLY
     assert m.decide(PREFILL, 4000, DECODE, 16, decode_running=8, slo=NONE).kind == LOCAL_SHORT
     assert m.decide(PREFILL, 17, DECODE, 17, decode_running=0, slo=NONE).kind == REMOTE  # equal paces, no queue
+
+
+def test_a_prefill_worker_on_the_decode_workers_gpu_is_not_used_in_adaptive_placement():
+    """Two processes on one GPU time-slice it: a remote prefill there slows the decode worker's
+    steps as a local one would, and adds a transfer. Whatever the queues and objectives, adaptive
+    placement prefills on the decode worker; a static split keeps its prefill worker."""
+    m = model()
+    m.started(DECODE, 50_000)  # the local prediction alone would say remote
+    slo = ServiceLevel(ttft_s=0.5, itl_s=0.02)
+    assert m.decide(PREFILL, 4000, DECODE, 4000, decode_running=8, slo=slo, shared_device=True).kind == LOCAL_SHARED
+    assert m.decide(PREFILL, 4000, DECODE, 4000, decode_running=8, slo=slo).kind == REMOTE
+    assert model(adaptive=False).decide(PREFILL, 4000, DECODE, 4000, 8, slo, shared_device=True).kind == REMOTE
+    assert m.decide(None, 0, DECODE, 4000, 8, slo, shared_device=True).kind == LOCAL_ONLY
 
 
 def test_an_unmeasured_prefill_worker_keeps_requests_disaggregated():
