@@ -31,10 +31,10 @@ The decision (:attr:`Placement.kind`, the ``tandem_gateway_placements`` metric's
 - ``local_shared``: in adaptive placement, the prefill worker shares a GPU with the decode worker
   (their published ``device_ids``): its prefill would take the decode worker's GPU time as a
   local one does (two processes time-slice one GPU), and add a KV transfer; only one of the two
-  engines should compute on a GPU at a time. On one H200 (Llama-3-8B shape, 128 closed-loop
-  streams) a prefill and a decode worker sharing the GPU served 0.63 of the offline engine's
-  tokens per second with every prompt disaggregated, one worker prefilling its own 0.88
-  (README, "Measured").
+  engines should compute on a GPU at a time. With 128 closed-loop streams of a Llama-3-8B
+  shape, a prefill and a decode worker sharing one H100 served 0.58-0.63 of the offline
+  engine's tokens per second with prompts disaggregated; sharing one H200 with every prompt
+  placed here, 0.86 (README, "Measured").
 - ``local_short``: at most ``local_prefill_max_tokens`` tokens left after the decode worker's
   prefix hit: a static override, Dynamo's threshold (a KV transfer costs more than it saves),
   except in adaptive placement with an ITL objective when the decode worker runs sequences and
