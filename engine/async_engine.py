@@ -449,7 +449,7 @@ class AsyncEngine:
                     self._hand_over_pending()
                     self._fail_all(EngineError(f"engine step failed: {type(exc).__name__}: {exc}"))
                     step = StepOutput([], True)
-                self._hand_over_pending()  # (the step ran nothing on the device: no launch to wait for)
+                self._hand_over_pending()  # (still pending where the step launched nothing: nothing scheduled)
                 self._pending = step.outputs
                 if not overlap:
                     self._hand_over_pending()

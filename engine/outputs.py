@@ -71,7 +71,9 @@ class StepStats:
         cuda_graph_size: the captured batch size the step replayed, ``None`` when it ran eagerly.
         prepare_s: host-side preparation: input tensors, their copies, sampling settings.
         execute_s: the model runner's whole step, the wait for the sampled tokens included.
-        step_s: the engine's whole step (scheduling and output bookkeeping included).
+        step_s: the engine's whole step (scheduling and output bookkeeping included; under an
+            ``AsyncEngine`` on a GPU also the hand-over of the previous step's outputs, which
+            overlaps this step's device time).
         num_kv_slots_used: tokens in the scheduled sequences' KV cache after the step.
         num_kv_slots_allocated: slots of the blocks those sequences hold (``block_size`` each);
             ``1 - used / allocated`` is the step's reservation waste.
