@@ -518,7 +518,9 @@ def test_outputs_handed_over_during_the_next_step_lose_and_reorder_nothing(engin
         try:
             async def stream(request_id: str, prompt: list[int], abort_after: int | None = None) -> list[list[int]]:
                 seen = []
-                async for out in engine.generate(request_id, prompt, params):
+                # (the aborted one could run far past its abort point: a busy event loop must not let it finish)
+                limit = params if abort_after is None else SamplingParams(max_tokens=400, temperature=0, ignore_eos=True)
+                async for out in engine.generate(request_id, prompt, limit):
                     seen.append(list(out.outputs[0].token_ids))
                     if abort_after is not None and len(seen[-1]) >= abort_after and not out.finished:
                         engine.abort(request_id)
@@ -541,7 +543,7 @@ def test_outputs_handed_over_during_the_next_step_lose_and_reorder_nothing(engin
         assert reason == "length" and outputs[-1] == between[i][-2]  # every token, the same ones
         assert all(len(a) < len(b) and b[:len(a)] == a for a, b in zip(outputs, outputs[1:]))
     *outputs, reason = overlapped[3]
-    assert reason == "abort" and 4 <= len(outputs[-1]) < 12
+    assert reason == "abort" and 4 <= len(outputs[-1]) < 400
     assert all(len(a) <= len(b) and b[:len(a)] == a for a, b in zip(outputs, outputs[1:]))
 
 
