@@ -33,11 +33,12 @@ and ITL (every gap between two streamed messages that carry tokens, which a per-
 averages away) quantiles, and goodput at each SLO pair of ``--slos`` (the first one unsuffixed:
 ``goodput_rps``, ``slo_attainment``; the others ``goodput_rps_ttft1s_tpot40ms``...).
 
-Where the time goes, per run: every worker's engine steps by kind (``decode``: decodes only;
-``mixed``: prompt chunks beside decodes; ``prefill``: chunks only), read from the workers'
-``tandem_engine_step*`` counters: ``service_{kind}_steps``, their mean ``service_{kind}_step_ms``,
-and ``service_engine_busy_fraction`` (the steps' time over the run's time and workers); the
-offline engine's own (``offline_...``) beside them.
+Where the time goes, per run: the workers' engine steps by role and kind (``decode``: decodes
+only; ``mixed``: prompt chunks beside decodes; ``prefill``: chunks only), read from their
+``tandem_engine_step*`` counters: ``service_{role}_{kind}_steps``, their mean
+``service_{role}_{kind}_step_ms``, and ``service_{role}_engine_busy_fraction`` (the steps' time
+over the run's time and the role's workers; role ``prefill`` or ``decode``, colocated workers
+being decode workers); the offline engine's own (``offline_...``) beside them.
 
 Every output is greedy with EOS ignored, so the token counts are exact. One record per
 workload and setting (benchmark ``serving``) goes under ``bench/results/``; ``--setups
@@ -332,9 +333,10 @@ def step_metrics(prefix: str, before: dict[str, StepTotals], after: dict[str, St
     return metrics
 
 
-def worker_step_totals(cluster: LocalCluster) -> dict[str, StepTotals]:
-    """Every worker's engine steps since its start, summed by kind, from its ``/metrics`` page."""
-    totals: dict[str, StepTotals] = {}
+def worker_step_totals(cluster: LocalCluster) -> dict[str, dict[str, StepTotals]]:
+    """Every worker's engine steps since its start, from its ``/metrics`` page, summed by role
+    (``prefill``, ``decode``) and kind."""
+    totals: dict[str, dict[str, StepTotals]] = {}
     for name, port in cluster.metrics_ports.items():
         if name == "gateway":
             continue
@@ -343,9 +345,10 @@ def worker_step_totals(cluster: LocalCluster) -> dict[str, StepTotals]:
         for family in text_string_to_metric_families(text):
             for sample in family.samples:
                 if sample.name in _STEP_COUNTERS:
+                    by_kind = totals.setdefault(sample.labels["role"], {})
                     kind, field_name = sample.labels["kind"], _STEP_COUNTERS[sample.name]
-                    old = totals.get(kind, StepTotals())
-                    totals[kind] = dataclasses.replace(old, **{field_name: getattr(old, field_name) + sample.value})
+                    old = by_kind.get(kind, StepTotals())
+                    by_kind[kind] = dataclasses.replace(old, **{field_name: getattr(old, field_name) + sample.value})
     return totals
 
 
@@ -443,9 +446,11 @@ def run_setup(args, setup: str, aim: int, vocab: int) -> dict:
             else:
                 results, elapsed = asyncio.run(open_loop(cluster.gateway_addr, requests, value))
             metrics = summarize(results, elapsed, args.slos)
-            workers = len(cluster.metrics_ports) - 1
-            metrics |= {k: round(v, 6) for k, v in step_metrics(
-                "service", before, worker_step_totals(cluster), elapsed * workers).items()}
+            after = worker_step_totals(cluster)
+            workers = Counter(name.split("-")[0] for name in cluster.metrics_ports if name != "gateway")
+            for role, count in workers.items():
+                metrics |= {k: round(v, 6) for k, v in step_metrics(
+                    f"service_{role}", before.get(role, {}), after.get(role, {}), elapsed * count).items()}
             metrics["concurrency" if mode == "closed" else "rate_rps"] = value
             runs[(workload, mode, value)] = (metrics, requests)
             print(f"{label:>9} {workload:>13} {mode}={value:g}: {metrics['service_output_tokens_per_s']:.0f} "
