@@ -63,7 +63,10 @@ def test_8_large_prompts_are_refused_fast_barely_delay_a_1_token_request_and_fre
             assert all(code == "INVALID_ARGUMENT" and details.startswith("prompt:")
                        for code, details, _ in outcomes), outcomes
             assert max(seconds for _, _, seconds in outcomes) < 3.0, outcomes
-            assert delayed < baseline + 1.0, (delayed, baseline)
+            # Not queued behind the burst (which tokenizing 4 MB prompts would take tens of
+            # seconds to clear); 2 s of margin: a full run beside another cluster's benchmark on
+            # 2 cores measured 1.04 s.
+            assert delayed < baseline + 2.0, (delayed, baseline)
     # The heap is trimmed once the burst is over (a second without a large request, then a task
     # of the event loop's executor): on busy cores that can take a few seconds, so the memory is
     # awaited, not read once.
