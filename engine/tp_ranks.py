@@ -121,9 +121,11 @@ class FollowerRanks:
         for callback in self._callbacks:
             callback(self.failure)
         # Aborting NCCL communicators can block behind the kernel waiting for the dead rank: on a
-        # thread of its own, so that nothing else does.
-        self._abort = threading.Thread(target=self.group.abort, name="tp-abort", daemon=True)
-        self._abort.start()
+        # thread of its own, so that nothing else does. Published once started: close() on another
+        # thread may read it as soon as the failure is set (a full run joined it unstarted).
+        abort = threading.Thread(target=self.group.abort, name="tp-abort", daemon=True)
+        abort.start()
+        self._abort = abort
 
     def explain(self, error: Exception, wait_s: float = 2.0) -> str:
         """Why a step's collective failed with ``error``: the rank that died, when one exits
