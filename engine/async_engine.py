@@ -415,14 +415,17 @@ class AsyncEngine:
         use_device(self.engine.device)
         overlap = self.overlap_outputs
         stalled = False
+
+        def idle() -> bool:  # (called holding self._cv)
+            return not self._commands and not self._stopping and (stalled or not self.engine.has_unfinished_requests)
+
         while True:
             with self._cv:
-                idle = not self._commands and not self._stopping and (stalled or not self.engine.has_unfinished_requests)
-            if idle:
+                sleeping = idle()
+            if sleeping:
                 self._hand_over_pending()
             with self._cv:
-                while not self._commands and not self._stopping and (
-                        stalled or not self.engine.has_unfinished_requests):
+                while idle():
                     self._cv.wait()
                 commands, self._commands = self._commands, deque()
                 stopping = self._stopping
