@@ -22,6 +22,6 @@ def check_prompt(prompt_token_ids: Sequence[int], max_model_len: int, vocab_size
     if len(prompt_token_ids) >= max_model_len:
         raise ValueError(f"prompt is {len(prompt_token_ids)} tokens; max_model_len is {max_model_len}, so at "
                          f"most {max_model_len - 1} prompt tokens fit")
-    bad = next((t for t in prompt_token_ids if not 0 <= t < vocab_size), None)
-    if bad is not None:
+    if min(prompt_token_ids) < 0 or max(prompt_token_ids) >= vocab_size:
+        bad = next(t for t in prompt_token_ids if not 0 <= t < vocab_size)
         raise ValueError(f"prompt token id {bad} is not in [0, vocab_size={vocab_size})")

@@ -1,10 +1,13 @@
 """Block pool invariants under random allocate / acquire / free / fork / cache / evict sequences."""
 
+import hashlib
+import struct
+
 import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from engine.block_hash import hash_block, hash_blocks, hash_seed
+from engine.block_hash import hash_blocks, hash_seed
 from engine.block_pool import BlockPool, NoFreeBlocksError
 
 NUM_BLOCKS = 12
@@ -40,9 +43,9 @@ def test_random_operations_keep_invariants(ops):
         elif op == "cache" and owners:
             blocks = owners[arg % len(owners)]
             block = blocks[arg % len(blocks)]
-            pool.cache(block, hash_block(b"seed", [arg]))
+            pool.cache(block, hash_blocks([arg], 1, b"seed")[0])
         elif op == "hit":
-            block = pool.lookup(hash_block(b"seed", [arg]))
+            block = pool.lookup(hash_blocks([arg], 1, b"seed")[0])
             if block is not None:
                 pool.acquire([block])
                 owners.append([block])
@@ -62,16 +65,16 @@ def test_lru_eviction_prefers_least_recently_freed():
     pool = BlockPool(3)
     a, b, c = pool.allocate(3)
     for block, tag in ((a, 1), (b, 2), (c, 3)):
-        pool.cache(block, hash_block(b"s", [tag]))
+        pool.cache(block, hash_blocks([tag], 1, b"s")[0])
     pool.free([b])
     pool.free([a])
     pool.free([c])
     (first,) = pool.allocate(1)
     assert first == b
-    assert pool.lookup(hash_block(b"s", [2])) is None
-    assert pool.lookup(hash_block(b"s", [1])) == a
+    assert pool.lookup(hash_blocks([2], 1, b"s")[0]) is None
+    assert pool.lookup(hash_blocks([1], 1, b"s")[0]) == a
     events = pool.drain_events()
-    assert events.removed == [hash_block(b"s", [2])]
+    assert events.removed == [hash_blocks([2], 1, b"s")[0]]
     assert len(events.stored) == 3
 
 
@@ -92,6 +95,18 @@ def test_block_hash_chain_depends_on_whole_prefix():
     assert hash_blocks([1, 2, 3, 4, 5, 6, 7, 8], 4, seed, parent=a[0], start=4) == [a[1]]
     assert hash_seed("m", 8, "float32") != seed
     assert len(a[0]) == 16
+
+
+def test_block_hash_is_the_documented_blake2b_chain():
+    """``h_i = BLAKE2b-128(h_{i-1} || le_uint32(tokens of block i))`` (docs/architecture.md),
+    written out here with ``struct``: the Redis index and every process key blocks by it."""
+    seed = hash_seed("m", 4, "float32")
+    tokens = [7, 2**32 - 1, 0, 65536, 3, 1, 4, 1, 5, 9]
+    expected, parent = [], seed
+    for begin in (0, 4):
+        parent = hashlib.blake2b(parent + struct.pack("<4I", *tokens[begin:begin + 4]), digest_size=16).digest()
+        expected.append(parent)
+    assert hash_blocks(tokens, 4, seed) == expected
 
 
 def test_uncached_blocks_come_in_runs_of_consecutive_ids_from_the_lowest():
