@@ -218,10 +218,11 @@ class AsyncEngine:
             EngineError: the engine failed while running the request.
         """
         stream = _Stream(asyncio.get_running_loop())
+        hashes = self._block_hashes(prompt_ids, cache_salt)
 
         def add() -> None:
             self.engine.add_request(request_id, prompt_ids, params, pin_prompt_blocks=pin_prompt_blocks,
-                                    release_blocks=release_blocks, cache_salt=cache_salt)
+                                    release_blocks=release_blocks, cache_salt=cache_salt, block_hashes=hashes)
             self._streams[request_id] = stream
 
         await self._call_owned(request_id, add)
@@ -242,11 +243,12 @@ class AsyncEngine:
             ValueError: wrong number of first tokens or blocks, bad prompt, duplicate id.
         """
         stream = _Stream(asyncio.get_running_loop())
+        hashes = self._block_hashes(prompt_ids, cache_salt)
 
         def add() -> RequestOutput:
             try:
                 out = _snapshot(self.engine.add_prefilled_request(request_id, prompt_ids, first_token_ids,
-                                                                  params, block_ids, cache_salt))
+                                                                  params, block_ids, cache_salt, hashes))
             except BaseException:
                 self.engine.free_blocks(block_ids)
                 raise
@@ -333,6 +335,17 @@ class AsyncEngine:
         if stream is not None and out is not None:
             stream.put(_snapshot(out))
 
+    def _block_hashes(self, prompt_ids: list[int], cache_salt: str) -> list[bytes] | None:
+        """The prompt's block hashes (``LLMEngine.block_hashes``), computed on the caller's thread,
+        the event loop, while the engine thread runs a step, rather than on the engine thread
+        between two steps, where a long prompt's would delay every running stream's next token;
+        ``None`` for a prompt the engine refuses (it raises the error naming the field)."""
+        try:
+            self.engine.validate_prompt(prompt_ids)
+        except ValueError:
+            return None
+        return self.engine.block_hashes(prompt_ids, cache_salt)
+
     # ------------------------------------------------------- disaggregation
     def release(self, request_id: str) -> concurrent.futures.Future[bool]:
         """Unpin a request's pinned prompt blocks (returns at once, like :meth:`abort`)."""
@@ -345,7 +358,8 @@ class AsyncEngine:
         Raises:
             NoFreeBlocksError: the pool cannot hold them now.
         """
-        future = self._submit(lambda: self.engine.reserve_blocks(prompt_ids, cache_salt))
+        hashes = self._block_hashes(prompt_ids, cache_salt)
+        future = self._submit(lambda: self.engine.reserve_blocks(prompt_ids, cache_salt, hashes))
         try:
             return await asyncio.wrap_future(future)
         except asyncio.CancelledError:

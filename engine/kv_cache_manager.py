@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from engine.block_hash import hash_block, hash_blocks, salted_seed
+from engine.block_hash import hash_blocks, salted_seed
 from engine.block_pool import BlockPool, NoFreeBlocksError, cdiv
 from engine.sequence import Sequence
 
@@ -39,12 +39,19 @@ class KVCacheManager:
         """Pool-wide fraction of looked-up prompt tokens served from the prefix cache."""
         return self.prefix_hits / self.prefix_queries if self.prefix_queries else 0.0
 
+    def block_hashes(self, token_ids: list[int], cache_salt: str = "") -> list[bytes]:
+        """The chained hashes of the full blocks of ``token_ids`` under ``cache_salt``, one per
+        block (16 bytes each). Reads only the seed and the block size, which never change: any
+        thread may call it (a worker's event loop hashes a prompt while the engine thread runs
+        a step, and hands the hashes over with the prompt)."""
+        return hash_blocks(token_ids, self.block_size, salted_seed(self.hash_seed, cache_salt))
+
     def _update_hashes(self, seq: Sequence, num_full_blocks: int) -> None:
         hashes = seq.block_hashes
-        while len(hashes) < num_full_blocks:
-            start = len(hashes) * self.block_size
-            parent = hashes[-1] if hashes else salted_seed(self.hash_seed, seq.cache_salt)
-            hashes.append(hash_block(parent, seq.token_ids[start : start + self.block_size]))
+        if len(hashes) < num_full_blocks:
+            hashes.extend(hash_blocks(seq.token_ids[: num_full_blocks * self.block_size], self.block_size,
+                                      salted_seed(self.hash_seed, seq.cache_salt), hashes[-1] if hashes else None,
+                                      len(hashes) * self.block_size))
 
     def find_cached_blocks(self, seq: Sequence) -> list[int]:
         """Return the longest run of cached blocks that prefixes ``seq`` (not yet referenced).
@@ -114,11 +121,12 @@ class KVCacheManager:
             self.pool.cache(seq.block_table[i], seq.block_hashes[i])
         self._num_registered[seq.key] = num_full
 
-    def reserve(self, prompt_token_ids: list[int], headroom_blocks: int = 0,
-                cache_salt: str = "") -> tuple[list[int], int]:
+    def reserve(self, prompt_token_ids: list[int], headroom_blocks: int = 0, cache_salt: str = "",
+                block_hashes: list[bytes] | None = None) -> tuple[list[int], int]:
         """Reserve the blocks of a prompt whose KV another worker will send: the leading full
         blocks the prefix cache holds under ``cache_salt`` are reused (referenced, nothing to
-        send), the rest are allocated, while ``headroom_blocks`` stay free.
+        send), the rest are allocated, while ``headroom_blocks`` stay free. ``block_hashes``:
+        the prompt's :meth:`block_hashes`, when the caller has them (``None``: computed here).
 
         Returns:
             ``(block_ids, num_cached)``: one block per position of the prompt, the first
@@ -131,8 +139,9 @@ class KVCacheManager:
         needed = cdiv(len(prompt_token_ids), bs)
         cached = []
         if self.enable_prefix_caching:
-            hashes = hash_blocks(prompt_token_ids, bs, salted_seed(self.hash_seed, cache_salt))
-            for block_hash in hashes:
+            if block_hashes is None:
+                block_hashes = self.block_hashes(prompt_token_ids, cache_salt)
+            for block_hash in block_hashes:
                 block = self.pool.lookup(block_hash)
                 if block is None:
                     break

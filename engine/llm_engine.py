@@ -195,7 +195,8 @@ class LLMEngine:
             raise ValueError(f"stop_token_ids has {bad}, not below vocab_size={self.vocab_size}")
 
     def add_request(self, request_id: str, prompt: str | list[int], params: SamplingParams,
-                    pin_prompt_blocks: bool = False, release_blocks: list[int] = (), cache_salt: str = "") -> list[int]:
+                    pin_prompt_blocks: bool = False, release_blocks: list[int] = (), cache_salt: str = "",
+                    block_hashes: list[bytes] | None = None) -> list[int]:
         """Queue a request. Nothing is allocated until the scheduler admits it.
 
         Args:
@@ -210,30 +211,33 @@ class LLMEngine:
                 it is queued, in the same step, so the scheduler finds its cached blocks again and
                 its free ones are the request's to take (a decode worker prefilling locally).
             cache_salt: the tenant's salt of the prefix cache's block hashes (``""``: none).
+            block_hashes: the token-id prompt's :meth:`block_hashes` under ``cache_salt``, when
+                the caller has them (``None``: computed on this thread when first needed).
 
         Returns:
             The prompt's token ids.
 
         Raises:
-            ValueError: empty or too long prompt, duplicate ``request_id``; ``release_blocks``
-                are freed all the same.
+            ValueError: empty or too long prompt, duplicate ``request_id``, ``block_hashes`` not
+                one per full block; ``release_blocks`` are freed all the same.
         """
         self.free_blocks(list(release_blocks))
-        req = self._new_request(request_id, prompt, params, cache_salt)
+        req = self._new_request(request_id, prompt, params, cache_salt, block_hashes)
         req.pin_prompt_blocks = pin_prompt_blocks
         self.scheduler.add(req.seqs[0])
         return req.prompt_token_ids
 
     def _new_request(self, request_id: str, prompt: str | list[int], params: SamplingParams,
-                     cache_salt: str = "") -> _Request:
+                     cache_salt: str = "", block_hashes: list[bytes] | None = None) -> _Request:
         if request_id in self.requests or request_id in self.pinned:
             raise ValueError(f"request_id {request_id!r} is already in use")
         token_ids = self.tokenize(prompt)
         self.validate_prompt(token_ids)
         self.validate_params(params)
+        self._check_block_hashes(token_ids, block_hashes)
         arrival = next(self._arrivals)
-        seqs = [Sequence(request_id, i, list(token_ids), len(token_ids), params, arrival, cache_salt=cache_salt)
-                for i in range(params.n)]
+        seqs = [Sequence(request_id, i, list(token_ids), len(token_ids), params, arrival,
+                         block_hashes=list(block_hashes or ()), cache_salt=cache_salt) for i in range(params.n)]
         seqs[0].forks = seqs[1:]
         req = _Request(request_id, prompt if isinstance(prompt, str) else None, token_ids, params,
                        seqs, [CompletionOutput(i) for i in range(params.n)])
@@ -306,10 +310,25 @@ class LLMEngine:
         self.kv_manager.release_blocks(pinned)
         return bool(pinned)
 
-    def reserve_blocks(self, prompt_token_ids: list[int], cache_salt: str = "") -> tuple[list[int], int]:
+    def block_hashes(self, prompt_token_ids: list[int], cache_salt: str = "") -> list[bytes]:
+        """The chained hashes of the prompt's full blocks under ``cache_salt`` (16 bytes each),
+        as the prefix cache keys them. Any thread may call it, also while a step runs: a caller
+        off the engine thread hashes a long prompt there and passes the hashes to
+        :meth:`reserve_blocks`, :meth:`add_request` or :meth:`add_prefilled_request`, which
+        then skip it (250 blocks a 4000-token prompt, once per call)."""
+        return self.kv_manager.block_hashes(prompt_token_ids, cache_salt)
+
+    def _check_block_hashes(self, prompt_token_ids: list[int], block_hashes: list[bytes] | None) -> None:
+        full = len(prompt_token_ids) // self.config.block_size
+        if block_hashes is not None and len(block_hashes) != full:
+            raise ValueError(f"block_hashes has {len(block_hashes)} hashes for {full} full blocks")
+
+    def reserve_blocks(self, prompt_token_ids: list[int], cache_salt: str = "",
+                       block_hashes: list[bytes] | None = None) -> tuple[list[int], int]:
         """Reserve the blocks of a prompt whose KV another worker will send (or this one will
         compute, see ``add_request(release_blocks=...)``), reusing the leading full blocks the
-        prefix cache holds under ``cache_salt`` (``KVCacheManager.reserve``).
+        prefix cache holds under ``cache_salt`` (``KVCacheManager.reserve``). ``block_hashes``:
+        the prompt's :meth:`block_hashes`, when the caller has them.
 
         Admission control: one free block per running or waiting sequence stays free as
         headroom, so a new reservation never forces the running batch into preemption at its
@@ -321,9 +340,11 @@ class LLMEngine:
 
         Raises:
             engine.block_pool.NoFreeBlocksError: the pool cannot hold them now.
+            ValueError: ``block_hashes`` not one per full block.
         """
+        self._check_block_hashes(prompt_token_ids, block_hashes)
         headroom = len(self.scheduler.running) + len(self.scheduler.waiting)
-        return self.kv_manager.reserve(prompt_token_ids, headroom, cache_salt)
+        return self.kv_manager.reserve(prompt_token_ids, headroom, cache_salt, block_hashes)
 
     def free_blocks(self, block_ids: list[int]) -> None:
         """Return reserved blocks that never became a request (an expired lease, an abort)."""
@@ -332,6 +353,7 @@ class LLMEngine:
     def add_prefilled_request(
         self, request_id: str, prompt_token_ids: list[int], first_token_ids: list[int],
         params: SamplingParams, block_ids: list[int], cache_salt: str = "",
+        block_hashes: list[bytes] | None = None,
     ) -> RequestOutput:
         """Join a request whose prompt KV already fills ``block_ids`` (from :meth:`reserve_blocks`)
         to the running batch, with the first token of each of its ``n`` samples sampled by the
@@ -341,14 +363,15 @@ class LLMEngine:
         (:mod:`engine.sampler`), so its tokens equal those of the same request run on one engine.
 
         ``cache_salt`` must be the one the blocks were reserved under (their full blocks join the
-        prefix cache under it).
+        prefix cache under it, keyed by ``block_hashes``, the prompt's :meth:`block_hashes` when
+        the caller has them; ``None``: computed here).
 
         Returns:
             The request's output so far (finished if a first token already ended it).
 
         Raises:
-            ValueError: wrong number of first tokens or blocks, or a bad prompt; the blocks are
-                then still the caller's.
+            ValueError: wrong number of first tokens, blocks or block hashes, or a bad prompt;
+                the blocks are then still the caller's.
         """
         if len(first_token_ids) != params.n:
             raise ValueError(f"first_token_ids has {len(first_token_ids)} tokens for n={params.n}")
@@ -356,7 +379,7 @@ class LLMEngine:
             raise ValueError(f"first_token_ids must be in [0, {self.vocab_size})")
         if len(block_ids) != cdiv(len(prompt_token_ids), self.config.block_size):
             raise ValueError(f"block_ids has {len(block_ids)} blocks for {len(prompt_token_ids)} tokens")
-        req = self._new_request(request_id, prompt_token_ids, params, cache_salt)
+        req = self._new_request(request_id, prompt_token_ids, params, cache_salt, block_hashes)
         self.kv_manager.adopt(req.seqs, block_ids, len(prompt_token_ids))
         for seq, token_id in zip(req.seqs, first_token_ids):
             seq.forks = []

@@ -67,3 +67,27 @@ def test_first_token_can_finish_the_request(engines):
     out = decode.add_prefilled_request("eos", ids, [eos], SamplingParams(max_tokens=8), blocks)
     assert out.finished and out.outputs[0].finish_reason == "stop"
     assert decode.num_free_blocks == free and "eos" not in decode.requests
+
+
+def test_block_hashes_handed_in_key_the_prefix_cache_as_the_engines_own(engines):
+    """A caller hashes the prompt off the engine thread (``AsyncEngine`` does, on its event loop)
+    and hands the hashes to ``reserve_blocks`` and ``add_prefilled_request``: the blocks join the
+    prefix cache under the keys the engine computes itself; a wrong count is refused, nothing taken."""
+    _, decode = engines
+    ids = decode.tokenize(" ".join([PROMPTS[1]] * 8))
+    hashes = decode.block_hashes(ids, "tenant")
+    assert len(hashes) == len(ids) // 16 >= 3
+    free = decode.num_free_blocks
+    with pytest.raises(ValueError, match="block_hashes"):
+        decode.reserve_blocks(ids, "tenant", hashes[:-1])
+    assert decode.num_free_blocks == free
+    blocks, cached = decode.reserve_blocks(ids, "tenant", hashes)
+    assert cached == 0
+    params = SamplingParams(max_tokens=1, temperature=0)
+    with pytest.raises(ValueError, match="block_hashes"):
+        decode.add_prefilled_request("hashed", ids, [1], params, blocks, "tenant", hashes + hashes[:1])
+    assert decode.add_prefilled_request("hashed", ids, [1], params, blocks, "tenant", hashes).finished
+    again, cached = decode.reserve_blocks(ids, "tenant")
+    assert cached == len(hashes)
+    decode.free_blocks(again)
+    assert decode.num_free_blocks == free

@@ -4,6 +4,7 @@ every failure path (capacity, lease expiry, cancel, abort, shutdown) leaves no b
 from __future__ import annotations
 
 import asyncio
+import threading
 import time
 
 import grpc
@@ -11,7 +12,7 @@ import pytest
 import torch
 from protos.grpc.health.v1 import health_pb2, health_pb2_grpc
 
-from engine import LLM, SamplingParams
+from engine import LLM, SamplingParams, kv_cache_manager
 from engine.async_engine import AsyncEngine, EngineError
 from engine.block_hash import hash_blocks
 from cluster.prefix_index import PrefixIndex
@@ -500,6 +501,41 @@ def test_a_prefilled_request_streams_forward_when_the_event_loop_lags(engines, m
             await engine.shutdown()
 
     asyncio.run(main())
+
+
+def test_prompts_are_hashed_on_the_event_loop_not_between_steps(engines, monkeypatch):
+    """``AsyncEngine`` hashes a prompt's blocks on the caller's thread, the event loop, for
+    ``reserve_blocks``, ``add_prefilled`` and ``generate``: the engine thread, whose time between
+    two steps delays every running stream's next token, hashes none of them. A bad prompt is
+    still refused naming it, and the reservation it came to replace is freed."""
+    decode = engines[1]
+    free = decode.num_free_blocks
+    hashed_on, hash_blocks = [], kv_cache_manager.hash_blocks
+
+    def recording(*args, **kwargs):
+        hashed_on.append(threading.current_thread().name)
+        return hash_blocks(*args, **kwargs)
+
+    monkeypatch.setattr(kv_cache_manager, "hash_blocks", recording)
+
+    async def main():
+        engine = AsyncEngine(decode, name="engine-thread")
+        engine.start()
+        try:
+            params = SamplingParams(max_tokens=3, temperature=0, ignore_eos=True)
+            prompt = prompt_ids(40, seed=9)
+            blocks, _ = await engine.reserve_blocks(prompt)
+            assert [o.finished async for o in engine.add_prefilled("hashed", prompt, [42], params, blocks)][-1]
+            assert [o.finished async for o in engine.generate("local", prompt_ids(40, seed=10), params)][-1]
+            reserved, _ = await engine.reserve_blocks(prompt_ids(40, seed=11))
+            with pytest.raises(ValueError, match="prompt"):
+                [o async for o in engine.generate("bad", [-1] * 20, params, release_blocks=reserved)]
+            assert await engine.num_free_blocks() == free
+        finally:
+            await engine.shutdown()
+
+    asyncio.run(main())
+    assert len(hashed_on) >= 4 and "engine-thread" not in hashed_on, hashed_on
 
 
 def test_outputs_handed_over_during_the_next_step_lose_and_reorder_nothing(engines):
