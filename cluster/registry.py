@@ -181,6 +181,12 @@ def kv_pairing_problem(prefill: WorkerConfig, decode: WorkerConfig) -> str | Non
     return None
 
 
+def shares_device(a: WorkerConfig, b: WorkerConfig) -> bool:
+    """Whether two workers run on a common GPU (their published ``device_ids``; a CPU worker
+    publishes none and shares nothing)."""
+    return bool(set(a.device_ids) & set(b.device_ids))
+
+
 @dataclass(frozen=True)
 class WorkerInfo:
     """One live worker: identity, gRPC address (``host:port``), published config and load.

@@ -58,7 +58,7 @@ import grpc
 
 from cluster import tracing
 from cluster.channels import ChannelCache
-from cluster.registry import Role, WorkerConfig, WorkerInfo
+from cluster.registry import Role, WorkerConfig, WorkerInfo, shares_device
 from engine.block_hash import hash_blocks, salted_seed
 from engine.detokenizer import IncrementalDetokenizer
 from engine.sampling_params import SamplingParams
@@ -378,8 +378,7 @@ class Orchestrator:
         attempt.decode_cached_tokens = admitted.num_cached_blocks * pool.block_size
         local_tokens = len(prompt) - attempt.decode_cached_tokens
         remote_tokens = len(prompt) - route.cached_blocks * pool.block_size
-        shared = route.prefill is not None and bool(
-            set(route.prefill.config.device_ids) & set(route.decode.config.device_ids))
+        shared = route.prefill is not None and shares_device(route.prefill.config, route.decode.config)
         placement = self.placement.decide(route.prefill.worker_id if route.prefill else None, remote_tokens,
                                           route.decode.worker_id, local_tokens, route.decode.load.running, slo,
                                           route.decode.config.max_num_batched_tokens, shared_device=shared)

@@ -48,7 +48,7 @@ from dataclasses import dataclass
 from typing import Protocol
 
 from cluster.registry import (
-    REDIS_ERRORS, ClusterNamespace, Role, WorkerConfig, WorkerInfo, WorkerLoad, kv_pairing_problem,
+    REDIS_ERRORS, ClusterNamespace, Role, WorkerConfig, WorkerInfo, WorkerLoad, kv_pairing_problem, shares_device,
 )
 from engine.block_pool import cdiv
 from gateway import metrics
@@ -402,7 +402,10 @@ class ClusterView:
             exclude: worker ids to avoid (they failed this request already). Workers are
                 preferred in this order: neither excluded nor down nor ejected; not excluded
                 nor down; (decode only) not down; any. A prefill worker is never picked
-                excluded or down: the decode worker prefills instead.
+                excluded or down: the decode worker prefills instead. Nor is one on a GPU of
+                the chosen decode worker while another can take the request, whatever it
+                caches: two processes time-slice a GPU, so its prefill would stall the decode
+                worker's batch like a local one (``gateway.placement``'s ``local_shared``).
 
         Raises:
             ValueError: inconsistent arguments.
@@ -425,7 +428,9 @@ class ClusterView:
                 f"no decode worker has {prompt_blocks + self.policy.decode_margin_blocks} free blocks "
                 f"(most free: {max(w.load.free_blocks for w in decodes)})"
             )
-        prefill = pick_prefill(self._paired(prefills, decode), cached, pool.block_size, self.policy, self._rng)
+        paired = self._paired(prefills, decode)
+        elsewhere = [w for w in paired if not shares_device(w.config, decode.config)]
+        prefill = pick_prefill(elsewhere or paired, cached, pool.block_size, self.policy, self._rng)
         for worker in (prefill, decode):
             if worker is not None:
                 self.index.note_routed(worker.worker_id, block_hashes)

@@ -450,3 +450,30 @@ def test_workers_of_any_tp_sizes_share_a_pool_but_a_pair_without_a_common_transp
         asyncio.run(main())
     lines = [r.getMessage() for r in caplog.records if "not pairing" in r.getMessage()]
     assert len(lines) == 1 and "p-nixl" in lines[0] and "no KV transport in common" in lines[0], lines
+
+
+def test_a_prefill_worker_on_the_decode_workers_gpu_is_picked_only_when_no_other_can_take_it(key_prefix, redis_url):
+    """``p-shared`` runs on the decode worker's GPU and caches the whole prompt, ``p-apart`` on
+    another GPU caches nothing and is busier: routing still picks ``p-apart`` (two processes
+    time-slice a GPU), and ``p-shared`` only once ``p-apart`` is excluded."""
+    def on(*gpus: str):
+        return dataclasses.replace(CONFIG, device_ids=gpus)
+
+    async def main():
+        client = redis_client(redis_url)
+        ns = _ns(key_prefix)
+        registry, index = WorkerRegistry(client, ns), PrefixIndex(client, ns)
+        await registry.heartbeat(WorkerInfo("p-shared", Role.PREFILL, "p0:1", on("GPU-a")))
+        await registry.heartbeat(WorkerInfo("p-apart", Role.PREFILL, "p1:1", on("GPU-b"), WorkerLoad(running=6)))
+        await registry.heartbeat(WorkerInfo("d", Role.DECODE, "d0:1", on("GPU-a"), WorkerLoad(free_blocks=50, total_blocks=50)))
+        await index.publish("p-shared", stored=H, removed=[])
+        view = ClusterView(registry, index, CONFIG.model_id, rng=random.Random(0))
+        await view.refresh()
+        for exclude, expected in ((frozenset(), "p-apart"), (frozenset({"p-apart"}), "p-shared")):
+            route = await view.choose(H, len(PROMPT), exclude=exclude)
+            assert route.prefill.worker_id == expected
+            view.prefill_done(route)
+            view.decode_done(route)
+        await client.aclose()
+
+    asyncio.run(main())
