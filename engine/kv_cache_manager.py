@@ -49,9 +49,9 @@ class KVCacheManager:
     def _update_hashes(self, seq: Sequence, num_full_blocks: int) -> None:
         hashes = seq.block_hashes
         if len(hashes) < num_full_blocks:
-            hashes.extend(hash_blocks(seq.token_ids[: num_full_blocks * self.block_size], self.block_size,
-                                      salted_seed(self.hash_seed, seq.cache_salt), hashes[-1] if hashes else None,
-                                      len(hashes) * self.block_size))
+            parent = hashes[-1] if hashes else salted_seed(self.hash_seed, seq.cache_salt)
+            new_tokens = seq.token_ids[len(hashes) * self.block_size : num_full_blocks * self.block_size]
+            hashes.extend(hash_blocks(new_tokens, self.block_size, parent))  # the chain goes on from parent
 
     def find_cached_blocks(self, seq: Sequence) -> list[int]:
         """Return the longest run of cached blocks that prefixes ``seq`` (not yet referenced).
