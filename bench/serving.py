@@ -45,9 +45,10 @@ workload and setting (benchmark ``serving``) goes under ``bench/results/``; ``--
 disagg,colocated`` runs both deployments of the same GPUs in one call and writes the goodput
 comparison (benchmark ``serving_2gpu``, see ``bench/serving_compare.py``); ``adaptive`` is the
 ``disagg`` deployment with the gateway placing each prefill by prediction against an SLO pair
-(``TANDEM_PREFILL_PLACEMENT=adaptive``, ``TANDEM_SLO_TTFT_S``, ``TANDEM_SLO_ITL_S``), deployed
-once per pair of ``--slos`` (its goodput at each pair is that of the deployment aiming at it),
-while ``disagg`` is a fixed split (``static``).
+(``TANDEM_PREFILL_PLACEMENT=adaptive``, ``TANDEM_SLO_TTFT_S``, and ``TANDEM_SLO_TPOT_S``, the
+objective goodput counts, or with ``--aim itl`` ``TANDEM_SLO_ITL_S``, which holds every step
+within it), deployed once per pair of ``--slos`` (its goodput at each pair is that of the
+deployment aiming at it), while ``disagg`` is a fixed split (``static``).
 
 Usage: ``python bench/serving.py --model llama-3-8b --load-format dummy --workloads random
 --concurrency 128`` (``--help`` lists the rest).
@@ -379,7 +380,7 @@ def offline_run(model: str, load_format: str, requests: list[Request], engine_ar
 def start_cluster(args, setup: str, aim: tuple[float, float]) -> LocalCluster:
     """The deployment under test: ``disagg`` (``--prefill`` prefill + ``--decode`` decode
     workers, a fixed split), ``adaptive`` (the same workers, each prefill placed by the gateway's
-    prediction against ``aim``, a (TTFT, ITL) SLO pair in seconds) or ``colocated`` (decode
+    prediction against ``aim``, a (TTFT, TPOT or ITL: ``--aim``) SLO pair in seconds) or ``colocated`` (decode
     workers only, each prefilling its own requests), placed on
     ``--gpus`` GPUs (``cli.launcher.gpu_placement``: each worker on as many consecutive GPUs as
     its tensor-parallel size, ``--prefill-tp`` / ``--decode-tp``); workers sharing a GPU share
@@ -389,7 +390,7 @@ def start_cluster(args, setup: str, aim: tuple[float, float]) -> LocalCluster:
            "TANDEM_KV_TRANSPORT": args.kv_transport, "TANDEM_ADMIT_WAIT_S": "600",
            "TANDEM_PREFILL_PLACEMENT": "adaptive" if setup == "adaptive" else "static", **args.env}
     if setup == "adaptive":
-        env |= {"TANDEM_SLO_TTFT_S": str(aim[0]), "TANDEM_SLO_ITL_S": str(aim[1])}
+        env |= {"TANDEM_SLO_TTFT_S": str(aim[0]), f"TANDEM_SLO_{args.aim.upper()}_S": str(aim[1])}
     split = setup != "colocated"
     num_prefill = args.prefill if split else 0
     num_decode = args.decode if split else args.prefill + args.decode
@@ -487,7 +488,7 @@ def write_runs(args, setup: str, aim: int, runs: dict, gpu: str | None, keys: di
                          "slos_ttft_tpot_s": args.slos, "greedy": True, "ignore_eos": True,
                          "env": args.env, "decode_env": args.split_decode_env if split else {}}
         if setup == "adaptive":
-            workload_desc["placement_slo_ttft_itl_s"] = args.slos[aim]
+            workload_desc["placement_slos_s"] = {"ttft": args.slos[aim][0], args.aim: args.slos[aim][1]}
         label = setup_label(setup, aim, args.slos)
         write_result("serving", metrics, workload_desc,
                      tag=f"{args.tag + '-' if args.tag else ''}{label}-{workload}-{mode}{value:g}", model=args.model, **keys)
@@ -505,6 +506,9 @@ def main() -> None:
     parser.add_argument("--slos", default="0.5:0.02,1:0.04",
                         help="TTFT:TPOT SLO pairs in seconds, comma-separated; the first is the main one "
                              "(goodput_rps); adaptive placement is deployed aiming at each in turn")
+    parser.add_argument("--aim", choices=("tpot", "itl"), default="tpot",
+                        help="the objective adaptive placement aims the pair's second number at: the mean time per "
+                             "output token (what goodput counts) or the inter-token latency of every step")
     parser.add_argument("--prefill", type=int, default=1)
     parser.add_argument("--decode", type=int, default=1)
     parser.add_argument("--setups", default="disagg", help="of disagg, colocated, adaptive, comma-separated")

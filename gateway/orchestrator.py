@@ -160,6 +160,7 @@ class _Output:
 
     samples: list[_Sample]
     usage: gateway_pb2.Usage
+    max_tokens: int  # output tokens a sample may reach (max_tokens, within max_model_len)
 
 
 @dataclass
@@ -277,7 +278,8 @@ class Orchestrator:
         output = _Output([_Sample(IncrementalDetokenizer(backend, prompt, params.stop) if backend else None)
                           for _ in range(params.n)],
                          gateway_pb2.Usage(prompt_tokens=len(prompt), cached_prompt_tokens=(
-                             first.num_cached_tokens if first is not None else attempt.decode_cached_tokens)))
+                             first.num_cached_tokens if first is not None else attempt.decode_cached_tokens)),
+                         min(params.max_tokens, pool.max_model_len - len(prompt)))
         worker_prompt, worker_sampling, resumes = prompt, sampling, 0
         try:
             while True:
@@ -575,14 +577,18 @@ class Orchestrator:
         if started is not None:
             metrics.TTFT.observe(time.monotonic() - started)
         first_token_at, tokens_before = time.monotonic(), max(s.tokens for s in samples)
-        with tracing.span("decode", {"tandem.decode_worker": attempt.route.decode.worker_id}) as decoding:
+        tokens_past = max(1, tokens_before)  # output as TPOT's clock starts: at least the first token
+        with tracing.span("decode", {"tandem.decode_worker": attempt.route.decode.worker_id}) as decoding, \
+                self.placement.slack.decoding(attempt.route.decode.worker_id,
+                                              lambda: max(s.tokens for s in samples) - tokens_past,
+                                              output.max_tokens - tokens_past):
             call = attempt.decode_call if first is None else self._decode_call(
                 attempt, prompt, [t.token_id for t in first.first_tokens], sampling, time_left)
             async with contextlib.aclosing(self._decode_stream(request_id, attempt, call, output)) as responses:
                 async for response in responses:
                     yield response
             tracing.annotate({"tandem.output_tokens": max(s.tokens for s in samples)}, decoding)
-        tokens_after_first = max(s.tokens for s in samples) - max(1, tokens_before)
+        tokens_after_first = max(s.tokens for s in samples) - tokens_past
         if tokens_after_first > 0:
             tpot = (time.monotonic() - first_token_at) / tokens_after_first
             metrics.TPOT.observe(tpot)

@@ -23,7 +23,11 @@ cache): ``(q_w + n_w) * p_w``. A local prefill of ``n`` tokens on a decode worke
 sequences stretches their steps while it lasts: the engine computes it in chunks of at most
 ``c_d`` tokens a step (the step's token budget the decode worker publishes,
 ``max_num_batched_tokens``; the whole prompt where it publishes none), so their ITL is
-``s_d + min(n, c_d) * p_d`` for ``ceil(n / c_d)`` steps.
+``s_d + min(n, c_d) * p_d`` for ``ceil(n / c_d)`` steps, and it stalls them by its local TTFT
+in all, ``(q_d + n) * p_d`` (the local prefills queued ahead of it included), which a TPOT
+objective lets them absorb while each stream's slack lasts (:mod:`gateway.decode_slack`;
+``s_d`` the remaining tokens' step time there, a decode worker with no ``s_d`` measured yet is
+not predicted).
 
 The decision (:attr:`Placement.kind`, the ``tandem_gateway_placements`` metric's label):
 
@@ -37,15 +41,15 @@ The decision (:attr:`Placement.kind`, the ``tandem_gateway_placements`` metric's
   placed here, 0.86 (README, "Measured").
 - ``local_short``: at most ``local_prefill_max_tokens`` tokens left after the decode worker's
   prefix hit: a static override, Dynamo's threshold (a KV transfer costs more than it saves),
-  except in adaptive placement with an ITL objective when the decode worker runs sequences and
-  the prefill's predicted ITL breaks it. A step that carries a prefill chunk runs without CUDA
+  except in adaptive placement when the decode worker runs sequences and the prefill is
+  predicted to break their ITL or TPOT objective. A step that carries a prefill chunk runs without CUDA
   graphs: on two H100s (Llama-3-8B shapes) such short local prefills put the decode-heavy
   requests' ITL p99 at 50-59 ms against 21-32 ms with every prompt disaggregated
   (``bench/results/serving_2gpu-h100x2-interference-20261126T154430Z.json``,
   ``serving-h100x2-nolocal-disagg-interference-*-20261126T155004Z.json``).
 - ``local_predicted``: the local prefill is *safe* for the decode worker's running sequences
-  (it runs none, or the predicted ITL meets the ITL SLO; with no ITL SLO only an idle decode
-  worker is borrowed) and either (with a TTFT SLO) the remote prediction misses the SLO and the
+  (it runs none, or it is predicted to meet each of the ITL and TPOT objectives set; with
+  neither only an idle decode worker is borrowed) and either (with a TTFT SLO) the remote prediction misses the SLO and the
   local one meets it or is lower, or (without one) the local TTFT is below ``local_gain`` of the
   remote one.
 - ``remote``: otherwise, whenever the prefill worker's pace is not measured yet, and always with
@@ -59,6 +63,7 @@ import math
 from collections import Counter
 from dataclasses import dataclass
 
+from gateway.decode_slack import DecodeSlack
 from gateway.prefill_pace import PrefillPace
 
 _SMOOTHING = 0.3  # weight of the newest step time in a decode worker's moving average
@@ -73,15 +78,20 @@ class ServiceLevel:
 
     Attributes:
         ttft_s: time to first token at most.
-        itl_s: inter-token latency at most (of the decode worker's running sequences too).
+        itl_s: inter-token latency at most, every step (of the decode worker's running
+            sequences too).
+        tpot_s: time per output token after the first at most, the mean over a stream (of the
+            decode worker's running sequences too: :mod:`gateway.decode_slack`).
     """
 
     ttft_s: float = 0.0
     itl_s: float = 0.0
+    tpot_s: float = 0.0
 
     def or_defaults(self, defaults: ServiceLevel) -> ServiceLevel:
         """This objective where set, ``defaults``' elsewhere."""
-        return ServiceLevel(self.ttft_s or defaults.ttft_s, self.itl_s or defaults.itl_s)
+        return ServiceLevel(self.ttft_s or defaults.ttft_s, self.itl_s or defaults.itl_s,
+                            self.tpot_s or defaults.tpot_s)
 
 
 @dataclass(frozen=True)
@@ -131,6 +141,7 @@ class PlacementModel:
         self.adaptive = adaptive
         self._queued: Counter[str] = Counter()
         self._step_s: dict[str, float] = {}
+        self.slack = DecodeSlack()
 
     def decide(self, remote_worker: str | None, remote_tokens: int, decode_worker: str, local_tokens: int,
                decode_running: int, slo: ServiceLevel, decode_step_tokens: int = 0,
@@ -157,14 +168,14 @@ class PlacementModel:
             return Placement(LOCAL_ONLY, local_ttft)
         if self.adaptive and shared_device:
             return Placement(LOCAL_SHARED, local_ttft)
-        local_itl = self._itl(decode_worker, step_tokens, local_pace)
-        breaks_itl = self.adaptive and slo.itl_s and decode_running > 0 and local_itl is not None \
-            and local_itl > slo.itl_s
-        if local_tokens <= self.local_prefill_max_tokens and not breaks_itl:
+        # The running sequences' steps wait while the local prefills, this one last, compute:
+        # the stall they absorb is this one's local TTFT.
+        keeps = self._keeps(decode_worker, decode_running, slo, self._itl(decode_worker, step_tokens, local_pace),
+                            local_ttft)
+        if local_tokens <= self.local_prefill_max_tokens and not (self.adaptive and keeps is False):
             return Placement(LOCAL_SHORT, local_ttft)
         remote_ttft = self.predict_ttft(remote_worker, remote_tokens)
-        if not self.adaptive or local_ttft is None or remote_ttft is None \
-                or not self._safe(local_itl, decode_running, slo.itl_s):
+        if not self.adaptive or local_ttft is None or remote_ttft is None or not keeps:
             return Placement(REMOTE, remote_ttft)
         if slo.ttft_s:
             local = remote_ttft > slo.ttft_s and (local_ttft <= slo.ttft_s or local_ttft < remote_ttft)
@@ -188,11 +199,26 @@ class PlacementModel:
     def _itl(self, decode_worker: str, tokens: int, pace: float | None) -> float | None:
         return None if pace is None else self._step_s.get(decode_worker, 0.0) + tokens * pace
 
-    @staticmethod
-    def _safe(itl: float | None, running: int, itl_s: float) -> bool:
-        """A local prefill whose steps are predicted to last ``itl`` keeps the decode worker's
-        ``running`` sequences within the ITL SLO (with none, only an idle decode worker is safe)."""
-        return running == 0 or (bool(itl_s) and itl is not None and itl <= itl_s)
+    def _keeps(self, decode_worker: str, running: int, slo: ServiceLevel, itl: float | None,
+               stall: float | None) -> bool | None:
+        """Whether a local prefill whose steps are predicted to last ``itl`` and which delays
+        the decode worker's ``running`` sequences by ``stall`` seconds in all keeps them within
+        ``slo``'s ITL and TPOT objectives: ``True`` (it runs none, or every objective set is
+        predicted met), ``False`` (one is predicted broken), ``None`` (neither objective is
+        set, or one cannot be predicted yet)."""
+        if running == 0:
+            return True
+        met = []
+        if slo.itl_s:
+            met.append(None if itl is None else itl <= slo.itl_s)
+        if slo.tpot_s:
+            step_s = self._step_s.get(decode_worker)
+            slack = None if step_s is None or not self.slack.count(decode_worker) \
+                else self.slack.slack_s(decode_worker, slo.tpot_s, step_s)
+            met.append(None if slack is None or stall is None else stall <= slack)
+        if False in met:
+            return False
+        return None if not met or None in met else True
 
     def queued(self, worker_id: str) -> int:
         """Prompt tokens this gateway sent ``worker_id`` to prefill and has not seen done."""

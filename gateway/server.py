@@ -249,7 +249,7 @@ class Gateway:
                                          settings.admit_wait_s, settings.local_prefill_max_tokens,
                                          settings.max_retries, settings.hop_timeout_s, settings.decode_stall_timeout_s,
                                          settings.prefill_timeout_s_per_token,
-                                         ServiceLevel(settings.slo_ttft_s, settings.slo_itl_s),
+                                         ServiceLevel(settings.slo_ttft_s, settings.slo_itl_s, settings.slo_tpot_s),
                                          adaptive_placement=settings.prefill_placement == "adaptive")
         self.prober = HealthProber(self.view, clients, settings.health_probe_interval_s,
                                    settings.health_probe_timeout_s)

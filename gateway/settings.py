@@ -41,6 +41,11 @@ class GatewaySettings(TandemSettings):
                              description="inter-token latency objective, seconds (0: none; a request's slo.itl_s "
                                          "overrides it): a decode worker running requests prefills a prompt itself "
                                          "only when their predicted ITL stays within it")
+    slo_tpot_s: float = Field(0.0, ge=0, allow_inf_nan=False,
+                              description="time-per-output-token objective (the mean over a stream after its first "
+                                          "token), seconds (0: none; a request's slo.tpot_s overrides it): a decode "
+                                          "worker running requests prefills a prompt itself only when each of this "
+                                          "gateway's streams there is predicted to keep its mean within it")
     prefill_timeout_s_per_token: float = Field(
         0.05, gt=0, description="a prefill's timeout is hop_timeout_s plus this many seconds per prompt token until "
                                 "the gateway has measured the worker's own pace (then 4x that pace)")

@@ -93,11 +93,11 @@ def check_service_level(request: gateway_pb2.GenerateRequest) -> ServiceLevel:
     """The request's latency objectives (``0``: the gateway's default).
 
     Raises:
-        StatusError: ``INVALID_ARGUMENT`` naming ``slo.ttft_s`` or ``slo.itl_s`` when one is
-            negative or not finite.
+        StatusError: ``INVALID_ARGUMENT`` naming ``slo.ttft_s``, ``slo.itl_s`` or ``slo.tpot_s``
+            when one is negative or not finite.
     """
-    for name in ("ttft_s", "itl_s"):
+    for name in ("ttft_s", "itl_s", "tpot_s"):
         value = getattr(request.slo, name)
         if not math.isfinite(value) or value < 0:
             raise StatusError.invalid_argument(f"slo.{name}", f"must be a finite number of seconds >= 0, got {value}")
-    return ServiceLevel(request.slo.ttft_s, request.slo.itl_s)
+    return ServiceLevel(request.slo.ttft_s, request.slo.itl_s, request.slo.tpot_s)

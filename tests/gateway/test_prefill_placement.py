@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import pytest
 
+from gateway.decode_slack import DecodeSlack
 from gateway.placement import (
     LOCAL_ONLY, LOCAL_PREDICTED, LOCAL_SHARED, LOCAL_SHORT, REMOTE, PlacementModel, ServiceLevel,
 )
@@ -110,6 +111,38 @@ def test_a_busy_decode_worker_prefills_only_within_the_itl_objective():
     assert m.decide(PREFILL, 1000, DECODE, 1000, 4, ServiceLevel(itl_s=1.5)).kind == LOCAL_PREDICTED
 
 
+def test_a_busy_decode_worker_prefills_within_its_streams_tpot_slack():
+    """A TPOT objective lets the running streams absorb a prefill's stall (1 s here: steps of
+    1.02 s, which an ITL objective of 40 ms refuses) while each keeps its mean within it."""
+    now = [0.0]
+    m = model()
+    m.slack = DecodeSlack(lambda: now[0])
+    m.started(PREFILL, 3000)  # remote: 4 s
+    m.observe_step(DECODE, 0.020)
+    tpot = ServiceLevel(ttft_s=1.0, tpot_s=0.040)
+    assert m.decide(PREFILL, 1000, DECODE, 1000, 4, tpot).kind == REMOTE  # nothing known of what runs there
+    out = [0]
+    with m.slack.decoding(DECODE, lambda: out[0], horizon=256):
+        # 256 tokens may take 10.24 s; at 20 ms a step they take 5.12: 5.12 s of slack.
+        assert m.decide(PREFILL, 1000, DECODE, 1000, 4, tpot).kind == LOCAL_PREDICTED
+        assert m.decide(PREFILL, 1000, DECODE, 1000, 4, ServiceLevel(ttft_s=1.0, itl_s=0.040)).kind == REMOTE
+        assert m.decide(PREFILL, 1000, DECODE, 1000, 4, ServiceLevel(1.0, 0.040, 0.040)).kind == REMOTE  # both held
+        now[0], out[0] = 4.5, 10  # a slow start: 0.82 s left, under the 1 s stall
+        assert m.decide(PREFILL, 1000, DECODE, 1000, 4, tpot).kind == REMOTE
+        now[0] = 2.5  # 2.82 s left, and the local prefills queued ahead stall them too
+        assert m.decide(PREFILL, 1000, DECODE, 1000, 4, ServiceLevel(0.5, 0, 0.040)).kind == LOCAL_PREDICTED
+        m.started(DECODE, 2000)  # local TTFT 3 s, under the remote 4 s, but a 3 s stall
+        assert m.decide(PREFILL, 1000, DECODE, 1000, 4, ServiceLevel(0.5, 0, 0.040)).kind == REMOTE
+        m.ended(DECODE, 2000)
+        now[0] = 20.0  # far behind: even a short prompt goes to the prefill worker
+        assert m.decide(PREFILL, 16, DECODE, 16, 4, tpot).kind == REMOTE
+        assert m.decide(PREFILL, 16, DECODE, 16, 4, NONE).kind == LOCAL_SHORT
+    unmeasured = model()  # no stream has finished there: its step time is unknown
+    with unmeasured.slack.decoding(DECODE, lambda: 0, horizon=256):
+        unmeasured.started(PREFILL, 3000)
+        assert unmeasured.decide(PREFILL, 1000, DECODE, 1000, 4, tpot).kind == REMOTE
+
+
 def test_a_decode_worker_that_chunks_its_prefills_stretches_each_step_by_one_chunk_only():
     m = model()
     m.started(PREFILL, 3000)
@@ -146,6 +179,7 @@ def test_step_times_average_and_bad_samples_are_ignored():
 
 def test_a_request_objective_overrides_the_default_one_by_one():
     assert ServiceLevel(ttft_s=1.0).or_defaults(ServiceLevel(2.0, 0.05)) == ServiceLevel(1.0, 0.05)
+    assert ServiceLevel(tpot_s=0.01).or_defaults(ServiceLevel(2.0, 0.05, 0.04)) == ServiceLevel(2.0, 0.05, 0.01)
 
 
 def test_bad_knobs_are_refused():

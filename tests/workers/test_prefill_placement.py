@@ -53,6 +53,8 @@ def test_requests_are_placed_by_predicted_ttft_and_their_own_objectives(engines)
                     assert field in refused.value.details()
                 with pytest.raises(grpc.aio.AioRpcError, match="slo.itl_s"):
                     await generate(_request(prompt, itl_s=float("inf")))
+                with pytest.raises(grpc.aio.AioRpcError, match="slo.tpot_s"):
+                    await generate(_request(prompt, tpot_s=-0.02))
 
                 remote = _placements(REMOTE)
                 disaggregated = await generate(_request(prompt))  # paces not measured yet: disaggregated
@@ -81,6 +83,33 @@ def test_requests_are_placed_by_predicted_ttft_and_their_own_objectives(engines)
                 placement.ended(prefill_id, BACKLOG)
                 assert placement.queued(prefill_id) == 0
             assert await p.decode.engine.num_free_blocks() == start
+
+    asyncio.run(main())
+
+
+def test_a_decoding_stream_counts_in_its_decode_workers_tpot_slack_until_it_ends(engines):
+    """What a TPOT objective's placement reads: the gateway's streams on each decode worker,
+    each from its first token to its end, with the output tokens it may still produce."""
+    prompt = [random.Random(4).randrange(1000, 40000) for _ in range(100)]
+
+    async def main():
+        async with gateway_over(engines) as (p, gateway, address):
+            slack = gateway.orchestrator.placement.slack
+            decode_id = static_worker_id(Role.DECODE, p.decode.address)
+            request = _request(prompt)
+            request.sampling.max_tokens = 64
+            async with grpc.aio.insecure_channel(address) as channel:
+                sent = time.monotonic()
+                call = gateway_pb2_grpc.GatewayStub(channel).Generate(request)
+                received = [await call.read(), await call.read()]  # the first token, then the decode stream's
+                assert slack.count(decode_id) == 1
+                # 63 tokens past the first at most; at an objective of 1 s a token and no time per
+                # step, the slack is those 63 s less the time the stream has run.
+                assert 63 - (time.monotonic() - sent) <= slack.slack_s(decode_id, 1.0, 0.0) <= 63
+                while (message := await call.read()) is not grpc.aio.EOF:
+                    received.append(message)
+            assert sum(len(m.token_ids) for m in received) == 64
+            assert slack.count(decode_id) == 0
 
     asyncio.run(main())
 

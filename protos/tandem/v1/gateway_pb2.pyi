@@ -81,12 +81,14 @@ class GenerateRequest(_message.Message):
     def __init__(self, request_id: _Optional[str] = ..., prompt: _Optional[str] = ..., chat: _Optional[_Union[ChatMessages, _Mapping]] = ..., token_ids: _Optional[_Union[TokenIds, _Mapping]] = ..., sampling: _Optional[_Union[SamplingParams, _Mapping]] = ..., slo: _Optional[_Union[ServiceLevel, _Mapping]] = ...) -> None: ...
 
 class ServiceLevel(_message.Message):
-    __slots__ = ("ttft_s", "itl_s")
+    __slots__ = ("ttft_s", "itl_s", "tpot_s")
     TTFT_S_FIELD_NUMBER: _ClassVar[int]
     ITL_S_FIELD_NUMBER: _ClassVar[int]
+    TPOT_S_FIELD_NUMBER: _ClassVar[int]
     ttft_s: float
     itl_s: float
-    def __init__(self, ttft_s: _Optional[float] = ..., itl_s: _Optional[float] = ...) -> None: ...
+    tpot_s: float
+    def __init__(self, ttft_s: _Optional[float] = ..., itl_s: _Optional[float] = ..., tpot_s: _Optional[float] = ...) -> None: ...
 
 class TopLogprob(_message.Message):
     __slots__ = ("token_id", "logprob")

@@ -1,0 +1,79 @@
+"""How much longer a decode worker's streams can be stalled and still meet a time-per-output-token
+objective: the budget a prefill on that decode worker spends.
+
+A stream's TPOT is its mean time per output token after the first (DistServe, OSDI'24, §2: the
+objective its goodput counts). A prompt prefilled on a decode worker stalls every sequence
+running there for about the time its tokens take to compute, chunked or not (the chunks' work
+runs between their decode steps): ``n * p_d`` seconds for ``n`` tokens at the worker's prefill
+pace ``p_d``. A per-step ITL objective refuses any step longer than itself; a TPOT objective
+lets a stream absorb a stall wherever its mean stays within the objective, which is how a
+colocated worker's long prefills pass a TPOT SLO while its steps take several times the
+objective.
+
+Stream ``i`` on the worker, ``t_i`` seconds after its first token, ``k_i`` tokens past it, at
+most ``N_i`` tokens past it (``max_tokens``, or what ``max_model_len`` leaves), on a worker whose
+steps take ``s_d`` seconds, meets objective ``T`` as long as its remaining stalls total at most
+
+    slack_i = T * N_i - t_i - s_d * (N_i - k_i)
+
+A sample that ends before ``N_i`` (a stop token) has less slack than that: its mean is taken
+over fewer tokens. Only the streams this gateway started are seen (another gateway's are not,
+as for the prefill queue in :mod:`gateway.placement`).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import itertools
+import math
+import time
+from collections.abc import Callable, Iterator
+from dataclasses import dataclass
+
+
+@dataclass(frozen=True)
+class _Stream:
+    started: float  # time.monotonic() of its first token
+    tokens: Callable[[], int]  # tokens past the first so far
+    horizon: int  # tokens past the first at most
+
+
+class DecodeSlack:
+    """The streams this gateway decodes on each decode worker, and their TPOT slack (module
+    docstring)."""
+
+    def __init__(self, clock: Callable[[], float] = time.monotonic) -> None:
+        self._clock = clock
+        self._streams: dict[str, dict[int, _Stream]] = {}
+        self._ids = itertools.count()
+
+    @contextlib.contextmanager
+    def decoding(self, worker_id: str, tokens: Callable[[], int], horizon: int) -> Iterator[None]:
+        """Count a stream on ``worker_id`` while the block runs, from its first token.
+
+        Args:
+            tokens: returns the stream's output tokens past its first so far.
+            horizon: output tokens past the first it may reach at most.
+        """
+        key = next(self._ids)
+        streams = self._streams.setdefault(worker_id, {})
+        streams[key] = _Stream(self._clock(), tokens, horizon)
+        try:
+            yield
+        finally:
+            del streams[key]
+            if not streams:
+                del self._streams[worker_id]
+
+    def count(self, worker_id: str) -> int:
+        """Streams this gateway decodes on ``worker_id``."""
+        return len(self._streams.get(worker_id, ()))
+
+    def slack_s(self, worker_id: str, tpot_s: float, step_s: float) -> float:
+        """The least stall, seconds, that one of ``worker_id``'s streams can still absorb and
+        keep its mean time per output token within ``tpot_s``, its remaining tokens taking
+        ``step_s`` each (``math.inf`` when none of this gateway's has tokens left to produce there;
+        negative when one already misses the objective)."""
+        now = self._clock()
+        left = ((s, s.horizon - s.tokens()) for s in self._streams.get(worker_id, {}).values())
+        return min((tpot_s * s.horizon - (now - s.started) - step_s * n for s, n in left if n > 0), default=math.inf)

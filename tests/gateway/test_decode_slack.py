@@ -1,0 +1,47 @@
+"""The TPOT slack of a decode worker's streams: what a prefill there may still stall them."""
+
+from __future__ import annotations
+
+import math
+
+import pytest
+
+from gateway.decode_slack import DecodeSlack
+
+
+class Clock:
+    def __init__(self) -> None:
+        self.now = 100.0
+
+    def __call__(self) -> float:
+        return self.now
+
+
+def test_the_least_slack_of_a_workers_streams_is_its_budget():
+    clock = Clock()
+    slack = DecodeSlack(clock)
+    tokens = {"a": 0, "b": 0}
+    with slack.decoding("decode-0", lambda: tokens["a"], horizon=100), \
+            slack.decoding("decode-1", lambda: 0, horizon=10):
+        # 100 tokens at 40 ms a token on average may take 4 s; at 10 ms a step they take 1 s.
+        assert slack.slack_s("decode-0", 0.040, 0.010) == pytest.approx(3.0)
+        clock.now += 2.5  # 2.5 s later (a long stall) with 50 tokens out, 50 more take 0.5 s
+        tokens["a"] = 50
+        assert slack.slack_s("decode-0", 0.040, 0.010) == pytest.approx(1.0)
+        with slack.decoding("decode-0", lambda: tokens["b"], horizon=20):
+            # The new stream: 20 tokens in 0.8 s, 0.2 s of them decoding: 0.6 s.
+            assert slack.count("decode-0") == 2
+            assert slack.slack_s("decode-0", 0.040, 0.010) == pytest.approx(0.6)
+            tokens["b"] = 20  # done producing: no stall reaches it any more
+            assert slack.slack_s("decode-0", 0.040, 0.010) == pytest.approx(1.0)
+        clock.now += 2.0  # past its budget: the stream already misses the objective
+        assert slack.slack_s("decode-0", 0.040, 0.010) == pytest.approx(-1.0)
+        assert slack.count("decode-1") == 1
+    assert slack.count("decode-0") == 0 and slack.slack_s("decode-0", 0.040, 0.010) == math.inf
+
+
+def test_a_stream_leaves_the_count_when_its_block_fails():
+    slack = DecodeSlack(Clock())
+    with pytest.raises(RuntimeError), slack.decoding("decode-0", lambda: 0, horizon=8):
+        raise RuntimeError("stream lost")
+    assert slack.count("decode-0") == 0
