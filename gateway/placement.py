@@ -42,16 +42,16 @@ The decision (:attr:`Placement.kind`, the ``tandem_gateway_placements`` metric's
 - ``local_short``: at most ``local_prefill_max_tokens`` tokens left after the decode worker's
   prefix hit: a static override, Dynamo's threshold (a KV transfer costs more than it saves),
   except in adaptive placement when the decode worker runs sequences and the prefill is
-  predicted to break their ITL or TPOT objective. A step that carries a prefill chunk runs without CUDA
-  graphs: on two H100s (Llama-3-8B shapes) such short local prefills put the decode-heavy
+  predicted to break their ITL or TPOT objective. A step that carries a prefill chunk runs
+  without CUDA graphs: on two H100s (Llama-3-8B shapes) such short local prefills put the decode-heavy
   requests' ITL p99 at 50-59 ms against 21-32 ms with every prompt disaggregated
   (``bench/results/serving_2gpu-h100x2-interference-20261126T154430Z.json``,
   ``serving-h100x2-nolocal-disagg-interference-*-20261126T155004Z.json``).
 - ``local_predicted``: the local prefill is *safe* for the decode worker's running sequences
   (it runs none, or it is predicted to meet each of the ITL and TPOT objectives set; with
-  neither only an idle decode worker is borrowed) and either (with a TTFT SLO) the remote prediction misses the SLO and the
-  local one meets it or is lower, or (without one) the local TTFT is below ``local_gain`` of the
-  remote one.
+  neither only an idle decode worker is borrowed) and either (with a TTFT SLO) the remote
+  prediction misses the SLO and the local one meets it or is lower, or (without one) the local
+  TTFT is below ``local_gain`` of the remote one.
 - ``remote``: otherwise, whenever the prefill worker's pace is not measured yet, and always with
   ``adaptive`` off (``TANDEM_PREFILL_PLACEMENT=static``: a fixed split, the overrides above
   aside).
@@ -125,6 +125,10 @@ class PlacementModel:
             is below this fraction of the remote one (so near-equal predictions stay disaggregated).
         adaptive: decide by prediction (``local_predicted``); ``False``: only the overrides place
             a prefill on the decode worker.
+
+    Attributes:
+        slack: the streams this gateway decodes on each decode worker (the orchestrator counts
+            each from its first token to its end), for the TPOT objective.
 
     Raises:
         ValueError: ``local_prefill_max_tokens`` < 0 or ``local_gain`` outside ``(0, 1]``.
