@@ -10,15 +10,20 @@ lets a stream absorb a stall wherever its mean stays within the objective, which
 colocated worker's long prefills pass a TPOT SLO while its steps take several times the
 objective.
 
-Stream ``i`` on the worker, ``t_i`` seconds after its first token, ``k_i`` tokens past it, at
-most ``N_i`` tokens past it (``max_tokens``, or what ``max_model_len`` leaves), on a worker whose
-steps take ``s_d`` seconds, meets objective ``T`` as long as its remaining stalls total at most
+Stream ``i`` on the worker, ``t_i`` seconds after its first token and ``k_i`` tokens past it,
+expected to reach ``E_i`` tokens past it, on a worker whose steps take ``s_d`` seconds, meets
+objective ``T`` as long as its remaining stalls total at most
 
-    slack_i = T * N_i - t_i - s_d * (N_i - k_i)
+    slack_i = T * E_i - t_i - s_d * (E_i - k_i)
 
-A sample that ends before ``N_i`` (a stop token) has less slack than that: its mean is taken
-over fewer tokens. Only the streams this gateway started are seen (another gateway's are not,
-as for the prefill queue in :mod:`gateway.placement`).
+A stream's length is known only when it ends (a stop token, the client's cancellation): ``E_i``
+is the mean length ``L`` of the streams this gateway has seen end (a moving average), within
+``[k_i + 1, N_i]``, ``N_i`` its bound (``max_tokens``, or what ``max_model_len`` leaves, which a
+request that sets no ``max_tokens`` is far from reaching). A stream past ``L`` is taken to end
+after its next token, which then carries the whole stall: it keeps only the slack it has
+earned. Before any stream has ended, nothing is predicted. Only the streams this gateway
+started are seen (another gateway's are not, as for the prefill queue in
+:mod:`gateway.placement`).
 """
 
 from __future__ import annotations
@@ -31,6 +36,9 @@ from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 
 
+_SMOOTHING = 0.1  # weight of the newest ended stream's length in the moving average
+
+
 @dataclass(frozen=True)
 class _Stream:
     started: float  # time.monotonic() of its first token
@@ -40,12 +48,18 @@ class _Stream:
 
 class DecodeSlack:
     """The streams this gateway decodes on each decode worker, and their TPOT slack (module
-    docstring)."""
+    docstring).
+
+    Attributes:
+        expected_tokens: the mean length, in output tokens past the first, of the streams seen
+            end (``None``: none yet).
+    """
 
     def __init__(self, clock: Callable[[], float] = time.monotonic) -> None:
         self._clock = clock
         self._streams: dict[str, dict[int, _Stream]] = {}
         self._ids = itertools.count()
+        self.expected_tokens: float | None = None
 
     @contextlib.contextmanager
     def decoding(self, worker_id: str, tokens: Callable[[], int], horizon: int) -> Iterator[None]:
@@ -64,16 +78,25 @@ class DecodeSlack:
             del streams[key]
             if not streams:
                 del self._streams[worker_id]
+            length, old = tokens(), self.expected_tokens
+            self.expected_tokens = length if old is None else (1 - _SMOOTHING) * old + _SMOOTHING * length
 
     def count(self, worker_id: str) -> int:
         """Streams this gateway decodes on ``worker_id``."""
         return len(self._streams.get(worker_id, ()))
 
-    def slack_s(self, worker_id: str, tpot_s: float, step_s: float) -> float:
+    def slack_s(self, worker_id: str, tpot_s: float, step_s: float) -> float | None:
         """The least stall, seconds, that one of ``worker_id``'s streams can still absorb and
         keep its mean time per output token within ``tpot_s``, its remaining tokens taking
         ``step_s`` each (``math.inf`` when none of this gateway's has tokens left to produce there;
-        negative when one already misses the objective)."""
-        now = self._clock()
-        left = ((s, s.horizon - s.tokens()) for s in self._streams.get(worker_id, {}).values())
-        return min((tpot_s * s.horizon - (now - s.started) - step_s * n for s, n in left if n > 0), default=math.inf)
+        negative when one already misses the objective; ``None`` before any stream has ended)."""
+        if self.expected_tokens is None:
+            return None
+        now, least = self._clock(), math.inf
+        for stream in self._streams.get(worker_id, {}).values():
+            tokens = stream.tokens()
+            if tokens >= stream.horizon:
+                continue  # done producing: no stall reaches it any more
+            expected = min(stream.horizon, max(tokens + 1, self.expected_tokens))
+            least = min(least, tpot_s * expected - (now - stream.started) - step_s * (expected - tokens))
+        return least

@@ -218,7 +218,7 @@ class PlacementModel:
         if slo.tpot_s:
             step_s = self._step_s.get(decode_worker)
             slack = None if step_s is None or not self.slack.count(decode_worker) \
-                else self.slack.slack_s(decode_worker, slo.tpot_s, step_s)
+                else self.slack.slack_s(decode_worker, slo.tpot_s, step_s)  # None: no stream has ended
             met.append(None if slack is None or stall is None else stall <= slack)
         if False in met:
             return False

@@ -21,8 +21,11 @@ def test_the_least_slack_of_a_workers_streams_is_its_budget():
     clock = Clock()
     slack = DecodeSlack(clock)
     tokens = {"a": 0, "b": 0}
-    with slack.decoding("decode-0", lambda: tokens["a"], horizon=100), \
-            slack.decoding("decode-1", lambda: 0, horizon=10):
+    with slack.decoding("decode-0", lambda: tokens["a"], horizon=100):
+        assert slack.slack_s("decode-0", 0.040, 0.010) is None  # no stream has ended: lengths unknown
+        with slack.decoding("decode-1", lambda: 100, horizon=100):
+            pass
+        assert slack.expected_tokens == 100
         # 100 tokens at 40 ms a token on average may take 4 s; at 10 ms a step they take 1 s.
         assert slack.slack_s("decode-0", 0.040, 0.010) == pytest.approx(3.0)
         clock.now += 2.5  # 2.5 s later (a long stall) with 50 tokens out, 50 more take 0.5 s
@@ -34,14 +37,31 @@ def test_the_least_slack_of_a_workers_streams_is_its_budget():
             assert slack.slack_s("decode-0", 0.040, 0.010) == pytest.approx(0.6)
             tokens["b"] = 20  # done producing: no stall reaches it any more
             assert slack.slack_s("decode-0", 0.040, 0.010) == pytest.approx(1.0)
+        assert slack.expected_tokens == pytest.approx(0.9 * 100 + 0.1 * 20)
         clock.now += 2.0  # past its budget: the stream already misses the objective
-        assert slack.slack_s("decode-0", 0.040, 0.010) == pytest.approx(-1.0)
-        assert slack.count("decode-1") == 1
+        assert slack.slack_s("decode-0", 0.040, 0.010) < 0
     assert slack.count("decode-0") == 0 and slack.slack_s("decode-0", 0.040, 0.010) == math.inf
+
+
+def test_streams_are_expected_to_last_as_long_as_the_ones_that_ended():
+    """A request without max_tokens may run to max_model_len, but streams stop earlier: each is
+    expected to reach the mean length seen, and one past it to end after its next token."""
+    clock = Clock()
+    slack = DecodeSlack(clock)
+    for length in (10, 10):  # two 10-token answers
+        with slack.decoding("decode-0", lambda n=length: n, horizon=8000):
+            pass
+    tokens = [0]
+    with slack.decoding("decode-0", lambda: tokens[0], horizon=8000):
+        # 10 tokens expected at 40 ms on average: 0.4 s, 0.1 s of them decoding.
+        assert slack.slack_s("decode-0", 0.040, 0.010) == pytest.approx(0.3)
+        clock.now += 0.5
+        tokens[0] = 30  # past the mean: its earned slack, 31 tokens' 1.24 s less 0.5 s and one step
+        assert slack.slack_s("decode-0", 0.040, 0.010) == pytest.approx(0.73)
 
 
 def test_a_stream_leaves_the_count_when_its_block_fails():
     slack = DecodeSlack(Clock())
-    with pytest.raises(RuntimeError), slack.decoding("decode-0", lambda: 0, horizon=8):
+    with pytest.raises(RuntimeError), slack.decoding("decode-0", lambda: 3, horizon=8):
         raise RuntimeError("stream lost")
-    assert slack.count("decode-0") == 0
+    assert slack.count("decode-0") == 0 and slack.expected_tokens == 3

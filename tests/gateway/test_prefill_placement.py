@@ -121,6 +121,8 @@ def test_a_busy_decode_worker_prefills_within_its_streams_tpot_slack():
     m.observe_step(DECODE, 0.020)
     tpot = ServiceLevel(ttft_s=1.0, tpot_s=0.040)
     assert m.decide(PREFILL, 1000, DECODE, 1000, 4, tpot).kind == REMOTE  # nothing known of what runs there
+    with m.slack.decoding(DECODE, lambda: 256, horizon=256):  # a stream that ran its 256 tokens
+        pass
     out = [0]
     with m.slack.decoding(DECODE, lambda: out[0], horizon=256):
         # 256 tokens may take 10.24 s; at 20 ms a step they take 5.12: 5.12 s of slack.
@@ -137,9 +139,11 @@ def test_a_busy_decode_worker_prefills_within_its_streams_tpot_slack():
         now[0] = 20.0  # far behind: even a short prompt goes to the prefill worker
         assert m.decide(PREFILL, 16, DECODE, 16, 4, tpot).kind == REMOTE
         assert m.decide(PREFILL, 16, DECODE, 16, 4, NONE).kind == LOCAL_SHORT
-    unmeasured = model()  # no stream has finished there: its step time is unknown
+    unmeasured = model()  # no stream has ended: neither the step time nor the lengths are known
     with unmeasured.slack.decoding(DECODE, lambda: 0, horizon=256):
         unmeasured.started(PREFILL, 3000)
+        assert unmeasured.decide(PREFILL, 1000, DECODE, 1000, 4, tpot).kind == REMOTE
+        unmeasured.observe_step(DECODE, 0.020)  # a step time, but still no length
         assert unmeasured.decide(PREFILL, 1000, DECODE, 1000, 4, tpot).kind == REMOTE
 
 

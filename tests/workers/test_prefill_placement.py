@@ -89,27 +89,32 @@ def test_requests_are_placed_by_predicted_ttft_and_their_own_objectives(engines)
 
 def test_a_decoding_stream_counts_in_its_decode_workers_tpot_slack_until_it_ends(engines):
     """What a TPOT objective's placement reads: the gateway's streams on each decode worker,
-    each from its first token to its end, with the output tokens it may still produce."""
+    each from its first token to its end, and the lengths of the ones that ended."""
     prompt = [random.Random(4).randrange(1000, 40000) for _ in range(100)]
 
     async def main():
         async with gateway_over(engines) as (p, gateway, address):
             slack = gateway.orchestrator.placement.slack
             decode_id = static_worker_id(Role.DECODE, p.decode.address)
-            request = _request(prompt)
-            request.sampling.max_tokens = 64
+            short, long = _request(prompt), _request(prompt)
+            long.sampling.max_tokens = 64
             async with grpc.aio.insecure_channel(address) as channel:
+                stub = gateway_pb2_grpc.GatewayStub(channel)
+                assert sum(len(m.token_ids) for m in await _collect(stub, short)) == 8
+                assert slack.count(decode_id) == 0 and slack.expected_tokens == 7  # past the first
                 sent = time.monotonic()
-                call = gateway_pb2_grpc.GatewayStub(channel).Generate(request)
+                call = stub.Generate(long)
                 received = [await call.read(), await call.read()]  # the first token, then the decode stream's
                 assert slack.count(decode_id) == 1
-                # 63 tokens past the first at most; at an objective of 1 s a token and no time per
-                # step, the slack is those 63 s less the time the stream has run.
-                assert 63 - (time.monotonic() - sent) <= slack.slack_s(decode_id, 1.0, 0.0) <= 63
+                # Expected to end like the one before, 7 tokens past its first, or after its next
+                # one once past them (the gateway may have run ahead of this client), 63 at most:
+                # at an objective of 1 s a token and no time a step, its slack is as many seconds
+                # less the time it has run.
+                assert 7 - (time.monotonic() - sent) <= slack.slack_s(decode_id, 1.0, 0.0) <= 63
                 while (message := await call.read()) is not grpc.aio.EOF:
                     received.append(message)
             assert sum(len(m.token_ids) for m in received) == 64
-            assert slack.count(decode_id) == 0
+            assert slack.count(decode_id) == 0 and slack.expected_tokens == pytest.approx(0.9 * 7 + 0.1 * 63)
 
     asyncio.run(main())
 
