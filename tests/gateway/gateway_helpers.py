@@ -1,6 +1,6 @@
 """Helpers of the gateway tests: a real Gateway on its own event loop in a background thread
-(the tests use synchronous gRPC stubs), and worker entries registered in the real Redis the
-way workers register themselves."""
+(the tests use synchronous gRPC stubs), worker entries registered in the real Redis the
+way workers register themselves, and a clock the tests move by hand."""
 
 from __future__ import annotations
 
@@ -72,3 +72,13 @@ def unregister_all(redis_url: str, key_prefix: str) -> None:
     if keys:
         client.delete(*keys)
     client.close()
+
+
+class Clock:
+    """A ``time.monotonic`` stand-in: seconds in ``now``, moved by the test."""
+
+    def __init__(self) -> None:
+        self.now = 100.0
+
+    def __call__(self) -> float:
+        return self.now

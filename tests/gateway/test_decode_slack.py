@@ -7,14 +7,7 @@ import math
 import pytest
 
 from gateway.decode_slack import DecodeSlack
-
-
-class Clock:
-    def __init__(self) -> None:
-        self.now = 100.0
-
-    def __call__(self) -> float:
-        return self.now
+from tests.gateway.gateway_helpers import Clock
 
 
 def test_the_least_slack_of_a_workers_streams_is_its_budget():

@@ -13,6 +13,7 @@ from cluster.registry import ClusterNamespace, Role, WorkerInfo, WorkerLoad, Wor
 from engine.block_hash import hash_blocks
 from gateway.outlier import OutlierDetector
 from gateway.router import ClusterView
+from tests.gateway.gateway_helpers import Clock
 from tests.worker_config import BLOCK_SIZE, CONFIG
 
 PROMPT = list(range(3 * BLOCK_SIZE))
@@ -21,14 +22,6 @@ H = hash_blocks(PROMPT, BLOCK_SIZE, CONFIG.hash_seed)
 
 def ejected(detector: OutlierDetector, worker_id: str) -> bool:
     return worker_id in detector.avoided()[1]
-
-
-class Clock:
-    def __init__(self) -> None:
-        self.now = 100.0
-
-    def __call__(self) -> float:
-        return self.now
 
 
 def test_consecutive_failures_eject_for_a_doubling_time_capped_and_forgotten():
