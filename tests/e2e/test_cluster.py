@@ -72,13 +72,14 @@ def _cpu_seconds(pid: int) -> float:
 
 def test_an_idle_cluster_uses_almost_no_cpu(cluster):
     """No process spins while nothing is asked of it (NIXL's progress thread took a core per
-    worker): 10 s of a started cluster (5 processes, heartbeats every 0.5 s) cost under 2 CPU-s
-    (0.46 measured; one spinning thread alone costs 10)."""
+    worker): over 10 s of a started cluster (heartbeats every 0.5 s) each process costs under
+    1.5 CPU-s. Measured 0.33-0.56 per process on a 2-core CI machine; a spinning thread costs 10
+    on a free core and still 4 when all five processes spin on two cores."""
     pids = {child.name: child.proc.pid for child in cluster.children()}
     before = {name: _cpu_seconds(pid) for name, pid in pids.items()}
     time.sleep(10)
     used = {name: round(_cpu_seconds(pid) - before[name], 2) for name, pid in pids.items()}
-    assert sum(used.values()) < 2.0, used
+    assert max(used.values()) < 1.5, used
 
 
 def test_greedy_output_equals_offline_engine(stub, offline):
