@@ -21,9 +21,12 @@ is the mean length ``L`` of the streams this gateway has seen end (a moving aver
 ``[k_i + 1, N_i]``, ``N_i`` its bound (``max_tokens``, or what ``max_model_len`` leaves, which a
 request that sets no ``max_tokens`` is far from reaching). A stream past ``L`` is taken to end
 after its next token, which then carries the whole stall: it keeps only the slack it has
-earned. Before any stream has ended, nothing is predicted. Only the streams this gateway
-started are seen (another gateway's are not, as for the prefill queue in
-:mod:`gateway.placement`).
+earned. A stream whose slack is already negative misses the objective even if nothing stalls
+it again: refusing a prefill cannot save it, so it does not count (were it counted, one late
+stream would send every prompt, the shortest too, to queue on a prefill worker behind long ones,
+while the decode worker's other streams could absorb them). Before any stream has ended, nothing
+is predicted. Only the streams this gateway started are seen (another gateway's are not, as for
+the prefill queue in :mod:`gateway.placement`).
 """
 
 from __future__ import annotations
@@ -88,8 +91,9 @@ class DecodeSlack:
     def slack_s(self, worker_id: str, tpot_s: float, step_s: float) -> float | None:
         """The least stall, seconds, that one of ``worker_id``'s streams can still absorb and
         keep its mean time per output token within ``tpot_s``, its remaining tokens taking
-        ``step_s`` each (``math.inf`` when none of this gateway's has tokens left to produce there;
-        negative when one already misses the objective; ``None`` before any stream has ended)."""
+        ``step_s`` each, over the streams that can still meet it (``math.inf`` when none of this
+        gateway's there has tokens left to produce and the objective in reach; ``None`` before any
+        stream has ended)."""
         if self.expected_tokens is None:
             return None
         now, least = self._clock(), math.inf
@@ -98,5 +102,7 @@ class DecodeSlack:
             if tokens >= stream.horizon:
                 continue  # done producing: no stall reaches it any more
             expected = min(stream.horizon, max(tokens + 1, self.expected_tokens))
-            least = min(least, tpot_s * expected - (now - stream.started) - step_s * (expected - tokens))
+            slack = tpot_s * expected - (now - stream.started) - step_s * (expected - tokens)
+            if slack >= 0:  # a stream past its objective is not saved by refusing a stall
+                least = min(least, slack)
         return least

@@ -175,8 +175,8 @@ class PlacementModel:
         # The running sequences' steps wait while the local prefills, this one last, compute:
         # the stall they absorb is this one's local TTFT.
         keeps = self._keeps(decode_worker, decode_running, slo, self._itl(decode_worker, step_tokens, local_pace),
-                            local_ttft)
-        if local_tokens <= self.local_prefill_max_tokens and not (self.adaptive and keeps is False):
+                            local_ttft) if self.adaptive else None
+        if local_tokens <= self.local_prefill_max_tokens and keeps is not False:
             return Placement(LOCAL_SHORT, local_ttft)
         remote_ttft = self.predict_ttft(remote_worker, remote_tokens)
         if not self.adaptive or local_ttft is None or remote_ttft is None or not keeps:

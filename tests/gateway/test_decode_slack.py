@@ -31,8 +31,6 @@ def test_the_least_slack_of_a_workers_streams_is_its_budget():
             tokens["b"] = 20  # done producing: no stall reaches it any more
             assert slack.slack_s("decode-0", 0.040, 0.010) == pytest.approx(1.0)
         assert slack.expected_tokens == pytest.approx(0.9 * 100 + 0.1 * 20)
-        clock.now += 2.0  # past its budget: the stream already misses the objective
-        assert slack.slack_s("decode-0", 0.040, 0.010) < 0
     assert slack.count("decode-0") == 0 and slack.slack_s("decode-0", 0.040, 0.010) == math.inf
 
 
@@ -58,3 +56,19 @@ def test_a_stream_leaves_the_count_when_its_block_fails():
     with pytest.raises(RuntimeError), slack.decoding("decode-0", lambda: 3, horizon=8):
         raise RuntimeError("stream lost")
     assert slack.count("decode-0") == 0 and slack.expected_tokens == 3
+
+
+def test_a_stream_past_its_objective_does_not_bound_the_slack():
+    """A late stream misses the objective whatever is refused from now on: the budget is the
+    least slack of the streams that can still meet it."""
+    clock = Clock()
+    slack = DecodeSlack(clock)
+    with slack.decoding("decode-0", lambda: 100, horizon=100):
+        pass
+    with slack.decoding("decode-0", lambda: 0, horizon=100):  # 4 s allowed, 1 s of it decoding
+        clock.now += 2.5  # stalled 2.5 s before its first step: 0.5 s of slack left
+        with slack.decoding("decode-0", lambda: 0, horizon=100):  # a fresh stream: 3 s
+            assert slack.slack_s("decode-0", 0.040, 0.010) == pytest.approx(0.5)
+            clock.now += 1.0  # the first is now 0.5 s past its objective, the second has 2 s
+            assert slack.slack_s("decode-0", 0.040, 0.010) == pytest.approx(2.0)
+        assert slack.slack_s("decode-0", 0.040, 0.010) == math.inf  # only the late one runs

@@ -136,9 +136,15 @@ def test_a_busy_decode_worker_prefills_within_its_streams_tpot_slack():
         m.started(DECODE, 2000)  # local TTFT 3 s, under the remote 4 s, but a 3 s stall
         assert m.decide(PREFILL, 1000, DECODE, 1000, 4, ServiceLevel(0.5, 0, 0.040)).kind == REMOTE
         m.ended(DECODE, 2000)
-        now[0] = 20.0  # far behind: even a short prompt goes to the prefill worker
+        now[0] = 5.1  # 0.22 s left: a short prompt fits, but not behind 2000 queued local tokens
+        assert m.decide(PREFILL, 16, DECODE, 16, 4, tpot).kind == LOCAL_SHORT
+        m.started(DECODE, 2000)
         assert m.decide(PREFILL, 16, DECODE, 16, 4, tpot).kind == REMOTE
         assert m.decide(PREFILL, 16, DECODE, 16, 4, NONE).kind == LOCAL_SHORT
+        m.ended(DECODE, 2000)
+        now[0] = 20.0  # far behind: refusing no longer saves it, so it does not refuse
+        assert m.decide(PREFILL, 16, DECODE, 16, 4, tpot).kind == LOCAL_SHORT
+        assert m.decide(PREFILL, 1000, DECODE, 1000, 4, tpot).kind == LOCAL_PREDICTED
     unmeasured = model()  # no stream has ended: neither the step time nor the lengths are known
     with unmeasured.slack.decoding(DECODE, lambda: 0, horizon=256):
         unmeasured.started(PREFILL, 3000)
