@@ -38,7 +38,8 @@ only; ``mixed``: prompt chunks beside decodes; ``prefill``: chunks only), read f
 ``tandem_engine_step*`` counters: ``service_{role}_{kind}_steps``, their mean
 ``service_{role}_{kind}_step_ms``, and ``service_{role}_engine_busy_fraction`` (the steps' time
 over the run's time and the role's workers; role ``prefill`` or ``decode``, colocated workers
-being decode workers); the offline engine's own (``offline_...``) beside them.
+being decode workers); the offline engine's own (``offline_...``) beside them; and the gateway's
+prefill placements by decision, ``placements_{kind}`` (``tandem_gateway_placements``).
 
 Every output is greedy with EOS ignored, so the token counts are exact. One record per
 workload and setting (benchmark ``serving``) goes under ``bench/results/``; ``--setups
@@ -66,10 +67,12 @@ import sys
 import time
 import urllib.request
 from collections import Counter
+from collections.abc import Iterator
 from dataclasses import dataclass, field
 
 import grpc
 from prometheus_client.parser import text_string_to_metric_families
+from prometheus_client.samples import Sample
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
@@ -77,6 +80,7 @@ from bench.common import machine, write_result  # noqa: E402
 from bench.serving_compare import fold_aimed_runs, setup_label, slo_suffix, write_comparison  # noqa: E402
 from cli.launcher import LocalCluster, gpu_placement  # noqa: E402
 from engine.outputs import StepTotals  # noqa: E402
+from gateway.placement import PLACEMENT_KINDS  # noqa: E402
 from gateway.settings import GatewaySettings  # noqa: E402
 from protos.tandem.v1 import gateway_pb2, gateway_pb2_grpc  # noqa: E402
 
@@ -334,6 +338,14 @@ def step_metrics(prefix: str, before: dict[str, StepTotals], after: dict[str, St
     return metrics
 
 
+def _metric_samples(port: int) -> Iterator[Sample]:
+    """The samples of the ``/metrics`` page a process of the cluster serves on ``port``."""
+    with urllib.request.urlopen(f"http://127.0.0.1:{port}/metrics", timeout=10) as page:
+        text = page.read().decode()
+    for family in text_string_to_metric_families(text):
+        yield from family.samples
+
+
 def worker_step_totals(cluster: LocalCluster) -> dict[str, dict[str, StepTotals]]:
     """Every worker's engine steps since its start, from its ``/metrics`` page, summed by role
     (``prefill``, ``decode``) and kind."""
@@ -341,16 +353,19 @@ def worker_step_totals(cluster: LocalCluster) -> dict[str, dict[str, StepTotals]
     for name, port in cluster.metrics_ports.items():
         if name == "gateway":
             continue
-        with urllib.request.urlopen(f"http://127.0.0.1:{port}/metrics", timeout=10) as page:
-            text = page.read().decode()
-        for family in text_string_to_metric_families(text):
-            for sample in family.samples:
-                if sample.name in _STEP_COUNTERS:
-                    by_kind = totals.setdefault(sample.labels["role"], {})
-                    kind, field_name = sample.labels["kind"], _STEP_COUNTERS[sample.name]
-                    old = by_kind.get(kind, StepTotals())
-                    by_kind[kind] = dataclasses.replace(old, **{field_name: getattr(old, field_name) + sample.value})
+        for sample in _metric_samples(port):
+            if sample.name in _STEP_COUNTERS:
+                by_kind = totals.setdefault(sample.labels["role"], {})
+                kind, field_name = sample.labels["kind"], _STEP_COUNTERS[sample.name]
+                old = by_kind.get(kind, StepTotals())
+                by_kind[kind] = dataclasses.replace(old, **{field_name: getattr(old, field_name) + sample.value})
     return totals
+
+
+def gateway_placements(cluster: LocalCluster) -> Counter[str]:
+    """The gateway's prefill placements since its start, by decision (``tandem_gateway_placements``)."""
+    return Counter({sample.labels["kind"]: sample.value for sample in _metric_samples(cluster.metrics_ports["gateway"])
+                    if sample.name == "tandem_gateway_placements_total"})
 
 
 def offline_run(model: str, load_format: str, requests: list[Request], engine_args: dict) -> dict[str, float]:
@@ -441,7 +456,7 @@ def run_setup(args, setup: str, aim: int, vocab: int) -> dict:
     runs = {}
     try:
         for workload, mode, value, requests in sweep(args, vocab):
-            before = worker_step_totals(cluster)
+            before, placed_before = worker_step_totals(cluster), gateway_placements(cluster)
             if mode == "closed":
                 results, elapsed = asyncio.run(closed_loop(cluster.gateway_addr, requests, int(value)))
             else:
@@ -452,6 +467,8 @@ def run_setup(args, setup: str, aim: int, vocab: int) -> dict:
             for role, count in workers.items():
                 metrics |= {k: round(v, 6) for k, v in step_metrics(
                     f"service_{role}", before.get(role, {}), after.get(role, {}), elapsed * count).items()}
+            placed = gateway_placements(cluster) - placed_before
+            metrics |= {f"placements_{kind}": int(placed[kind]) for kind in PLACEMENT_KINDS}
             metrics["concurrency" if mode == "closed" else "rate_rps"] = value
             runs[(workload, mode, value)] = (metrics, requests)
             print(f"{label:>9} {workload:>13} {mode}={value:g}: {metrics['service_output_tokens_per_s']:.0f} "
