@@ -22,9 +22,11 @@ is the mean length ``L`` of the streams this gateway has seen end (a moving aver
 request that sets no ``max_tokens`` is far from reaching). A stream past ``L`` is taken to end
 after its next token, which then carries the whole stall: it keeps only the slack it has
 earned. A stream whose slack is already negative misses the objective even if nothing stalls
-it again: refusing a prefill cannot save it, so it does not count (were it counted, one late
-stream would send every prompt, the shortest too, to queue on a prefill worker behind long ones,
-while the decode worker's other streams could absorb them). Before any stream has ended, nothing
+it again, and one whose slack is below the stall of the local prefills already queued on its
+worker misses it whatever is decided for the next prompt: refusing a prefill cannot save either,
+so neither counts (were they counted, one late stream would send every prompt, the shortest too,
+to queue on a prefill worker behind long ones, while the decode worker's other streams could
+absorb them). Before any stream has ended, nothing
 is predicted. Only the streams this gateway started are seen (another gateway's are not, as for
 the prefill queue in :mod:`gateway.placement`).
 """
@@ -88,12 +90,13 @@ class DecodeSlack:
         """Streams this gateway decodes on ``worker_id``."""
         return len(self._streams.get(worker_id, ()))
 
-    def slack_s(self, worker_id: str, tpot_s: float, step_s: float) -> float | None:
+    def slack_s(self, worker_id: str, tpot_s: float, step_s: float, committed_s: float = 0.0) -> float | None:
         """The least stall, seconds, that one of ``worker_id``'s streams can still absorb and
         keep its mean time per output token within ``tpot_s``, its remaining tokens taking
-        ``step_s`` each, over the streams that can still meet it (``math.inf`` when none of this
-        gateway's there has tokens left to produce and the objective in reach; ``None`` before any
-        stream has ended)."""
+        ``step_s`` each, over the streams that the stalls already committed there
+        (``committed_s``: the local prefills queued ahead of the one asking) leave able to meet it
+        (``math.inf`` when none of this gateway's there has tokens left to produce and the
+        objective in reach; ``None`` before any stream has ended)."""
         if self.expected_tokens is None:
             return None
         now, least = self._clock(), math.inf
@@ -103,6 +106,6 @@ class DecodeSlack:
                 continue  # done producing: no stall reaches it any more
             expected = min(stream.horizon, max(tokens + 1, self.expected_tokens))
             slack = tpot_s * expected - (now - stream.started) - step_s * (expected - tokens)
-            if slack >= 0:  # a stream past its objective is not saved by refusing a stall
+            if slack >= committed_s:  # one the committed stalls make miss it is not saved by refusing another
                 least = min(least, slack)
         return least

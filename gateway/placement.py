@@ -25,7 +25,9 @@ sequences stretches their steps while it lasts: the engine computes it in chunks
 ``max_num_batched_tokens``; the whole prompt where it publishes none), so their ITL is
 ``s_d + min(n, c_d) * p_d`` for ``ceil(n / c_d)`` steps, and it stalls them by its local TTFT
 in all, ``(q_d + n) * p_d`` (the local prefills queued ahead of it included), which a TPOT
-objective lets them absorb while each stream's slack lasts (:mod:`gateway.decode_slack`;
+objective lets them absorb while each stream's slack lasts (:mod:`gateway.decode_slack`: a
+stream whose slack the ``q_d * p_d`` queued ahead already spends is not saved by refusing, and
+does not count;
 ``s_d`` the remaining tokens' step time there, a decode worker with no ``s_d`` measured yet is
 not predicted).
 
@@ -68,7 +70,7 @@ from gateway.prefill_pace import PrefillPace
 
 _SMOOTHING = 0.3  # weight of the newest step time in a decode worker's moving average
 
-LOCAL_ONLY, LOCAL_SHARED, LOCAL_SHORT, LOCAL_PREDICTED, REMOTE = (
+PLACEMENT_KINDS = LOCAL_ONLY, LOCAL_SHARED, LOCAL_SHORT, LOCAL_PREDICTED, REMOTE = (
     "local_only", "local_shared", "local_short", "local_predicted", "remote")
 
 
@@ -175,7 +177,7 @@ class PlacementModel:
         # The running sequences' steps wait while the local prefills, this one last, compute:
         # the stall they absorb is this one's local TTFT.
         keeps = self._keeps(decode_worker, decode_running, slo, self._itl(decode_worker, step_tokens, local_pace),
-                            local_ttft) if self.adaptive else None
+                            local_ttft, self._ttft(decode_worker, 0, local_pace)) if self.adaptive else None
         if local_tokens <= self.local_prefill_max_tokens and keeps is not False:
             return Placement(LOCAL_SHORT, local_ttft)
         remote_ttft = self.predict_ttft(remote_worker, remote_tokens)
@@ -204,12 +206,13 @@ class PlacementModel:
         return None if pace is None else self._step_s.get(decode_worker, 0.0) + tokens * pace
 
     def _keeps(self, decode_worker: str, running: int, slo: ServiceLevel, itl: float | None,
-               stall: float | None) -> bool | None:
+               stall: float | None, committed: float | None) -> bool | None:
         """Whether a local prefill whose steps are predicted to last ``itl`` and which delays
-        the decode worker's ``running`` sequences by ``stall`` seconds in all keeps them within
-        ``slo``'s ITL and TPOT objectives: ``True`` (it runs none, or every objective set is
-        predicted met), ``False`` (one is predicted broken), ``None`` (neither objective is
-        set, or one cannot be predicted yet)."""
+        the decode worker's ``running`` sequences by ``stall`` seconds in all, ``committed`` of
+        them the local prefills queued ahead of it, keeps them within ``slo``'s ITL and TPOT
+        objectives: ``True`` (it runs none, or every objective set is predicted met), ``False``
+        (one is predicted broken), ``None`` (neither objective is set, or one cannot be
+        predicted yet)."""
         if running == 0:
             return True
         met = []
@@ -218,7 +221,7 @@ class PlacementModel:
         if slo.tpot_s:
             step_s = self._step_s.get(decode_worker)
             slack = None if step_s is None or not self.slack.count(decode_worker) \
-                else self.slack.slack_s(decode_worker, slo.tpot_s, step_s)  # None: no stream has ended
+                else self.slack.slack_s(decode_worker, slo.tpot_s, step_s, committed or 0.0)  # None: none ended
             met.append(None if slack is None or stall is None else stall <= slack)
         if False in met:
             return False

@@ -59,8 +59,9 @@ def test_a_stream_leaves_the_count_when_its_block_fails():
 
 
 def test_a_stream_past_its_objective_does_not_bound_the_slack():
-    """A late stream misses the objective whatever is refused from now on: the budget is the
-    least slack of the streams that can still meet it."""
+    """A late stream misses the objective whatever is refused from now on, and so does one whose
+    slack the local prefills already queued (``committed_s``) will spend: the budget is the least
+    slack of the streams that can still meet it."""
     clock = Clock()
     slack = DecodeSlack(clock)
     with slack.decoding("decode-0", lambda: 100, horizon=100):
@@ -71,4 +72,6 @@ def test_a_stream_past_its_objective_does_not_bound_the_slack():
             assert slack.slack_s("decode-0", 0.040, 0.010) == pytest.approx(0.5)
             clock.now += 1.0  # the first is now 0.5 s past its objective, the second has 2 s
             assert slack.slack_s("decode-0", 0.040, 0.010) == pytest.approx(2.0)
+            assert slack.slack_s("decode-0", 0.040, 0.010, committed_s=1.5) == pytest.approx(2.0)
+            assert slack.slack_s("decode-0", 0.040, 0.010, committed_s=2.5) == math.inf  # queued stalls doom both
         assert slack.slack_s("decode-0", 0.040, 0.010) == math.inf  # only the late one runs

@@ -136,11 +136,13 @@ def test_a_busy_decode_worker_prefills_within_its_streams_tpot_slack():
         m.started(DECODE, 2000)  # local TTFT 3 s, under the remote 4 s, but a 3 s stall
         assert m.decide(PREFILL, 1000, DECODE, 1000, 4, ServiceLevel(0.5, 0, 0.040)).kind == REMOTE
         m.ended(DECODE, 2000)
-        now[0] = 5.1  # 0.22 s left: a short prompt fits, but not behind 2000 queued local tokens
+        now[0] = 5.1  # 0.22 s left: a short prompt fits, but not behind 210 queued local tokens
         assert m.decide(PREFILL, 16, DECODE, 16, 4, tpot).kind == LOCAL_SHORT
-        m.started(DECODE, 2000)
+        m.started(DECODE, 210)
         assert m.decide(PREFILL, 16, DECODE, 16, 4, tpot).kind == REMOTE
         assert m.decide(PREFILL, 16, DECODE, 16, 4, NONE).kind == LOCAL_SHORT
+        m.started(DECODE, 1790)  # 2 s queued: the stream misses its objective whatever is refused now
+        assert m.decide(PREFILL, 16, DECODE, 16, 4, tpot).kind == LOCAL_SHORT
         m.ended(DECODE, 2000)
         now[0] = 20.0  # far behind: refusing no longer saves it, so it does not refuse
         assert m.decide(PREFILL, 16, DECODE, 16, 4, tpot).kind == LOCAL_SHORT
