@@ -44,7 +44,12 @@ The decision (:attr:`Placement.kind`, the ``tandem_gateway_placements`` metric's
 - ``local_short``: at most ``local_prefill_max_tokens`` tokens left after the decode worker's
   prefix hit: a static override, Dynamo's threshold (a KV transfer costs more than it saves),
   except in adaptive placement when the decode worker runs sequences and the prefill is
-  predicted to break their ITL or TPOT objective. A step that carries a prefill chunk runs
+  predicted to break their ITL or TPOT objective while the prefill worker is predicted to meet
+  the request's TTFT objective (where it would miss it, refusing trades a predicted miss of
+  theirs for a certain one of the request's; refused anyway, the short prompts of a decode-heavy
+  load queued behind long ones past the prefill worker's saturation, and adaptive placement lost
+  to the fixed split: ``serving_2gpu-committed-high-interference-20261128T035953Z.json``, its
+  ``placements_*`` beside the fixed split's). A step that carries a prefill chunk runs
   without CUDA graphs: on two H100s (Llama-3-8B shapes) such short local prefills put the decode-heavy
   requests' ITL p99 at 50-59 ms against 21-32 ms with every prompt disaggregated
   (``bench/results/serving_2gpu-h100x2-interference-20261126T154430Z.json``,
@@ -178,9 +183,10 @@ class PlacementModel:
         # the stall they absorb is this one's local TTFT.
         keeps = self._keeps(decode_worker, decode_running, slo, self._itl(decode_worker, step_tokens, local_pace),
                             local_ttft, self._ttft(decode_worker, 0, local_pace)) if self.adaptive else None
-        if local_tokens <= self.local_prefill_max_tokens and keeps is not False:
-            return Placement(LOCAL_SHORT, local_ttft)
         remote_ttft = self.predict_ttft(remote_worker, remote_tokens)
+        if local_tokens <= self.local_prefill_max_tokens and (
+                keeps is not False or self._only_local_meets_ttft(slo, local_ttft, remote_ttft)):
+            return Placement(LOCAL_SHORT, local_ttft)
         if not self.adaptive or local_ttft is None or remote_ttft is None or not keeps:
             return Placement(REMOTE, remote_ttft)
         if slo.ttft_s:
@@ -188,6 +194,13 @@ class PlacementModel:
         else:
             local = local_ttft < self.local_gain * remote_ttft
         return Placement(LOCAL_PREDICTED, local_ttft) if local else Placement(REMOTE, remote_ttft)
+
+    @staticmethod
+    def _only_local_meets_ttft(slo: ServiceLevel, local_ttft: float | None, remote_ttft: float | None) -> bool:
+        """Whether the prefill worker is predicted to miss ``slo``'s TTFT objective where the
+        decode worker meets it."""
+        return bool(slo.ttft_s) and local_ttft is not None and remote_ttft is not None \
+            and local_ttft <= slo.ttft_s < remote_ttft
 
     def predict_ttft(self, worker_id: str, tokens: int) -> float | None:
         """Seconds until ``worker_id`` has prefilled ``tokens`` more prompt tokens behind the

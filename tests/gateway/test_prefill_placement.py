@@ -137,12 +137,16 @@ def test_a_busy_decode_worker_prefills_within_its_streams_tpot_slack():
         assert m.decide(PREFILL, 1000, DECODE, 1000, 4, ServiceLevel(0.5, 0, 0.040)).kind == REMOTE
         m.ended(DECODE, 2000)
         now[0] = 5.1  # 0.22 s left: a short prompt fits, but not behind 210 queued local tokens
-        assert m.decide(PREFILL, 16, DECODE, 16, 4, tpot).kind == LOCAL_SHORT
+        tpot_only = ServiceLevel(tpot_s=0.040)
+        assert m.decide(PREFILL, 16, DECODE, 16, 4, tpot_only).kind == LOCAL_SHORT
         m.started(DECODE, 210)
-        assert m.decide(PREFILL, 16, DECODE, 16, 4, tpot).kind == REMOTE
+        assert m.decide(PREFILL, 16, DECODE, 16, 4, tpot_only).kind == REMOTE
         assert m.decide(PREFILL, 16, DECODE, 16, 4, NONE).kind == LOCAL_SHORT
-        m.started(DECODE, 1790)  # 2 s queued: the stream misses its objective whatever is refused now
+        # Refused, it would miss its own TTFT objective behind the remote 3 s queue: it stays.
         assert m.decide(PREFILL, 16, DECODE, 16, 4, tpot).kind == LOCAL_SHORT
+        assert m.decide(PREFILL, 16, DECODE, 16, 4, ServiceLevel(ttft_s=5.0, tpot_s=0.040)).kind == REMOTE
+        m.started(DECODE, 1790)  # 2 s queued: the stream misses its objective whatever is refused now
+        assert m.decide(PREFILL, 16, DECODE, 16, 4, tpot_only).kind == LOCAL_SHORT
         m.ended(DECODE, 2000)
         now[0] = 20.0  # far behind: refusing no longer saves it, so it does not refuse
         assert m.decide(PREFILL, 16, DECODE, 16, 4, tpot).kind == LOCAL_SHORT
