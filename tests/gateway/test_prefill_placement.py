@@ -174,10 +174,18 @@ def test_a_decode_worker_that_chunks_its_prefills_stretches_each_step_by_one_chu
     assert m.decide(PREFILL, 16, DECODE, 16, 4, ServiceLevel(itl_s=0.03)).kind == REMOTE
 
 
-def test_a_ttft_objective_keeps_requests_disaggregated_while_the_prefill_worker_meets_it():
+def test_a_ttft_objective_keeps_requests_disaggregated_while_the_prefill_worker_meets_it_with_headroom():
     m = model(decode_s_per_token=0.5e-3)  # the decode worker prefills twice as fast
     assert m.decide(PREFILL, 1000, DECODE, 1000, 0, NONE).kind == LOCAL_PREDICTED  # 0.5 s < 0.8 * 1 s
-    assert m.decide(PREFILL, 1000, DECODE, 1000, 0, ServiceLevel(ttft_s=2.0)).kind == REMOTE  # 1 s meets it
+    assert m.decide(PREFILL, 1000, DECODE, 1000, 0, ServiceLevel(ttft_s=2.5)).kind == REMOTE  # 1 s of 2.5
+    # 1 s spends more than half a 1.8 s objective: the decode worker, clearly sooner, takes it...
+    assert m.decide(PREFILL, 1000, DECODE, 1000, 0, ServiceLevel(ttft_s=1.8)).kind == LOCAL_PREDICTED
+    # ...but not when only a little sooner, nor where its streams' ITL objective does not allow it.
+    assert model(decode_s_per_token=0.9e-3).decide(PREFILL, 1000, DECODE, 1000, 0, ServiceLevel(ttft_s=1.8)).kind \
+        == REMOTE
+    m.observe_step(DECODE, 0.020)
+    assert m.decide(PREFILL, 1000, DECODE, 1000, 4, ServiceLevel(ttft_s=1.8, itl_s=0.1)).kind == REMOTE
+    m = model(decode_s_per_token=0.5e-3)
     m.started(PREFILL, 2000)  # remote: 3 s, local: 0.5 s
     assert m.decide(PREFILL, 1000, DECODE, 1000, 0, ServiceLevel(ttft_s=2.0)).kind == LOCAL_PREDICTED
     # Both miss a 0.1 s objective: the lower prediction wins.
