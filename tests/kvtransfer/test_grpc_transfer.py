@@ -9,6 +9,7 @@ from collections.abc import AsyncIterator, Awaitable, Callable
 from dataclasses import dataclass
 
 import grpc
+import numpy as np
 import pytest
 import torch
 
@@ -19,7 +20,7 @@ from kvtransfer import (
     DEFAULT_MAX_CHUNK_BYTES, GRPC_MESSAGE_OPTIONS, GrpcKVReceiver, GrpcKVSender, GrpcKVTransfer, KVDestination,
     KVPool, KVReceiver, ReservationTable, decode_chunk, encode_chunk,
 )
-from kvtransfer.nixl import NixlAgent, coalesce
+from kvtransfer.nixl import NixlAgent
 from protos.status import StatusError
 from protos.tandem.v1 import kvtransfer_pb2, worker_pb2_grpc
 
@@ -409,35 +410,55 @@ def agent(pool: KVPool) -> NixlAgent:
     return NixlAgent(f"test-agent-{next(_agents)}", pool)
 
 
-def test_runs_adjacent_on_both_sides_coalesce() -> None:
-    runs = coalesce([50, 60, 70, 10, 20], [30, 40, 50, 90, 0], [10] * 5)
-    assert [r.tolist() for r in runs] == [[50, 10, 20], [30, 90, 0], [30, 10, 10]]
-    assert [r.tolist() for r in coalesce([], [], [])] == [[], [], []]
-    assert [r.tolist() for r in coalesce([7], [9], [3])] == [[7], [9], [3]]
-
-
 @pytest.mark.parametrize("ranks", [(1, 1), (2, 1), (1, 2), (2, 4), (4, 2)])
-def test_nixl_read_plan_takes_each_head_range_from_the_rank_that_holds_it(ranks: tuple[int, int]) -> None:
+def test_nixl_read_descriptors_take_each_head_range_from_the_rank_that_holds_it(ranks: tuple[int, int]) -> None:
     """Heterogeneous tensor parallelism: each receiving rank reads exactly its heads' span of
-    each block, from each sending rank whose heads overlap them; runs adjacent on both sides merge."""
+    each block, from each sending rank whose heads overlap them."""
     src, dst = make_pool(torch.float32, True, ranks[0]), make_pool(torch.float32, False, ranks[1])
     sender_agent, receiver_agent = agent(src), agent(dst)
     peer = receiver_agent.add_peer(sender_agent.source())
-    local, remote = receiver_agent.read_plan(peer, [2, 3, 7], [4, 5, 0])
-    for (dst_addr, n, _), (src_addr, m, _) in zip(local.tolist(), remote.tolist()):
+    local_spans, remote_spans = receiver_agent.read_spans(peer)
+    local, remote = receiver_agent.read_indices(peer, [2, 3, 7], [4, 5, 0])
+    pairs = len({(head * ranks[0] // 4, head * ranks[1] // 4) for head in range(4)})
+    assert len(local_spans) == len(remote_spans) == pairs and len(local) == len(remote) == 3 * pairs
+
+    def span(spans: np.ndarray, index: int) -> tuple[int, int]:
+        """(address, bytes) of descriptor ``index`` of a strided list."""
+        address, nbytes, _, stride, count = spans[index // spans[0, 4]].tolist()
+        return address + (index % count) * stride, nbytes
+
+    for i, j in zip(local.tolist(), remote.tolist()):
+        (dst_addr, n), (src_addr, m) = span(local_spans, i), span(remote_spans, j)
         assert n == m
         # copy the span as NIXL would: the byte ranges lie inside the two pools' tensors
         src_part = next(p for p in src.ranks if p.tensor.data_ptr() <= src_addr < p.tensor.data_ptr() + p.tensor.nbytes)
         dst_part = next(p for p in dst.ranks if p.tensor.data_ptr() <= dst_addr < p.tensor.data_ptr() + p.tensor.nbytes)
+        assert src_addr + n <= src_part.tensor.data_ptr() + src_part.tensor.nbytes
+        assert dst_addr + n <= dst_part.tensor.data_ptr() + dst_part.tensor.nbytes
         src_bytes, dst_bytes = src_part.tensor.view(-1).view(torch.uint8), dst_part.tensor.view(-1).view(torch.uint8)
         so, do = src_addr - src_part.tensor.data_ptr(), dst_addr - dst_part.tensor.data_ptr()
         dst_bytes[do:do + n] = src_bytes[so:so + n]
     assert torch.equal(blocks(dst, [4, 5, 0]), blocks(src, [2, 3, 7]))
     assert not blocks(dst, untouched(dst, [4, 5, 0])).any()
-    # one span per block and overlapping rank pair; where both spans are whole rank blocks (the
-    # same partition), blocks 2 -> 4 and 3 -> 5 merge into one
-    pairs = len({(head * ranks[0] // 4, head * ranks[1] // 4) for head in range(4)})
-    assert len(local) == pairs * (2 if ranks[0] == ranks[1] else 3)
+    sender_agent.close()
+    receiver_agent.close()
+
+
+@pytest.mark.parametrize("lie", ["num_blocks", "base_address"])
+def test_a_source_naming_memory_its_agent_did_not_register_is_refused(lie: str) -> None:
+    """The sender's pool as announced must lie inside what its agent registered: NIXL checks it
+    once, when the receiver prepares the peer's reads, before any read is posted."""
+    src, dst = make_pool(torch.float32, True), make_pool(torch.float32, False)
+    sender_agent, receiver_agent = agent(src), agent(dst)
+    source = sender_agent.source()
+    if lie == "num_blocks":
+        source.num_blocks *= 2
+    else:
+        source.ranks[0].base_address += src.ranks[0].tensor.nbytes
+    with pytest.raises(StatusError) as info:
+        receiver_agent.add_peer(source)
+    assert info.value.code == grpc.StatusCode.INVALID_ARGUMENT and "nixl_source.ranks" in info.value.message
+    assert receiver_agent.add_peer(sender_agent.source()).num_span_pairs == 1  # the honest source still pairs
     sender_agent.close()
     receiver_agent.close()
 
