@@ -463,6 +463,27 @@ def test_a_source_naming_memory_its_agent_did_not_register_is_refused(lie: str) 
     receiver_agent.close()
 
 
+def test_a_sender_agent_back_with_new_metadata_is_prepared_again() -> None:
+    """A sender's agent known under its name but with other metadata (its pool registered anew)
+    replaces the old one: the old prepared reads are released and reads land from the new pool."""
+    old_pool, new_pool, dst = make_pool(torch.float32, True), make_pool(torch.float32, True), make_pool(torch.float32, False)
+    receiver_agent, old_sender = agent(dst), NixlAgent("test-returning-sender", old_pool)
+    old = receiver_agent.add_peer(old_sender.source())
+    old_sender.close()
+    new_sender = NixlAgent("test-returning-sender", new_pool)
+    new = receiver_agent.add_peer(new_sender.source())
+    assert new.metadata != old.metadata and new.remote_side is not old.remote_side
+
+    async def scenario() -> None:
+        async with new_sender.serving_reads():
+            await receiver_agent.read(new, [2, 3, 7], [4, 5, 0])
+
+    asyncio.run(scenario())
+    assert torch.equal(blocks(dst, [4, 5, 0]), blocks(new_pool, [2, 3, 7]))
+    new_sender.close()
+    receiver_agent.close()
+
+
 @pytest.mark.parametrize("verify", [False, True], ids=["plain", "checksummed"])
 @pytest.mark.parametrize("ranks", [(1, 1), (2, 1)], ids=["tp1-tp1", "tp2-tp1"])
 def test_nixl_reads_blocks_bit_exact_into_the_reserved_slots(verify: bool, ranks: tuple[int, int]) -> None:
