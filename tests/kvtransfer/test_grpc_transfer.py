@@ -485,7 +485,7 @@ def test_a_sender_agent_back_with_new_metadata_is_prepared_again() -> None:
 
 
 @pytest.mark.parametrize("verify", [False, True], ids=["plain", "checksummed"])
-@pytest.mark.parametrize("ranks", [(1, 1), (2, 1)], ids=["tp1-tp1", "tp2-tp1"])
+@pytest.mark.parametrize("ranks", [(1, 1), (2, 1), (1, 2)], ids=["tp1-tp1", "tp2-tp1", "tp1-tp2"])
 def test_nixl_reads_blocks_bit_exact_into_the_reserved_slots(verify: bool, ranks: tuple[int, int]) -> None:
     """The decode side reads the prefill side's blocks with NIXL (here UCX over host memory, as
     on a CPU machine); positions arrive in two announcements, as a prefill streams them."""
