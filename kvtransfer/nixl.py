@@ -286,17 +286,17 @@ class NixlAgent:
         the memory its agent registered here, once, instead of on every read).
 
         Raises:
-            StatusError: ``INVALID_ARGUMENT`` when NIXL refuses the peer's spans (outside the
-                pool it registered); the peer is forgotten.
+            StatusError: ``INVALID_ARGUMENT`` when the peer's spans lie outside the pool its
+                agent registered (NIXL refuses them) or past the address space; the peer is
+                forgotten.
         """
-        local, remote = self.read_spans(peer)
-        local_side = self.agent.prep_xfer_dlist("NIXL_INIT_AGENT", local, self.memory_type)
         try:
+            local, remote = self.read_spans(peer)
             remote_side = self.agent.prep_xfer_dlist(peer.name, remote, peer.memory_type)
-        except Exception as exc:  # nixl raises its own binding errors
-            local_side.release()
+        except Exception as exc:  # OverflowError (a span past the 64-bit address space), nixl's own errors
             self.agent.remove_remote_agent(peer.name)
-            raise StatusError.invalid_argument("nixl_source.ranks", f"spans refused by NIXL: {exc}") from None
+            raise StatusError.invalid_argument("nixl_source.ranks", f"spans refused: {exc!r}") from None
+        local_side = self.agent.prep_xfer_dlist("NIXL_INIT_AGENT", local, self.memory_type)
         return dataclasses.replace(peer, local_side=local_side, remote_side=remote_side, num_span_pairs=len(local))
 
     def _forget(self, peer: _Peer) -> None:

@@ -444,21 +444,23 @@ def test_nixl_read_descriptors_take_each_head_range_from_the_rank_that_holds_it(
     receiver_agent.close()
 
 
-@pytest.mark.parametrize("lie", ["num_blocks", "base_address"])
+@pytest.mark.parametrize("lie", ["num_blocks", "base_address", "past the address space"])
 def test_a_source_naming_memory_its_agent_did_not_register_is_refused(lie: str) -> None:
-    """The sender's pool as announced must lie inside what its agent registered: NIXL checks it
-    once, when the receiver prepares the peer's reads, before any read is posted."""
-    src, dst = make_pool(torch.float32, True), make_pool(torch.float32, False)
+    """The sender's pool as announced must lie inside what its agent registered: checked once,
+    when the receiver prepares the peer's reads, before any read is posted."""
+    src, dst = make_pool(torch.float32, True), make_pool(torch.float32, False, 2)
     sender_agent, receiver_agent = agent(src), agent(dst)
     source = sender_agent.source()
     if lie == "num_blocks":
         source.num_blocks *= 2
-    else:
+    elif lie == "base_address":
         source.ranks[0].base_address += src.ranks[0].tensor.nbytes
+    else:  # the receiver's second rank reads from an offset past 2**64
+        source.ranks[0].base_address = 2**64 - 1
     with pytest.raises(StatusError) as info:
         receiver_agent.add_peer(source)
     assert info.value.code == grpc.StatusCode.INVALID_ARGUMENT and "nixl_source.ranks" in info.value.message
-    assert receiver_agent.add_peer(sender_agent.source()).num_span_pairs == 1  # the honest source still pairs
+    assert receiver_agent.add_peer(sender_agent.source()).num_span_pairs == 2  # the honest source still pairs
     sender_agent.close()
     receiver_agent.close()
 
