@@ -109,6 +109,9 @@ class GrpcKVReceiver:
             if reservation_id is not None and not acknowledged:
                 table.release(reservation_id, "TransferKV call ended before completing")
             raise
+        finally:
+            if peer is not None:
+                self.receiver.nixl.release_peer(peer)
 
     async def _read(self, reservation_id: str, chunk: kvtransfer_pb2.KVChunk, peer) -> Reservation:
         """Read the chunk's blocks over NIXL; a cancellation waits for the read's end (shielded),

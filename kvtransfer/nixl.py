@@ -82,6 +82,10 @@ _POLL_THREADS = concurrent.futures.ThreadPoolExecutor(max_workers=8, thread_name
 # its destination blocks until it completes).
 _SERVE_POLL_S = 2e-4
 _SERVE_LINGER_S = 5.0
+# A sender's agent that no stream or read has used for this long is forgotten (its metadata and
+# prepared reads released) when another is added: prefill workers come and go (a restart is a new
+# agent name), and a decode worker would otherwise keep every one it ever read from.
+_PEER_IDLE_S = 60.0
 # An acknowledgement's notification: this prefix, the reservation id, the blocks acknowledged.
 _ACK_PREFIX = b"tandem.kv.ack/"
 
@@ -151,6 +155,9 @@ class NixlAgent:
         self._progress: asyncio.Task | None = None
         self._last_activity = 0.0  # event-loop time of the last reason to progress (serving, acknowledging)
         self._acks: dict[str, asyncio.Future[int]] = {}
+        self._users: dict[str, int] = {}  # per peer: streams and reads holding it
+        self._idle_since: dict[str, float] = {}  # per peer with no user: since when (time.monotonic)
+        self.peer_idle_s = _PEER_IDLE_S
 
     def source(self) -> kvtransfer_pb2.NixlSource:
         """What a receiver needs to read from this worker's pool."""
@@ -247,12 +254,14 @@ class NixlAgent:
 
     def add_peer(self, source: kvtransfer_pb2.NixlSource) -> _Peer:
         """Know a sender's agent and prepare its reads (once per agent; its metadata is checked on
-        every stream).
+        every stream), and hold it for the caller's stream: call :meth:`release_peer` when the
+        stream ends. Peers no one has held for ``peer_idle_s`` are forgotten here.
 
         Raises:
             StatusError: ``INVALID_ARGUMENT``, malformed source (its ranks must cover this pool's
                 KV heads in order, inside the memory its agent registered) or a memory type NIXL
-                lacks.
+                lacks; ``FAILED_PRECONDITION``, an agent of that name with other metadata is in
+                use here.
         """
         if source.memory_type not in ("VRAM", "DRAM") or not source.agent_name or not source.num_blocks:
             raise StatusError.invalid_argument("nixl_source", "agent_name, num_blocks and memory_type VRAM or DRAM "
@@ -263,9 +272,13 @@ class NixlAgent:
                 or sum(n for _, n in heads) != self.pool.layout.block_shape[0]:
             raise StatusError.invalid_argument("nixl_source.ranks", f"head ranges {heads} do not cover the "
                                                f"{self.pool.layout.block_shape[0]} KV heads in order")
+        self._forget_idle()
         peer = self._peers.get(source.agent_name)
         if peer is None or peer.metadata != source.agent_metadata:
             if peer is not None:
+                if self._users[peer.name]:
+                    raise StatusError(grpc.StatusCode.FAILED_PRECONDITION, f"NIXL agent {peer.name!r} is in use "
+                                                                           f"here with other metadata")
                 self._forget(peer)
             try:
                 name = self.agent.add_remote_agent(source.agent_metadata)
@@ -278,8 +291,32 @@ class NixlAgent:
             peer = self._prepare(_Peer(name, source.agent_metadata, source.num_blocks, source.memory_type,
                                        tuple((r.base_address, r.device_id, r.first_head, r.num_heads)
                                              for r in source.ranks)))
-            self._peers[name] = peer
+            self._peers[name], self._users[name] = peer, 0
+        self._hold(peer)
         return peer
+
+    def release_peer(self, peer: _Peer) -> None:
+        """The stream that :meth:`add_peer` held ``peer`` for has ended (a peer forgotten
+        meanwhile, by :meth:`close`, is let be)."""
+        if self._peers.get(peer.name) is peer:
+            self._users[peer.name] -= 1
+            if not self._users[peer.name]:
+                self._idle_since[peer.name] = time.monotonic()
+
+    def held_peers(self) -> dict[str, int]:
+        """Per known sender's agent, the streams and reads holding it."""
+        return dict(self._users)
+
+    def _hold(self, peer: _Peer) -> None:
+        self._users[peer.name] += 1
+        self._idle_since.pop(peer.name, None)
+
+    def _forget_idle(self) -> None:
+        """Forget the peers no one has held for ``peer_idle_s``."""
+        now = time.monotonic()
+        for name, since in list(self._idle_since.items()):
+            if now - since >= self.peer_idle_s:
+                self._forget(self._peers[name])
 
     def _prepare(self, peer: _Peer) -> _Peer:
         """``peer`` with both sides of its reads prepared (NIXL checks the peer's spans against
@@ -300,11 +337,12 @@ class NixlAgent:
         return dataclasses.replace(peer, local_side=local_side, remote_side=remote_side, num_span_pairs=len(local))
 
     def _forget(self, peer: _Peer) -> None:
-        """Release ``peer``'s prepared reads and its agent."""
+        """Release ``peer``'s prepared reads and its agent (no stream or read may hold it)."""
         peer.local_side.release()
         peer.remote_side.release()
         self.agent.remove_remote_agent(peer.name)
-        del self._peers[peer.name]
+        del self._peers[peer.name], self._users[peer.name]
+        self._idle_since.pop(peer.name, None)
 
     def read_spans(self, peer: _Peer) -> tuple[np.ndarray, np.ndarray]:
         """Where each block lies on both sides of a read from ``peer``: for each of this pool's
@@ -355,18 +393,25 @@ class NixlAgent:
 
         Raises:
             StatusError: ``INVALID_ARGUMENT`` for a source block outside the peer's pool,
-                ``UNAVAILABLE`` when NIXL reports the transfer failed (peer gone).
+                ``UNAVAILABLE`` when NIXL reports the transfer failed (peer gone) or the peer has
+                been forgotten here.
         """
         bad = [block for block in src_blocks if not 0 <= block < peer.num_blocks]
         if bad:
             raise StatusError.invalid_argument("source_block_ids", f"{bad[:4]} outside the sender's pool "
                                                                    f"of {peer.num_blocks} blocks")
+        if self._peers.get(peer.name) is not peer:
+            raise StatusError(grpc.StatusCode.UNAVAILABLE, f"NIXL agent {peer.name!r} is no longer known here")
         local, remote = self.read_indices(peer, src_blocks, dst_blocks)
         polls = self._read_polls(peer, local, remote)
-        if self.memory_type == "DRAM":  # the whole read, the handle's release included, in a thread
-            state = await asyncio.get_running_loop().run_in_executor(_POLL_THREADS, _drive_blocking, polls)
-        else:
-            state = await _drive(polls)
+        self._hold(peer)  # (even past its stream's end: a cancelled stream's read runs on, shielded)
+        try:
+            if self.memory_type == "DRAM":  # the whole read, the handle's release included, in a thread
+                state = await asyncio.get_running_loop().run_in_executor(_POLL_THREADS, _drive_blocking, polls)
+            else:
+                state = await _drive(polls)
+        finally:
+            self.release_peer(peer)
         if state != "DONE":
             raise StatusError(grpc.StatusCode.UNAVAILABLE, f"NIXL read from {peer.name} failed ({state})")
 

@@ -465,14 +465,19 @@ def test_a_source_naming_memory_its_agent_did_not_register_is_refused(lie: str) 
     receiver_agent.close()
 
 
-def test_a_sender_agent_back_with_new_metadata_is_prepared_again() -> None:
+def test_a_sender_agent_back_with_new_metadata_is_prepared_again_once_the_old_one_is_released() -> None:
     """A sender's agent known under its name but with other metadata (its pool registered anew)
-    replaces the old one: the old prepared reads are released and reads land from the new pool."""
+    replaces the old one once no stream holds it: the old prepared reads are released and reads
+    land from the new pool. While a stream holds the old one, the new one is refused."""
     old_pool, new_pool, dst = make_pool(torch.float32, True), make_pool(torch.float32, True), make_pool(torch.float32, False)
     receiver_agent, old_sender = agent(dst), NixlAgent("test-returning-sender", old_pool)
     old = receiver_agent.add_peer(old_sender.source())
     old_sender.close()
     new_sender = NixlAgent("test-returning-sender", new_pool)
+    with pytest.raises(StatusError) as info:
+        receiver_agent.add_peer(new_sender.source())
+    assert info.value.code == grpc.StatusCode.FAILED_PRECONDITION
+    receiver_agent.release_peer(old)
     new = receiver_agent.add_peer(new_sender.source())
     assert new.metadata != old.metadata and new.remote_side is not old.remote_side
 
@@ -482,7 +487,31 @@ def test_a_sender_agent_back_with_new_metadata_is_prepared_again() -> None:
 
     asyncio.run(scenario())
     assert torch.equal(blocks(dst, [4, 5, 0]), blocks(new_pool, [2, 3, 7]))
+    assert receiver_agent.held_peers() == {new.name: 1}  # the read's hold ended with it
     new_sender.close()
+    receiver_agent.close()
+
+
+def test_a_sender_agent_no_one_holds_is_forgotten_when_another_is_added() -> None:
+    """Prefill workers come and go: an agent that no stream or read has held for ``peer_idle_s``
+    is forgotten (metadata and prepared reads) when another arrives; one still held never is."""
+    dst = make_pool(torch.float32, False)
+    senders = [agent(make_pool(torch.float32, True)) for _ in range(3)]
+    receiver_agent = agent(dst)
+    first, second = (receiver_agent.add_peer(sender.source()) for sender in senders[:2])
+    receiver_agent.release_peer(first)
+    receiver_agent.peer_idle_s = 3600.0
+    third = receiver_agent.add_peer(senders[2].source())
+    assert receiver_agent.held_peers() == {first.name: 0, second.name: 1, third.name: 1}  # not idle long enough
+    receiver_agent.peer_idle_s = 0.0
+    receiver_agent.release_peer(third)
+    again = receiver_agent.add_peer(senders[0].source())  # forgets the third (idle), prepares the first anew
+    assert receiver_agent.held_peers() == {second.name: 1, again.name: 1} and again.remote_side is not first.remote_side
+    with pytest.raises(StatusError) as info:  # a forgotten peer's prepared reads are gone: no read from them
+        asyncio.run(receiver_agent.read(first, [0], [0]))
+    assert info.value.code == grpc.StatusCode.UNAVAILABLE
+    for sender in senders:
+        sender.close()
     receiver_agent.close()
 
 
@@ -510,6 +539,7 @@ def test_nixl_reads_blocks_bit_exact_into_the_reserved_slots(verify: bool, ranks
             finally:
                 await channel.close()
             assert peer.table.claim(reservation.reservation_id, "req-1") == DST_IDS and peer.freed == []
+            await wait_for(lambda: set(receiver_agent.held_peers().values()) == {0})  # the stream's hold ends with it
 
     asyncio.run(scenario())
     assert torch.equal(blocks(dst, DST_IDS), blocks(src, SRC_IDS))
@@ -634,6 +664,7 @@ def test_nixl_refusals_free_the_reservation(case: str) -> None:
             assert info.value.code() == expected, info.value
             await wait_for(lambda: len(peer.table) == 0)
             assert sorted(peer.freed) == sorted(DST_IDS)
+            await wait_for(lambda: set(receiver_agent.held_peers().values()) <= {0})  # the stream let go of its peer
 
     asyncio.run(scenario())
     sender_agent.close()
