@@ -31,6 +31,8 @@ class AttentionMetadata:
         max_query_len: host int, the longest prefill chunk (0 when there is none).
         max_seq_len: host int, ``max(seq_lens)``.
         max_decode_seq_len: host int, the longest decode context (0 when there is none).
+        num_kv_splits: the decode kernel's slices per context (a CUDA graph's fixed count);
+            ``None``: the kernel's default for ``max_decode_seq_len``.
     """
 
     slot_mapping: torch.Tensor
@@ -41,6 +43,7 @@ class AttentionMetadata:
     max_query_len: int
     max_seq_len: int
     max_decode_seq_len: int
+    num_kv_splits: int | None = None
 
 
 class PagedAttentionBackend:
@@ -116,7 +119,8 @@ class PagedAttentionBackend:
         ``[num_decodes, num_q_heads, head_dim]``) into ``out``, like it."""
         nd = metadata.num_decodes
         self.ops.paged_decode_attention(query, k_cache, v_cache, metadata.block_tables[:nd], metadata.seq_lens[:nd],
-                                        scale, out=out, max_seq_len=metadata.max_decode_seq_len)
+                                        scale, out=out, max_seq_len=metadata.max_decode_seq_len,
+                                        num_splits=metadata.num_kv_splits)
 
 
 class CpuPagedAttentionBackend(PagedAttentionBackend):

@@ -11,12 +11,23 @@ bound ``max_model_len`` instead of the step's longest context, so its grid, and 
 graph, serves every length. Steps with prefill chunks, fork children, or more sequences than
 the largest graph run eagerly. The logits head runs eagerly on the graph's output rows, so only
 the sampled rows are computed.
+
+A graph fixes the decode kernel's split count too: :func:`~kernels.decode_attention.num_kv_splits`
+of its batch size, about one program per SM if every context were as long as the longest. A few
+long contexts among short ones then leave the long ones' few programs running while the other
+SMs wait (one 3.5k-token context among fifteen of 400 tokens: 65 µs a Llama-3-8B layer on an
+H200 against 26 µs split, about 1.2 ms a step). So batch sizes up to ``LONG_TAIL_MAX_BATCH``
+whose count is below :func:`~kernels.decode_attention.long_tail_splits` get a second graph with
+that count, replayed for a step whose longest context is at least ``LONG_TAIL_IMBALANCE`` times
+the mean of its contexts and would leave at least ``LONG_TAIL_MIN_TOKENS`` tokens to each of its
+unsplit programs (docs/kernels.md, "Long tails").
 """
 
 from __future__ import annotations
 
 import logging
 
+import numpy as np
 import torch
 
 from engine.attention import AttentionMetadata
@@ -26,6 +37,22 @@ from engine.kv_cache import KVCache
 from engine.scheduler import SchedulerOutput
 
 logger = logging.getLogger(__name__)
+
+# Measured with Llama-3-8B's heads on an H200 (docs/kernels.md); larger batches unmeasured.
+LONG_TAIL_MAX_BATCH = 64
+LONG_TAIL_IMBALANCE = 2
+LONG_TAIL_MIN_TOKENS = 1024
+
+
+def is_long_tail(seq_lens: np.ndarray, num_splits: int) -> bool:
+    """Whether a decode batch's contexts (``seq_lens``, tokens; padding rows 0 are left out) have
+    a long tail: the longest is at least ``LONG_TAIL_IMBALANCE`` times their mean and, cut into
+    ``num_splits`` slices, leaves at least ``LONG_TAIL_MIN_TOKENS`` tokens to each program."""
+    real = seq_lens[seq_lens > 0]
+    if real.size == 0:
+        return False
+    longest = int(real.max())
+    return longest >= LONG_TAIL_MIN_TOKENS * num_splits and longest * real.size >= LONG_TAIL_IMBALANCE * int(real.sum())
 
 
 def cuda_graph_sizes(config: EngineConfig, device: torch.device) -> list[int]:
@@ -64,7 +91,16 @@ class CUDAGraphRunner:
         hidden_size = model.config.hidden_size
         dtype = next(model.parameters()).dtype
         self.hidden = torch.empty(self.max_batch_size, hidden_size, dtype=dtype, device=device)
-        self.graphs: dict[int, torch.cuda.CUDAGraph] = {}
+        self.graphs: dict[tuple[int, int], torch.cuda.CUDAGraph] = {}  # by (batch size, split count)
+        from kernels._launch import sm_count
+        from kernels.decode_attention import long_tail_splits, num_kv_splits  # (Triton is optional; graphs run on CUDA)
+
+        num_kv_heads = kv_cache.tensor.shape[1]
+        num_sms = sm_count(device)
+        self.num_splits = {b: num_kv_splits(b, num_kv_heads, max_model_len, num_sms) for b in self.batch_sizes}
+        long_tail = long_tail_splits(num_kv_heads, num_sms)
+        self.long_tail_splits = {b: long_tail for b in self.batch_sizes
+                                 if b <= LONG_TAIL_MAX_BATCH and long_tail > self.num_splits[b]}
         # _size_for[n]: the smallest captured batch size >= n.
         self._size_for = [0] * (self.max_batch_size + 1)
         for n in range(self.max_batch_size, 0, -1):
@@ -78,7 +114,22 @@ class CUDAGraphRunner:
             return None
         return self._size_for[n]
 
-    def _inputs(self, batch_size: int) -> tuple[torch.Tensor, torch.Tensor, AttentionMetadata]:
+    def variants(self) -> list[tuple[int, int]]:
+        """``(batch size, split count)`` of every graph :meth:`capture` takes, largest first."""
+        pairs = list(self.num_splits.items()) + list(self.long_tail_splits.items())
+        return sorted(pairs, reverse=True)
+
+    def peak_variants(self) -> list[tuple[int, int]]:
+        """The variants with the largest activations: the largest batch, and the largest one
+        with long-tail splits (their partial outputs) if any."""
+        top = self.max_batch_size
+        pairs = [(top, self.num_splits[top])]
+        if self.long_tail_splits:
+            largest = max(self.long_tail_splits)
+            pairs.append((largest, self.long_tail_splits[largest]))
+        return pairs
+
+    def _inputs(self, batch_size: int, num_splits: int) -> tuple[torch.Tensor, torch.Tensor, AttentionMetadata]:
         """Views of the device buffers that the graph of ``batch_size`` reads."""
         buf = self.buffers
         metadata = AttentionMetadata(
@@ -87,16 +138,17 @@ class CUDAGraphRunner:
             seq_lens=buf.seq_lens.device[:batch_size],
             query_start_loc=buf.query_start_loc.device[:batch_size + 1],
             num_decodes=batch_size, max_query_len=0,
-            max_seq_len=self.max_model_len, max_decode_seq_len=self.max_model_len,
+            max_seq_len=self.max_model_len, max_decode_seq_len=self.max_model_len, num_kv_splits=num_splits,
         )
         return buf.input_ids.device[:batch_size], buf.positions.device[:batch_size], metadata
 
     @torch.inference_mode()
-    def forward(self, batch_size: int) -> torch.Tensor:
+    def forward(self, batch_size: int, num_splits: int | None = None) -> torch.Tensor:
         """Run the model eagerly on the buffers' first ``batch_size`` rows, as the graph of
-        ``batch_size`` does; returns the final hidden states ``[batch_size, hidden_size]``
-        (a view of a buffer the next run overwrites)."""
-        input_ids, positions, metadata = self._inputs(batch_size)
+        ``(batch_size, num_splits)`` does (default: the batch size's own split count); returns
+        the final hidden states ``[batch_size, hidden_size]`` (a view of a buffer the next run
+        overwrites)."""
+        input_ids, positions, metadata = self._inputs(batch_size, num_splits or self.num_splits[batch_size])
         hidden = self.model(input_ids, positions, self.kv_cache, metadata)
         self.hidden[:batch_size].copy_(hidden)
         return self.hidden[:batch_size]
@@ -114,29 +166,40 @@ class CUDAGraphRunner:
 
     @torch.inference_mode()
     def capture(self) -> None:
-        """Capture one graph per batch size, largest first so that the smaller ones reuse its
+        """Capture the graphs of :meth:`variants`, largest first so that the smaller ones reuse its
         memory pool. Each is run once eagerly first (compiling its Triton kernels), on padding
         rows only, and replayed once after capture (the first replay uploads the graph)."""
         self.reset_padding()
         pool = torch.cuda.graph_pool_handle()
-        for batch_size in reversed(self.batch_sizes):
-            self.forward(batch_size)
+        for batch_size, num_splits in self.variants():
+            self.forward(batch_size, num_splits)
             torch.cuda.synchronize()
             graph = torch.cuda.CUDAGraph()
             with torch.cuda.graph(graph, pool=pool):
-                self.forward(batch_size)
+                self.forward(batch_size, num_splits)
             graph.replay()
-            self.graphs[batch_size] = graph
+            self.graphs[batch_size, num_splits] = graph
         torch.cuda.synchronize()
-        logger.info("captured %d CUDA graphs for decode batches of 1..%d sequences", len(self.graphs),
-                    self.max_batch_size)
+        logger.info("captured %d CUDA graphs for decode batches of 1..%d sequences (%d with long-tail splits)",
+                    len(self.graphs), self.max_batch_size, len(self.long_tail_splits))
 
     def prepare(self, step: SchedulerOutput, batch_size: int) -> StepInputs:
         """Fill the graph's buffers for ``step``, padded to ``batch_size`` rows."""
         return self.buffers.prepare(step, pad_to=batch_size, max_decode_seq_len=self.max_model_len)
 
-    def replay(self, batch_size: int) -> torch.Tensor:
-        """Run the graph of ``batch_size`` on the prepared buffers; returns the final hidden
-        states ``[batch_size, hidden_size]`` (a view of a buffer the next replay overwrites)."""
-        self.graphs[batch_size].replay()
+    def splits_for(self, batch_size: int) -> int:
+        """The split count of the graph that runs the prepared (or loaded) step of
+        ``batch_size`` rows: its long-tail graph's when :func:`is_long_tail` holds for the
+        buffers' sequence lengths. Every rank of a tensor-parallel engine decides alike."""
+        num_splits = self.num_splits[batch_size]
+        long_tail = self.long_tail_splits.get(batch_size)
+        if long_tail is not None and is_long_tail(self.buffers.seq_lens.host[:batch_size], num_splits):
+            return long_tail
+        return num_splits
+
+    def replay(self, batch_size: int, num_splits: int) -> torch.Tensor:
+        """Run the graph of ``(batch_size, num_splits)`` (:meth:`splits_for`) on the prepared
+        buffers; returns the final hidden states ``[batch_size, hidden_size]`` (a view of a
+        buffer the next replay overwrites)."""
+        self.graphs[batch_size, num_splits].replay()
         return self.hidden[:batch_size]

@@ -127,8 +127,9 @@ class ModelRunner:
             buffers = self.buffers if graph_size is None else self.graphs.buffers
             copies = np.asarray(step.block_copies, dtype=np.int64).reshape(-1)
             self.broadcast(np.concatenate([[graph_size or 0, len(step.block_copies)], copies, buffers.pack()]))
+        graph = None if graph_size is None else (graph_size, self.graphs.splits_for(graph_size))
         prepared = time.perf_counter()
-        logits = self._run(inputs, graph_size, step.block_copies)
+        logits = self._run(inputs, graph, step.block_copies)
         sampling_start = time.perf_counter()
         seqs = inputs.sampled
         batch = self._sampling_batch(seqs, inputs.sample_positions) if seqs else None
@@ -140,7 +141,8 @@ class ModelRunner:
         token_ids, logprobs = ([], []) if out is None else _to_host(out, [s.params.logprobs for s in seqs])
         stats = StepStats(
             num_seqs=len(step.scheduled), num_decodes=step.num_decodes, num_tokens=step.num_tokens,
-            cuda_graph_size=graph_size, prepare_s=prepare_s, execute_s=time.perf_counter() - start,
+            cuda_graph_size=graph_size, cuda_graph_splits=None if graph is None else graph[1],
+            prepare_s=prepare_s, execute_s=time.perf_counter() - start,
             num_kv_slots_used=inputs.num_kv_slots_used, num_kv_slots_allocated=inputs.num_kv_slots_allocated,
         )
         return StepResult(seqs, token_ids, logprobs, stats)
@@ -153,18 +155,19 @@ class ModelRunner:
         graph_size, num_copies = int(packed[0]), int(packed[1])
         copies = packed[2:2 + 2 * num_copies].reshape(-1, 2).tolist()
         buffers = self.buffers if graph_size == 0 else self.graphs.buffers
-        self._run(buffers.load(packed[2 + 2 * num_copies:]), graph_size or None, copies)
+        inputs = buffers.load(packed[2 + 2 * num_copies:])
+        self._run(inputs, (graph_size, self.graphs.splits_for(graph_size)) if graph_size else None, copies)
 
-    def _run(self, inputs: StepInputs, graph_size: int | None, block_copies) -> torch.Tensor | None:
-        """Copy blocks (copy-on-write), run the forward (a graph's replay, or eagerly) and the
-        logits head; returns ``[len(logits_indices), vocab]`` float32 logits (``None`` when
+    def _run(self, inputs: StepInputs, graph: tuple[int, int] | None, block_copies) -> torch.Tensor | None:
+        """Copy blocks (copy-on-write), run the forward (the replay of ``graph``, a ``(batch size,
+        split count)`` of :meth:`CUDAGraphRunner.variants`, or eagerly) and the logits head; returns ``[len(logits_indices), vocab]`` float32 logits (``None`` when
         nothing samples)."""
         for src, dst in block_copies:
             self.kv_cache.tensor[dst].copy_(self.kv_cache.tensor[src])
         num_sampled = inputs.logits_indices.shape[0]
-        if graph_size is not None:
+        if graph is not None:
             # Decode-only without forks: row i samples sequence i.
-            return self.model.compute_logits(self.graphs.replay(graph_size)[:num_sampled])
+            return self.model.compute_logits(self.graphs.replay(*graph)[:num_sampled])
         hidden = self.model(inputs.input_ids, inputs.positions, self.kv_cache, inputs.metadata)
         if not num_sampled:
             return None

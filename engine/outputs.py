@@ -69,6 +69,8 @@ class StepStats:
         num_decodes: of those, single-token decodes.
         num_tokens: tokens computed (prefill chunks plus decodes).
         cuda_graph_size: the captured batch size the step replayed, ``None`` when it ran eagerly.
+        cuda_graph_splits: the decode kernel's split count in the replayed graph (more than
+            the batch size's own for a long-tail batch, ``engine.cuda_graphs``), ``None`` when eager.
         prepare_s: host-side preparation: input tensors, their copies, sampling settings.
         execute_s: the model runner's whole step, the wait for the sampled tokens included.
         step_s: the engine's whole step (scheduling and output bookkeeping included; under an
@@ -83,6 +85,7 @@ class StepStats:
     num_decodes: int
     num_tokens: int
     cuda_graph_size: int | None
+    cuda_graph_splits: int | None
     prepare_s: float
     execute_s: float
     num_kv_slots_used: int

@@ -5,7 +5,8 @@ weights, the CUDA context, other processes) and after the *measured* peak of the
 the engine can run: a profiling step of ``max_num_batched_tokens`` tokens in which the largest
 batch of rows samples (logits, filtered sampling with top-N logprobs), run through a model
 runner over a one-block cache, as vLLM's ``profile_run`` does. The CUDA graphs' private memory
-pool is measured the same way, by an eager forward of the largest captured decode batch.
+pool is measured the same way, by an eager forward of the largest captured decode batch (and of
+the largest with long-tail splits, whose partial outputs take memory too).
 """
 
 from __future__ import annotations
@@ -134,10 +135,10 @@ def profile_memory(model: torch.nn.Module, config: EngineConfig, dtype: torch.dt
         ModelRunner(model, cache, tokens, seqs, max_model_len).execute(largest_step(tokens, seqs, max_model_len, bs))
 
     def run_largest_graph() -> None:
-        largest = max(cuda_graph_batch_sizes)
-        graphs = CUDAGraphRunner(model, cache, [largest], cdiv(max_model_len, bs), max_model_len)
+        graphs = CUDAGraphRunner(model, cache, cuda_graph_batch_sizes, cdiv(max_model_len, bs), max_model_len)
         graphs.reset_padding()
-        graphs.forward(largest)
+        for batch_size, num_splits in graphs.peak_variants():
+            graphs.forward(batch_size, num_splits)
 
     activation = _peak_bytes(device, run_largest_step)
     graph = _peak_bytes(device, run_largest_graph) if cuda_graph_batch_sizes else 0

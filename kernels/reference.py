@@ -84,6 +84,7 @@ def paged_decode_attention(
     out: torch.Tensor | None = None,
     return_lse: bool = False,
     max_seq_len: int | None = None,
+    num_splits: int | None = None,
 ) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
     """Attention of one new query token per sequence over its paged context.
 
@@ -97,6 +98,8 @@ def paged_decode_attention(
         out: optional ``[num_seqs, num_q_heads, head_dim]`` output buffer.
         return_lse: also return the natural-log log-sum-exp ``[num_seqs, num_q_heads]`` float32.
         max_seq_len: ``max(seq_lens)`` if the caller knows it (avoids a host sync).
+        num_splits: the Triton kernel's slices per context; this reference attends over each
+            context at once, so it only takes the argument of the same signature.
 
     Returns:
         ``[num_seqs, num_q_heads, head_dim]`` in q's dtype (and the LSE if asked).

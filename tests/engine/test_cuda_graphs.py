@@ -4,12 +4,13 @@ The padding semantics are checked on the CPU through the graph runner's eager fo
 graph captures); replaying real graphs needs a GPU.
 """
 
+import numpy as np
 import pytest
 import torch
 import transformers
 
 from engine import EngineConfig, LLMEngine, SamplingParams
-from engine.cuda_graphs import CUDAGraphRunner
+from engine.cuda_graphs import CUDAGraphRunner, is_long_tail
 from tests.engine.model_helpers import make_hf_model
 
 
@@ -110,3 +111,40 @@ def _generate(engine, prompts, params):
             if out.finished:
                 outs[out.request_id] = out.outputs[0].token_ids
     return outs
+
+
+def test_a_long_tail_is_one_long_context_among_short_ones():
+    # padding rows (0) are left out; the longest must dwarf the mean and fill its unsplit programs
+    assert is_long_tail(np.array([3500, 400, 400, 400, 0, 0]), 1)
+    assert not is_long_tail(np.array([3500, 3000, 2800, 400]), 1)  # mean 2425: not twice
+    assert not is_long_tail(np.array([900, 20, 20, 20]), 1)  # its program holds < 1024 tokens
+    assert not is_long_tail(np.array([3500, 400, 400, 400]), 4)  # 875 tokens a program already
+    assert not is_long_tail(np.zeros(8, dtype=np.int32), 1)
+
+
+@torch.inference_mode()
+def test_a_long_tail_batch_replays_its_graph_with_more_splits(tmp_path):
+    # One KV head: on the CPU (4 SMs to the kernels) a batch of 4 gets 1 split, its long-tail graph 2.
+    make_hf_model(transformers.LlamaConfig, dict(max_position_embeddings=2048, num_key_value_heads=1)).save_pretrained(tmp_path)
+    engine = LLMEngine(str(tmp_path), EngineConfig(block_size=16, num_blocks=160, max_num_batched_tokens=2048))
+    params = SamplingParams(max_tokens=4, temperature=0, ignore_eos=True)
+    engine.add_request("long", [(3 * j) % 90 + 2 for j in range(1100)], params)
+    for i in range(3):
+        engine.add_request(f"short{i}", [(7 * i + j) % 90 + 2 for j in range(10 + i)], params)
+    while engine.scheduler.waiting or any(s.num_computed_tokens < s.num_prompt_tokens for s in engine.scheduler.running):
+        engine.step()
+    step = engine.scheduler.schedule()
+    graphs = CUDAGraphRunner(engine.model, engine.kv_cache, [1, 2, 4], engine.runner.max_blocks_per_seq,
+                             engine.max_model_len)
+    assert graphs.variants() == [(4, 2), (4, 1), (2, 2), (1, 4)]
+    assert graphs.peak_variants() == [(4, 1), (4, 2)]
+    eager = engine.runner.buffers.prepare(step)
+    expected = engine.model(eager.input_ids, eager.positions, engine.kv_cache, eager.metadata)
+    graphs.reset_padding()
+    graphs.prepare(step, 4)
+    assert graphs.splits_for(4) == 2
+    torch.testing.assert_close(graphs.forward(4, 2), expected, rtol=1e-5, atol=1e-5)
+
+    short = _decode_batch(LLMEngine(str(tmp_path), EngineConfig(block_size=16, num_blocks=160)), 3)
+    graphs.prepare(short, 4)
+    assert graphs.splits_for(4) == 1

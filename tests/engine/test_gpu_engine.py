@@ -117,6 +117,17 @@ def test_graph_replay_equals_eager_greedy(graph_and_eager, batch):
     assert all(s.cuda_graph_size is None for s in eager_stats)
 
 
+def test_a_long_tail_batch_replays_more_splits_and_equals_eager_greedy(graph_and_eager):
+    graphs, eager = graph_and_eager
+    prompts = _prompts(1, seed=7, low=3600, high=3700) + _prompts(11, seed=8)
+    got, stats = _run(graphs, prompts, GREEDY)
+    assert got == _run(eager, prompts, GREEDY)[0]
+    runner = graphs.engine.runner.graphs
+    long_tail = [s for s in stats if s.cuda_graph_size is not None
+                 and s.cuda_graph_splits == runner.long_tail_splits.get(s.cuda_graph_size)]
+    assert long_tail and all(s.cuda_graph_splits > runner.num_splits[s.cuda_graph_size] for s in long_tail)
+
+
 def test_seeded_sampling_ignores_batch_mates_graphs_and_engines(graph_and_eager):
     graphs, eager = graph_and_eager
     prompts = _prompts(5, seed=99)
