@@ -16,8 +16,11 @@ Prints the results as JSON and writes ``<out-dir>/kernels-<gpu>-<date>.json``. `
 times tuning variants instead (tile sizes, warps, stages, split counts), writes
 ``<out-dir>/sweep.json`` and prints the best ones; ``--sweep focus`` times only the curated
 variants of the 16x2048 shape (:data:`FOCUS_VARIANTS`), each beside SDPA, in about a minute.
+``--long-tail`` times decode batches with and without a long tail (one 3500-token context among
+400-token ones) at the two split counts a CUDA graph of their size may have
+(``engine/cuda_graphs.py``) and writes ``<out-dir>/kernels_long_tail-<gpu>-<date>.json``.
 
-Usage: python bench/kernels.py [--sweep [focus | NxCTX ...]] [--out-dir DIR]
+Usage: python bench/kernels.py [--sweep [focus | NxCTX ...] | --long-tail] [--out-dir DIR]
 """
 
 from __future__ import annotations
@@ -39,7 +42,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from bench.common import copy_bandwidth_tbps, gpu_tag, write_result  # noqa: E402
 import kernels.reference as reference  # noqa: E402
-from kernels.decode_attention import MIN_SPLIT_TOKENS, launch_paged_decode, num_kv_splits  # noqa: E402
+from kernels.decode_attention import MIN_SPLIT_TOKENS, launch_paged_decode, long_tail_splits, num_kv_splits  # noqa: E402
 from kernels.prefill_attention import launch_paged_prefill  # noqa: E402
 
 Q_HEADS, KV_HEADS, HEAD_DIM, DTYPE = 32, 8, 128, torch.bfloat16
@@ -212,6 +215,36 @@ def bench_decode(metrics: dict, gen: torch.Generator) -> None:
         del sets
 
 
+LONG_TAIL_BATCHES = [8, 16, 32, 64]
+LONG_TAIL_BOUND = 8192  # the max_model_len a graph's split count is computed at (Llama-3-8B's)
+LONG_TAIL_MIXES = {"long_tail": lambda n: [3500] + [400] * (n - 1), "short": lambda n: [400] * n,
+                   "uniform2000": lambda n: [2000] * n}
+
+
+def bench_long_tail(metrics: dict, gen: torch.Generator) -> None:
+    """Each batch of :data:`LONG_TAIL_BATCHES` with each context mix of :data:`LONG_TAIL_MIXES`,
+    at its graph's own split count (``num_kv_splits`` at :data:`LONG_TAIL_BOUND`) and at
+    ``long_tail_splits``: ``long_tail_us_{batch}_{mix}_{own|long_tail}``, and their ratio
+    ``long_tail_speedup_{batch}_{mix}`` (own over long-tail time)."""
+    sms = torch.cuda.get_device_properties(0).multi_processor_count
+    long_tail = long_tail_splits(KV_HEADS, sms)
+    for num_seqs in LONG_TAIL_BATCHES:
+        own = num_kv_splits(num_seqs, KV_HEADS, LONG_TAIL_BOUND, sms)
+        sets = _input_sets(num_seqs, 3504, 16, gen)
+        for mix, lengths in LONG_TAIL_MIXES.items():
+            for inp in sets:
+                inp.seq_lens.copy_(torch.tensor(lengths(num_seqs), dtype=torch.int32))
+            tag = f"{num_seqs}_{mix}"
+            for label, splits in (("own", own), ("long_tail", long_tail)):
+                ms = _graph_ms(sets, lambda s, n=splits: _paged(s, num_splits=n))
+                metrics[f"long_tail_us_{tag}_{label}"] = ms * 1e3
+            metrics[f"long_tail_speedup_{tag}"] = metrics[f"long_tail_us_{tag}_own"] / metrics[f"long_tail_us_{tag}_long_tail"]
+            print(f"decode {num_seqs} seqs, {mix}: {own} splits {metrics[f'long_tail_us_{tag}_own']:.1f} µs, "
+                  f"{long_tail} splits {metrics[f'long_tail_us_{tag}_long_tail']:.1f} µs", flush=True)
+        del sets
+        torch.cuda.empty_cache()
+
+
 class PrefillInputs:
     """One sequence: ``cached`` tokens already in the cache plus a chunk of new ones (written)."""
 
@@ -335,6 +368,8 @@ def main() -> None:
     parser.add_argument("--sweep", nargs="*", metavar="NxCTX",
                         help="time tuning variants instead (decode at these shapes; all, and prefill, if none "
                              "named; 'focus': the curated 16x2048 variants beside SDPA)")
+    parser.add_argument("--long-tail", action="store_true",
+                        help="time long-tail decode batches at both graph split counts instead")
     parser.add_argument("--out-dir", type=Path, default=Path(__file__).resolve().parent / "results")
     args = parser.parse_args()
     if not torch.cuda.is_available():
@@ -350,6 +385,17 @@ def main() -> None:
         _print_sweep(rows)
         return
     props = torch.cuda.get_device_properties(0)
+    if args.long_tail:
+        metrics = {}
+        bench_long_tail(metrics, gen)
+        workload = {"dtype": "bfloat16", "num_q_heads": Q_HEADS, "num_kv_heads": KV_HEADS, "head_dim": HEAD_DIM,
+                    "block_size": 16, "batches": LONG_TAIL_BATCHES, "split_bound": LONG_TAIL_BOUND,
+                    "mixes": {mix: lengths(4) for mix, lengths in LONG_TAIL_MIXES.items()},
+                    "sm_count": props.multi_processor_count, "timing": "median of CUDA-graph replays"}
+        path = write_result("kernels_long_tail", {k: round(v, 6) for k, v in metrics.items()}, workload,
+                            tag=gpu_tag(props.name), out_dir=args.out_dir, gpu=props.name)
+        print(f"wrote {path}")
+        return
     metrics: dict[str, float] = {"d2d_copy_tbps": copy_bandwidth_tbps()}
     print(f"{props.name}: device-to-device copy {metrics['d2d_copy_tbps']:.2f} TB/s", flush=True)
     bench_decode(metrics, gen)
