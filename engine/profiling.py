@@ -111,6 +111,15 @@ def device_used_bytes(device: torch.device) -> int:
     return total - free
 
 
+def kv_cache_room(budget_left: int, free: int, peaks: int) -> int:
+    """Bytes the KV cache may take: what is left of this engine's budget (``budget_left``) or,
+    when the device has less free (other processes hold the rest), the free memory less
+    ``NON_TORCH_BYTES`` (the CUDA graphs, streams and NCCL buffers made after this measurement
+    need room outside the budget's margin, which is then gone), less the measured activation
+    and graph-pool ``peaks`` (<= 0: nothing is left)."""
+    return min(budget_left, free - NON_TORCH_BYTES) - peaks
+
+
 def profile_memory(model: torch.nn.Module, config: EngineConfig, dtype: torch.dtype, device: torch.device,
                    cuda_graph_batch_sizes: list[int], others_bytes: int) -> MemoryProfile:
     """Measure the largest step's activation peak (and the decode graphs' pool) and size the
@@ -151,7 +160,7 @@ def profile_memory(model: torch.nn.Module, config: EngineConfig, dtype: torch.dt
     # what this process's allocator holds plus NON_TORCH_BYTES bounds it.
     reserved = torch.cuda.memory_reserved(device)
     used = max(0, min(total - free - others_bytes, reserved + NON_TORCH_BYTES))
-    kv_cache_bytes = min(budget - used, free) - activation - graph
+    kv_cache_bytes = kv_cache_room(budget - used, free, activation + graph)
     profile = MemoryProfile(total_bytes=total, budget_bytes=budget, others_bytes=others_bytes, used_bytes=used,
                             activation_bytes=activation, cuda_graph_bytes=graph, kv_cache_bytes=kv_cache_bytes)
     gib = 2**30
