@@ -42,7 +42,9 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from bench.common import copy_bandwidth_tbps, gpu_tag, write_result  # noqa: E402
 import kernels.reference as reference  # noqa: E402
-from kernels.decode_attention import MIN_SPLIT_TOKENS, launch_paged_decode, long_tail_splits, num_kv_splits  # noqa: E402
+from kernels.decode_attention import (  # noqa: E402
+    MIN_SPLIT_TOKENS, launch_paged_decode, long_tail_splits, num_kv_splits,
+)
 from kernels.prefill_attention import launch_paged_prefill  # noqa: E402
 
 Q_HEADS, KV_HEADS, HEAD_DIM, DTYPE = 32, 8, 128, torch.bfloat16
@@ -238,9 +240,10 @@ def bench_long_tail(metrics: dict, gen: torch.Generator) -> None:
             for label, splits in (("own", own), ("long_tail", long_tail)):
                 ms = _graph_ms(sets, lambda s, n=splits: _paged(s, num_splits=n))
                 metrics[f"long_tail_us_{tag}_{label}"] = ms * 1e3
-            metrics[f"long_tail_speedup_{tag}"] = metrics[f"long_tail_us_{tag}_own"] / metrics[f"long_tail_us_{tag}_long_tail"]
-            print(f"decode {num_seqs} seqs, {mix}: {own} splits {metrics[f'long_tail_us_{tag}_own']:.1f} µs, "
-                  f"{long_tail} splits {metrics[f'long_tail_us_{tag}_long_tail']:.1f} µs", flush=True)
+            own_us, long_tail_us = metrics[f"long_tail_us_{tag}_own"], metrics[f"long_tail_us_{tag}_long_tail"]
+            metrics[f"long_tail_speedup_{tag}"] = own_us / long_tail_us
+            print(f"decode {num_seqs} seqs, {mix}: {own} splits {own_us:.1f} µs, "
+                  f"{long_tail} splits {long_tail_us:.1f} µs", flush=True)
         del sets
         torch.cuda.empty_cache()
 

@@ -160,8 +160,8 @@ class ModelRunner:
 
     def _run(self, inputs: StepInputs, graph: tuple[int, int] | None, block_copies) -> torch.Tensor | None:
         """Copy blocks (copy-on-write), run the forward (the replay of ``graph``, a ``(batch size,
-        split count)`` of :meth:`CUDAGraphRunner.variants`, or eagerly) and the logits head; returns ``[len(logits_indices), vocab]`` float32 logits (``None`` when
-        nothing samples)."""
+        split count)`` of :meth:`CUDAGraphRunner.variants`, or eagerly) and the logits head;
+        returns ``[len(logits_indices), vocab]`` float32 logits (``None`` when nothing samples)."""
         for src, dst in block_copies:
             self.kv_cache.tensor[dst].copy_(self.kv_cache.tensor[src])
         num_sampled = inputs.logits_indices.shape[0]

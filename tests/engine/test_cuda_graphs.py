@@ -125,13 +125,15 @@ def test_a_long_tail_is_one_long_context_among_short_ones():
 @torch.inference_mode()
 def test_a_long_tail_batch_replays_its_graph_with_more_splits(tmp_path):
     # One KV head: on the CPU (4 SMs to the kernels) a batch of 4 gets 1 split, its long-tail graph 2.
-    make_hf_model(transformers.LlamaConfig, dict(max_position_embeddings=2048, num_key_value_heads=1)).save_pretrained(tmp_path)
+    model = make_hf_model(transformers.LlamaConfig, dict(max_position_embeddings=2048, num_key_value_heads=1))
+    model.save_pretrained(tmp_path)
     engine = LLMEngine(str(tmp_path), EngineConfig(block_size=16, num_blocks=160, max_num_batched_tokens=2048))
     params = SamplingParams(max_tokens=4, temperature=0, ignore_eos=True)
     engine.add_request("long", [(3 * j) % 90 + 2 for j in range(1100)], params)
     for i in range(3):
         engine.add_request(f"short{i}", [(7 * i + j) % 90 + 2 for j in range(10 + i)], params)
-    while engine.scheduler.waiting or any(s.num_computed_tokens < s.num_prompt_tokens for s in engine.scheduler.running):
+    while engine.scheduler.waiting or any(s.num_computed_tokens < s.num_prompt_tokens
+                                          for s in engine.scheduler.running):
         engine.step()
     step = engine.scheduler.schedule()
     graphs = CUDAGraphRunner(engine.model, engine.kv_cache, [1, 2, 4], engine.runner.max_blocks_per_seq,
