@@ -1,16 +1,25 @@
-"""A step's input tensors, built on the host into persistent buffers and copied to the device once.
+"""A step's input tensors, built on the host into persistent buffers and copied to the device at once.
 
-The buffers are allocated once (pinned on the host when the device is CUDA, so each copy is an
-asynchronous DMA) and reused every step: no per-step allocation, fixed device addresses (what a
-CUDA graph replays from), and a block-table width fixed at ``cdiv(max_model_len, block_size)``
-so that the kernels' stride arguments never change. Only entries a kernel reads are written:
-a block-table row past its sequence's blocks keeps stale (valid) block ids that no kernel reads,
-and a row whose table did not change since the last step is not written again.
+The buffers are views of one host allocation (pinned when the device is CUDA, so the copy is an
+asynchronous DMA) and one device allocation, made once and reused every step: no per-step
+allocation, fixed device addresses (what a CUDA graph replays from), and a block-table width
+fixed at ``cdiv(max_model_len, block_size)`` so that the kernels' stride arguments never change.
+Only entries a kernel reads are written: a block-table row past its sequence's blocks keeps
+stale (valid) block ids that no kernel reads, and a row whose table did not change since the
+last step is not written again.
+
+The block tables come last, so a step's inputs are one prefix of the allocation and go to the
+device in one copy: every copy is a call that gives up the GIL and has to win it back, and on a
+decode worker (two H200s, Llama-3-8B shape) one copy per input took 0.25 ms of each step's launch
+and 1.2 ms in the step a request joined in, while the event loop was busy with that request. The
+prefix carries every token input at its full size (five int64 arrays of ``max_num_tokens``): at
+most a few hundred KB, microseconds of DMA.
 """
 
 from __future__ import annotations
 
 import dataclasses
+import math
 from dataclasses import dataclass
 
 import numpy as np
@@ -60,10 +69,15 @@ class _StepShape:
     max_decode_seq_len: int
 
 
+# Byte alignment of each input in the allocations (that of a CUDA allocation).
+_ALIGN = 256
+
+
 @dataclass
 class Buffer:
     """One input: a NumPy view (``host``) of a host tensor (``staging``, pinned on CUDA) and the
-    device tensor it is copied to (the same tensor on the CPU)."""
+    device tensor it is copied to (the same tensor on the CPU); both are views of their side's
+    one allocation."""
 
     host: np.ndarray
     staging: torch.Tensor
@@ -92,30 +106,30 @@ class InputBuffers:
         self._uploaded: torch.cuda.Event | None = None
         self._allocate(max_num_tokens, max_num_seqs)
 
-    def _buffer(self, shape: tuple[int, ...], dtype: torch.dtype) -> Buffer:
-        staging = torch.zeros(shape, dtype=dtype, pin_memory=self.device.type == "cuda")
-        device = staging if self.device.type == "cpu" else torch.zeros(shape, dtype=dtype, device=self.device)
-        return Buffer(staging.numpy(), staging, device)
-
     def _allocate(self, max_num_tokens: int, max_num_seqs: int) -> None:
         self.max_num_tokens, self.max_num_seqs = max_num_tokens, max_num_seqs
-        self.input_ids = self._buffer((max_num_tokens,), torch.int64)
-        self.positions = self._buffer((max_num_tokens,), torch.int64)
-        self.slot_mapping = self._buffer((max_num_tokens,), torch.int64)
-        self.seq_lens = self._buffer((max_num_seqs,), torch.int32)
-        self.query_start_loc = self._buffer((max_num_seqs + 1,), torch.int32)
-        self.block_tables = self._buffer((max_num_seqs, self.max_blocks_per_seq), torch.int32)
+        t, s = max_num_tokens, max_num_seqs
+        # Block tables last: a step's copy is the prefix that ends with its last row.
+        specs = [((t,), torch.int64)] * 5 + [((s,), torch.int32), ((s + 1,), torch.int32),
+                                             ((s, self.max_blocks_per_seq), torch.int32)]
+        sizes = [cdiv(math.prod(shape) * dtype.itemsize, _ALIGN) * _ALIGN for shape, dtype in specs]
+        self._staging = torch.zeros(sum(sizes), dtype=torch.uint8, pin_memory=self.device.type == "cuda")
+        self._device = (self._staging if self.device.type == "cpu"
+                        else torch.zeros(sum(sizes), dtype=torch.uint8, device=self.device))
+        buffers = []
+        offset = 0
+        for (shape, dtype), size in zip(specs, sizes):
+            nbytes = math.prod(shape) * dtype.itemsize
+            staging = self._staging[offset:offset + nbytes].view(dtype).view(shape)
+            device = self._device[offset:offset + nbytes].view(dtype).view(shape)
+            buffers.append(Buffer(staging.numpy(), staging, device))
+            offset += size
+        self._tables_offset = offset - sizes[-1]
+        (self.input_ids, self.positions, self.slot_mapping, self.logits_indices, self.sample_positions,
+         self.seq_lens, self.query_start_loc, self.block_tables) = buffers
         # What each block-table row of the host array holds: a row whose sequence's table is
         # unchanged since the last step (most decode rows) is not rewritten.
         self._rows: list[list[int] | None] = [None] * max_num_seqs
-        self.logits_indices = self._buffer((max_num_tokens,), torch.int64)
-        self.sample_positions = self._buffer((max_num_tokens,), torch.int64)
-
-    @staticmethod
-    def _upload(buffer: Buffer, count: int) -> torch.Tensor:
-        if buffer.device is not buffer.staging:
-            buffer.device[:count].copy_(buffer.staging[:count], non_blocking=True)  # pinned: an asynchronous DMA
-        return buffer.device[:count]
 
     def prepare(self, step: SchedulerOutput, pad_to: int | None = None,
                 max_decode_seq_len: int | None = None) -> StepInputs:
@@ -240,23 +254,26 @@ class InputBuffers:
         """Copy the host arrays of the step described by ``self._shape`` to the device."""
         shape = self._shape
         t, r, n = shape.num_tokens, shape.num_rows, shape.num_sampled
+        if self._device is not self._staging:
+            end = self._tables_offset + r * self.max_blocks_per_seq * 4  # int32 rows
+            self._device[:end].copy_(self._staging[:end], non_blocking=True)  # pinned: an asynchronous DMA
         metadata = AttentionMetadata(
-            slot_mapping=self._upload(self.slot_mapping, t),
-            block_tables=self._upload(self.block_tables, r),
-            seq_lens=self._upload(self.seq_lens, r),
-            query_start_loc=self._upload(self.query_start_loc, r + 1),
+            slot_mapping=self.slot_mapping.device[:t],
+            block_tables=self.block_tables.device[:r],
+            seq_lens=self.seq_lens.device[:r],
+            query_start_loc=self.query_start_loc.device[:r + 1],
             num_decodes=shape.num_decodes,
             max_query_len=shape.max_query_len,
             max_seq_len=shape.max_seq_len,
             max_decode_seq_len=shape.max_decode_seq_len,
         )
         inputs = StepInputs(
-            input_ids=self._upload(self.input_ids, t),
-            positions=self._upload(self.positions, t),
+            input_ids=self.input_ids.device[:t],
+            positions=self.positions.device[:t],
             metadata=metadata,
             sampled=sampled,
-            logits_indices=self._upload(self.logits_indices, n),
-            sample_positions=self._upload(self.sample_positions, n),
+            logits_indices=self.logits_indices.device[:n],
+            sample_positions=self.sample_positions.device[:n],
             num_kv_slots_used=num_kv_slots_used,
             num_kv_slots_allocated=num_kv_slots_allocated,
         )

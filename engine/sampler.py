@@ -55,30 +55,33 @@ class SamplingBatch:
 
     @classmethod
     def from_sequences(cls, seqs: list[Sequence], positions: torch.Tensor) -> SamplingBatch:
-        """Gather the settings of ``seqs`` (one row each) into one host array per dtype and copy
-        each to ``positions``' device once.
+        """Gather the settings of ``seqs`` (one row each) into one host array and copy it to
+        ``positions``' device at once (every copy is a call that gives up the GIL and has to win
+        it back; see :mod:`engine.input_buffers`).
 
         Args:
             seqs: the sampled sequences, in row order.
             positions: ``[len(seqs)]`` int64 on the device, the positions being sampled.
         """
         params = [s.params for s in seqs]
-        floats = np.array([[p.temperature for p in params], [p.top_p for p in params],
-                           [p.min_p for p in params]], dtype=np.float32).reshape(3, len(seqs))
-        ints = np.array([[p.top_k for p in params],
-                         [-1 if p.seed is None else p.seed % _SEED_MODULUS for p in params],
-                         [s.index for s in seqs]], dtype=np.int64).reshape(3, len(seqs))
+        n = len(seqs)
         filtered = [i for i, p in enumerate(params)
                     if not p.greedy and (p.top_k > 0 or p.top_p < 1 or p.min_p > 0)]
-        device = positions.device
-        floats_d = torch.from_numpy(floats).to(device, non_blocking=True)
-        ints_d = torch.from_numpy(ints).to(device, non_blocking=True)
+        ints = np.array([*(p.top_k for p in params),
+                         *(-1 if p.seed is None else p.seed % _SEED_MODULUS for p in params),
+                         *(s.index for s in seqs), *filtered], dtype=np.int64)
+        floats = np.array([[p.temperature for p in params], [p.top_p for p in params],
+                           [p.min_p for p in params]], dtype=np.float32).reshape(3, n)
+        host = np.concatenate([ints.view(np.uint8), floats.view(np.uint8).ravel()])  # int64s first: aligned
+        device = torch.from_numpy(host).to(positions.device, non_blocking=True)
+        ints_d = device[:ints.nbytes].view(torch.int64)
+        floats_d = device[ints.nbytes:].view(torch.float32).view(3, n)
         return cls(
             temperature=floats_d[0], top_p=floats_d[1], min_p=floats_d[2],
-            top_k=ints_d[0], seeds=ints_d[1], sample_indices=ints_d[2], positions=positions,
+            top_k=ints_d[:n], seeds=ints_d[n:2 * n], sample_indices=ints_d[2 * n:3 * n], positions=positions,
             max_logprobs=max(p.logprobs for p in params),
             all_greedy=all(p.greedy for p in params),
-            filter_rows=torch.tensor(filtered, dtype=torch.int64).to(device, non_blocking=True) if filtered else None,
+            filter_rows=ints_d[3 * n:] if filtered else None,
         )
 
 

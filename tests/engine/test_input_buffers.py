@@ -86,3 +86,23 @@ def test_rows_follow_block_table_changes_between_steps():
     step.scheduled[1], step.scheduled[0] = step.scheduled[0], step.scheduled[1]  # rows trade places
     md = buffers.prepare(step).metadata
     assert md.block_tables[0, :3].tolist() == [1, 8, 2] and md.block_tables[1, :2].tolist() == [7, 11]
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
+def test_one_copy_brings_every_input_to_the_gpu():
+    """The device inputs equal the CPU's, for a step of four rows and then a padded one of two
+    (the copy ends with the step's last block-table row)."""
+    cpu = InputBuffers(16, 8, 4, BS, torch.device("cpu"))
+    gpu = InputBuffers(16, 8, 4, BS, torch.device("cuda"))
+    d0 = _seq("d0", range(10, 16), 5, [7, 3])
+    single = SchedulerOutput(scheduled=[ScheduledSequence(d0, 1)], num_decodes=1)
+    for step, pad_to in ((_mixed_step()[0], None), (single, 2)):
+        want, got = cpu.prepare(step, pad_to=pad_to), gpu.prepare(step, pad_to=pad_to)
+        for name in ("input_ids", "positions", "logits_indices", "sample_positions"):
+            assert getattr(got, name).device.type == "cuda"
+            assert getattr(got, name).tolist() == getattr(want, name).tolist(), name
+        for name in ("slot_mapping", "seq_lens", "query_start_loc"):
+            assert getattr(got.metadata, name).tolist() == getattr(want.metadata, name).tolist(), name
+        tables = [s.seq.block_table for s in step.scheduled]
+        assert [row[:len(t)] for row, t in zip(got.metadata.block_tables.tolist(), tables)] == tables
