@@ -92,8 +92,8 @@ class CUDAGraphRunner:
         dtype = next(model.parameters()).dtype
         self.hidden = torch.empty(self.max_batch_size, hidden_size, dtype=dtype, device=device)
         self.graphs: dict[tuple[int, int], torch.cuda.CUDAGraph] = {}  # by (batch size, split count)
-        from kernels._launch import sm_count
-        from kernels.decode_attention import long_tail_splits, num_kv_splits  # (Triton is optional; graphs run on CUDA)
+        from kernels.decode_attention import (  # (Triton is optional; graphs run on CUDA)
+            long_tail_splits, num_kv_splits, sm_count)
 
         num_kv_heads = kv_cache.tensor.shape[1]
         num_sms = sm_count(device)

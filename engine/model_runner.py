@@ -127,7 +127,7 @@ class ModelRunner:
             buffers = self.buffers if graph_size is None else self.graphs.buffers
             copies = np.asarray(step.block_copies, dtype=np.int64).reshape(-1)
             self.broadcast(np.concatenate([[graph_size or 0, len(step.block_copies)], copies, buffers.pack()]))
-        graph = None if graph_size is None else (graph_size, self.graphs.splits_for(graph_size))
+        graph = self._graph(graph_size)
         prepared = time.perf_counter()
         logits = self._run(inputs, graph, step.block_copies)
         sampling_start = time.perf_counter()
@@ -156,7 +156,12 @@ class ModelRunner:
         copies = packed[2:2 + 2 * num_copies].reshape(-1, 2).tolist()
         buffers = self.buffers if graph_size == 0 else self.graphs.buffers
         inputs = buffers.load(packed[2 + 2 * num_copies:])
-        self._run(inputs, (graph_size, self.graphs.splits_for(graph_size)) if graph_size else None, copies)
+        self._run(inputs, self._graph(graph_size or None), copies)
+
+    def _graph(self, graph_size: int | None) -> tuple[int, int] | None:
+        """The ``(batch size, split count)`` graph that runs the prepared (or loaded) step of
+        ``graph_size`` rows (``None``: eager)."""
+        return None if graph_size is None else (graph_size, self.graphs.splits_for(graph_size))
 
     def _run(self, inputs: StepInputs, graph: tuple[int, int] | None, block_copies) -> torch.Tensor | None:
         """Copy blocks (copy-on-write), run the forward (the replay of ``graph``, a ``(batch size,
