@@ -255,7 +255,7 @@ class InputBuffers:
         shape = self._shape
         t, r, n = shape.num_tokens, shape.num_rows, shape.num_sampled
         if self._device is not self._staging:
-            end = self._tables_offset + r * self.max_blocks_per_seq * 4  # int32 rows
+            end = self._tables_offset + r * self.max_blocks_per_seq * torch.int32.itemsize
             self._device[:end].copy_(self._staging[:end], non_blocking=True)  # pinned: an asynchronous DMA
         metadata = AttentionMetadata(
             slot_mapping=self.slot_mapping.device[:t],
