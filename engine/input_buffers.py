@@ -75,12 +75,11 @@ _ALIGN = 256
 
 @dataclass
 class Buffer:
-    """One input: a NumPy view (``host``) of a host tensor (``staging``, pinned on CUDA) and the
-    device tensor it is copied to (the same tensor on the CPU); both are views of their side's
-    one allocation."""
+    """One input: a NumPy view (``host``) of the host allocation (pinned on CUDA) and the device
+    tensor it is copied to (the same memory on the CPU); both are views of their side's one
+    allocation."""
 
     host: np.ndarray
-    staging: torch.Tensor
     device: torch.Tensor
 
 
@@ -122,7 +121,7 @@ class InputBuffers:
             nbytes = math.prod(shape) * dtype.itemsize
             staging = self._staging[offset:offset + nbytes].view(dtype).view(shape)
             device = self._device[offset:offset + nbytes].view(dtype).view(shape)
-            buffers.append(Buffer(staging.numpy(), staging, device))
+            buffers.append(Buffer(staging.numpy(), device))
             offset += size
         self._tables_offset = offset - sizes[-1]
         (self.input_ids, self.positions, self.slot_mapping, self.logits_indices, self.sample_positions,
