@@ -22,7 +22,10 @@ Metrics (``kv_transfer``): ``nixl_gbps_{16,256,2048}_blocks``, ``grpc_gbps_...``
 ``{transport}_open_ms_{n}_blocks`` (the stream's opening message: off the time to first token
 in a worker, which opens it before the prefill), ``..._send_ms_...`` (the blocks announced or
 written) and ``..._finish_ms_...`` (until the receiver's acknowledgement: with NIXL the read
-itself); the workload names both sides' devices (their TP sizes).
+itself); the workload names both sides' devices (their TP sizes). ``{transport}_ready_ms_{n}_blocks``
+and ``..._ready_gbps_...`` time what a request's first token waits for in a worker: a transfer
+whose blocks become ready 10 ms after its stream opened (as a prefill worker opens it before it
+computes), from the blocks ready to the acknowledgement.
 
 Usage: ``python bench/kv_transfer.py [--device cuda|cpu] [--peer-device cuda:1] [--repeats 5]
 [--transports nixl] [--kv-cache-dtype fp8_e4m3]``
@@ -58,6 +61,9 @@ from protos.tandem.v1 import worker_pb2, worker_pb2_grpc  # noqa: E402
 
 BLOCK_COUNTS = (16, 256, 2048)
 BLOCK_SIZE = 16
+# A worker opens the stream before its prefill, which lasts milliseconds and more: the ``ready``
+# transfers wait this long between opening and sending, so their opening has landed first.
+_PREFILL_S = 0.01
 TRANSPORTS = ("nixl", "grpc")
 
 
@@ -137,26 +143,38 @@ async def measure(address: str, pool: KVPool, nixl: NixlAgent, repeats: int, blo
     metrics = {}
     for transport in transports:
         sender = GrpcKVSender(lambda _: channel, transports=[transport], nixl=nixl, verify_checksums=verify_checksums)
+
+        async def one_transfer(rid: str, count: int, prefill_s: float) -> tuple[float, float, float]:
+            """One transfer of ``count`` blocks whose blocks are ready ``prefill_s`` after the
+            stream opens: the ``(open, send, finish)`` seconds, the pause left out."""
+            admit = await stub.Admit(worker_pb2.AdmitRequest(request_id=rid, prompt_token_ids=[0] * count * BLOCK_SIZE))
+            destination = KVDestination(address, admit.reservation_id, kv_transports=tuple(admit.kv_transports))
+            start = time.perf_counter()
+            async with sender.open(destination, rid) as stream:
+                opened = time.perf_counter()
+                await asyncio.sleep(prefill_s)
+                ready = time.perf_counter()
+                await stream.send(pool, 0, list(range(count)))
+                sent = time.perf_counter()
+                await stream.finish()
+            done = time.perf_counter()
+            await stub.Abort(worker_pb2.AbortRequest(request_id=rid))
+            return opened - start, sent - ready, done - sent
+
         for count in block_counts:
-            times, phases = [], []
+            phases, ready = [], []
             for repeat in range(repeats + 1):  # the first is a warm-up (connection, registration)
-                rid = f"{transport}-{count}-{repeat}"
-                admit = await stub.Admit(worker_pb2.AdmitRequest(request_id=rid, prompt_token_ids=[0] * count * BLOCK_SIZE))
-                destination = KVDestination(address, admit.reservation_id, kv_transports=tuple(admit.kv_transports))
-                start = time.perf_counter()
-                async with sender.open(destination, rid) as transfer:
-                    opened = time.perf_counter()
-                    await transfer.send(pool, 0, list(range(count)))
-                    sent = time.perf_counter()
-                    await transfer.finish()
-                times.append(time.perf_counter() - start)
-                phases.append((opened - start, sent - opened, times[-1] - (sent - start)))
-                await stub.Abort(worker_pb2.AbortRequest(request_id=rid))
-            metrics[f"{transport}_gbps_{count}_blocks"] = round(count * block_nbytes / statistics.median(times[1:]) / 1e9, 3)
+                phases.append(await one_transfer(f"{transport}-{count}-{repeat}", count, 0.0))
+                ready.append(sum((await one_transfer(f"{transport}-{count}-{repeat}-ready", count, _PREFILL_S))[1:]))
+            nbytes = count * block_nbytes
+            metrics[f"{transport}_gbps_{count}_blocks"] = round(nbytes / statistics.median(map(sum, phases[1:])) / 1e9, 3)
             for i, phase in enumerate(("open", "send", "finish")):
                 metrics[f"{transport}_{phase}_ms_{count}_blocks"] = round(
                     statistics.median(p[i] for p in phases[1:]) * 1e3, 3)
-            print(f"{transport:>5} {count:>5} blocks: {metrics[f'{transport}_gbps_{count}_blocks']:8.2f} GB/s", flush=True)
+            metrics[f"{transport}_ready_ms_{count}_blocks"] = round(statistics.median(ready[1:]) * 1e3, 3)
+            metrics[f"{transport}_ready_gbps_{count}_blocks"] = round(nbytes / statistics.median(ready[1:]) / 1e9, 3)
+            print(f"{transport:>5} {count:>5} blocks: {metrics[f'{transport}_gbps_{count}_blocks']:8.2f} GB/s, "
+                  f"{metrics[f'{transport}_ready_gbps_{count}_blocks']:8.2f} from ready", flush=True)
     await channel.close()
     return metrics
 

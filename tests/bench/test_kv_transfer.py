@@ -17,7 +17,9 @@ def test_both_transports_move_blocks_bit_exact_between_two_processes(device: str
     for transport in ("nixl", "grpc"):
         for count in (3, 16):
             assert metrics[f"{transport}_gbps_{count}_blocks"] > 0
-            assert all(metrics[f"{transport}_{phase}_ms_{count}_blocks"] > 0 for phase in ("open", "send", "finish"))
+            assert all(metrics[f"{transport}_{phase}_ms_{count}_blocks"] > 0
+                       for phase in ("open", "send", "finish", "ready"))
+            assert metrics[f"{transport}_ready_gbps_{count}_blocks"] > 0
 
 
 TWO_GPUS = [pytest.mark.gpu, pytest.mark.skipif(torch.cuda.device_count() < 2, reason="needs two CUDA GPUs")]
