@@ -15,12 +15,14 @@ from __future__ import annotations
 
 import asyncio
 import concurrent.futures
+import contextlib
 import functools
 import logging
 import os
 import signal
+import time
 import uuid
-from collections.abc import Callable
+from collections.abc import AsyncIterator, Callable
 from typing import Protocol
 
 import grpc
@@ -38,11 +40,12 @@ from cluster.server import Admission, BindError, ServerScaffold, StartupError
 from cluster.settings import WorkerSettings, advertised_address, setting_name
 from cluster.shutdown import exit_if_shutdown_hangs, shutdown_step
 from cluster.tls import ClientCredentials, PeerRoleInterceptor, server_credentials
-from engine.async_engine import AsyncEngine
+from engine.async_engine import AsyncEngine, EngineDeadError, EngineError
 from engine.devices import device_ids, resolve_device, use_device
 from engine.llm_engine import LLMEngine
 from kvtransfer import GRPC_MESSAGE_OPTIONS, KVPool
 from kvtransfer.nixl import NixlAgent
+from protos.status import StatusError
 
 logger = logging.getLogger(__name__)
 
@@ -88,6 +91,40 @@ def published_config(llm: LLMEngine, kv_transports: list[str]) -> WorkerConfig:
     return WorkerConfig(llm.model_id, llm.config.block_size, llm.max_model_len, llm.kv_cache_dtype,
                         llm.hash_seed, llm.vocab_size, llm.config.tensor_parallel_size, tuple(kv_transports),
                         llm.quantization, llm.config.max_num_batched_tokens, device_ids(llm.kv_pools))
+
+
+@contextlib.asynccontextmanager
+async def request_outcome(method: str, metrics: WorkerMetrics,
+                          context: grpc.aio.ServicerContext) -> AsyncIterator[float]:
+    """Around a worker's request RPC (``Prefill``, ``Decode``): answer its failure with a gRPC
+    status and count the call by ``method`` and status (``WorkerMetrics.requests``, its seconds in
+    ``WorkerMetrics.e2e``). Yields the call's start (``time.perf_counter``, seconds).
+
+    A ``StatusError`` is answered with its own code (logged); an ``EngineError`` with
+    ``UNAVAILABLE`` when the engine died (its worker is going away: the gateway retries or
+    resumes the request on another worker), else ``INTERNAL``; a cancellation (the caller gone,
+    its deadline) is counted as ``CANCELLED`` and goes on.
+
+    Raises:
+        grpc.aio.AbortError: through ``context.abort``, for the failures above.
+    """
+    start, status = time.perf_counter(), "OK"
+    try:
+        yield start
+    except StatusError as exc:
+        status = exc.code.name
+        logger.info("%s failed: %s", method, exc)
+        await context.abort(exc.code, exc.message)
+    except EngineError as exc:
+        code = grpc.StatusCode.UNAVAILABLE if isinstance(exc, EngineDeadError) else grpc.StatusCode.INTERNAL
+        status = code.name
+        await context.abort(code, str(exc))
+    except (asyncio.CancelledError, GeneratorExit):  # (GeneratorExit: a streaming handler closed)
+        status = "CANCELLED"
+        raise
+    finally:
+        metrics.requests.labels(method, status).inc()
+        metrics.e2e.labels(method).observe(time.perf_counter() - start)
 
 
 class WorkerServicer(Protocol):

@@ -29,8 +29,8 @@ from cluster.translate import (
     check_cache_salt, check_prompt_ids, check_request_id, finish_reason_to_proto, sampling_params_from_proto,
     token_logprobs, worker_config_to_proto,
 )
-from cluster.worker import Admission, kv_transport, published_config
-from engine.async_engine import AsyncEngine, EngineDeadError, EngineError
+from cluster.worker import Admission, kv_transport, published_config, request_outcome
+from engine.async_engine import AsyncEngine
 from engine.block_hash import prompt_key
 from engine.block_pool import NoFreeBlocksError
 from engine.outputs import RequestOutput
@@ -137,9 +137,8 @@ class DecodeServicer(worker_pb2_grpc.DecodeWorkerServicer):
 
     async def Decode(self, request: worker_pb2.DecodeRequest, context):  # noqa: N802
         request_id = request.request_id
-        start, status = time.perf_counter(), "OK"
         with self.admission.track():
-            try:
+            async with request_outcome("Decode", self.metrics, context) as start:
                 prompt, params, first = self._validate(request)
                 request_id_var.set(request_id)
                 if request_id in self._decoding:
@@ -159,20 +158,6 @@ class DecodeServicer(worker_pb2_grpc.DecodeWorkerServicer):
                         yield response
                 finally:
                     self._decoding.discard(request_id)
-            except StatusError as exc:
-                status = exc.code.name
-                logger.info("decode failed: %s", exc)
-                await context.abort(exc.code, exc.message)
-            except EngineError as exc:  # a dead engine (its worker is going away) is resumed elsewhere
-                code = grpc.StatusCode.UNAVAILABLE if isinstance(exc, EngineDeadError) else grpc.StatusCode.INTERNAL
-                status = code.name
-                await context.abort(code, str(exc))
-            except (asyncio.CancelledError, GeneratorExit):
-                status = "CANCELLED"
-                raise
-            finally:
-                self.metrics.requests.labels("Decode", status).inc()
-                self.metrics.e2e.labels("Decode").observe(time.perf_counter() - start)
 
     async def Abort(self, request: worker_pb2.AbortRequest, context):  # noqa: N802
         try:

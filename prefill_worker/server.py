@@ -36,8 +36,8 @@ from cluster.translate import (
     token_logprobs, worker_config_to_proto,
 )
 from cluster.tls import role_name
-from cluster.worker import Admission, kv_transport, published_config, worker_tls
-from engine.async_engine import AsyncEngine, EngineDeadError, EngineError
+from cluster.worker import Admission, kv_transport, published_config, request_outcome, worker_tls
+from engine.async_engine import AsyncEngine
 from engine.sampling_params import SamplingParams
 from kvtransfer import GRPC_MESSAGE_OPTIONS, BlockLayout, GrpcKVSender, KVDestination, KVPool, KVSender
 from protos.status import StatusError
@@ -110,8 +110,7 @@ class PrefillServicer(worker_pb2_grpc.PrefillWorkerServicer):
     # ----------------------------------------------------------------- RPCs
     async def Prefill(self, request: worker_pb2.PrefillRequest, context: grpc.aio.ServicerContext):  # noqa: N802
         request_id = request.request_id
-        start, status = time.perf_counter(), "OK"
-        try:
+        async with request_outcome("Prefill", self.metrics, context) as start:
             self.admission.check()
             with self.admission.track():
                 prompt, params, destination = self._validate(request)
@@ -133,20 +132,6 @@ class PrefillServicer(worker_pb2_grpc.PrefillWorkerServicer):
                     raise StatusError(grpc.StatusCode.ABORTED, f"request {request_id!r} was aborted") from None
                 finally:
                     self._tasks.pop(request_id, None)
-        except StatusError as exc:
-            status = exc.code.name
-            logger.info("prefill failed: %s", exc)
-            await context.abort(exc.code, exc.message)
-        except EngineError as exc:  # a dead engine (its worker is going away) is retried elsewhere
-            code = grpc.StatusCode.UNAVAILABLE if isinstance(exc, EngineDeadError) else grpc.StatusCode.INTERNAL
-            status = code.name
-            await context.abort(code, str(exc))
-        except asyncio.CancelledError:
-            status = "CANCELLED"
-            raise
-        finally:
-            self.metrics.requests.labels("Prefill", status).inc()
-            self.metrics.e2e.labels("Prefill").observe(time.perf_counter() - start)
 
     async def Abort(self, request: worker_pb2.AbortRequest, context):  # noqa: N802
         try:
