@@ -38,8 +38,10 @@ only; ``mixed``: prompt chunks beside decodes; ``prefill``: chunks only), read f
 ``tandem_engine_step*`` counters: ``service_{role}_{kind}_steps``, their mean
 ``service_{role}_{kind}_step_ms``, and ``service_{role}_engine_busy_fraction`` (the steps' time
 over the run's time and the role's workers; role ``prefill`` or ``decode``, colocated workers
-being decode workers); the offline engine's own (``offline_...``) beside them; and the gateway's
-prefill placements by decision, ``placements_{kind}`` (``tandem_gateway_placements``).
+being decode workers); the offline engine's own (``offline_...``) beside them; the gateway's
+prefill placements by decision, ``placements_{kind}`` (``tandem_gateway_placements``); and how its
+predictions of those prefills' times fared (``prefill_prediction_ratio_mean``, measured over
+predicted, and the shares over 1.25 and 2 times: :func:`gateway_metrics`).
 
 Every output is greedy with EOS ignored, so the token counts are exact. One record per
 workload and setting (benchmark ``serving``) goes under ``bench/results/``; ``--setups
@@ -89,6 +91,8 @@ STEP_KINDS = ("decode", "mixed", "prefill")
 # A worker's step counters (cluster.metrics) and the StepTotals field each one counts.
 _STEP_COUNTERS = {"tandem_engine_steps_total": "steps", "tandem_engine_step_seconds_total": "seconds",
                   "tandem_engine_step_tokens_total": "tokens"}
+# The gateway's histogram of its placed prefills' measured over predicted times (gateway.metrics).
+_PREDICTION = "tandem_gateway_prefill_prediction_ratio"
 # Token ids are drawn above this, so that no prompt is made of a tokenizer's special tokens.
 _FIRST_ID = 1000
 
@@ -362,10 +366,40 @@ def worker_step_totals(cluster: LocalCluster) -> dict[str, dict[str, StepTotals]
     return totals
 
 
-def gateway_placements(cluster: LocalCluster) -> Counter[str]:
-    """The gateway's prefill placements since its start, by decision (``tandem_gateway_placements``)."""
-    return Counter({sample.labels["kind"]: sample.value for sample in _metric_samples(cluster.metrics_ports["gateway"])
-                    if sample.name == "tandem_gateway_placements_total"})
+def gateway_counts(samples: Iterator[Sample]) -> Counter[str]:
+    """The gateway's counts since its start among ``samples`` (its ``/metrics`` page): prefill
+    placements by decision, ``placements_{kind}`` (``tandem_gateway_placements``), and the
+    measured-over-predicted times of its placed prefills (``tandem_gateway_prefill_prediction_ratio``),
+    ``predictions``, ``predictions_sum`` and, per bucket's upper bound, ``predictions_le_{bound}``."""
+    counts: Counter[str] = Counter()
+    for sample in samples:
+        if sample.name == "tandem_gateway_placements_total":
+            counts[f"placements_{sample.labels['kind']}"] = sample.value
+        elif sample.name == f"{_PREDICTION}_count":
+            counts["predictions"] = sample.value
+        elif sample.name == f"{_PREDICTION}_sum":
+            counts["predictions_sum"] = sample.value
+        elif sample.name == f"{_PREDICTION}_bucket":
+            counts[f"predictions_le_{float(sample.labels['le']):g}"] = sample.value
+    return counts
+
+
+def gateway_metrics(before: Counter[str], after: Counter[str]) -> dict[str, float]:
+    """A run's placements by decision (``placements_{kind}``) and how the placements' predictions
+    fared, from two readings of :func:`gateway_counts`: ``prefill_predictions`` (prefills whose
+    worker's pace was known), ``prefill_prediction_ratio_mean`` (measured over predicted time;
+    0 when none) and ``prefill_prediction_over_{1.25,2}x_fraction`` (the share that took longer
+    than 1.25 or 2 times the prediction)."""
+    run = Counter(after)
+    run.subtract(before)
+    metrics: dict[str, float] = {f"placements_{kind}": int(run[f"placements_{kind}"]) for kind in PLACEMENT_KINDS}
+    count = run["predictions"]
+    metrics["prefill_predictions"] = int(count)
+    metrics["prefill_prediction_ratio_mean"] = round(run["predictions_sum"] / count, 4) if count else 0.0
+    for bound, name in ((1.25, "1.25"), (2.0, "2")):
+        over = count - run[f"predictions_le_{bound:g}"]
+        metrics[f"prefill_prediction_over_{name}x_fraction"] = round(over / count, 4) if count else 0.0
+    return metrics
 
 
 def offline_run(model: str, load_format: str, requests: list[Request], engine_args: dict) -> dict[str, float]:
@@ -456,7 +490,8 @@ def run_setup(args, setup: str, aim: int, vocab: int) -> dict:
     runs = {}
     try:
         for workload, mode, value, requests in sweep(args, vocab):
-            before, placed_before = worker_step_totals(cluster), gateway_placements(cluster)
+            gateway_page = cluster.metrics_ports["gateway"]
+            before, gateway_before = worker_step_totals(cluster), gateway_counts(_metric_samples(gateway_page))
             if mode == "closed":
                 results, elapsed = asyncio.run(closed_loop(cluster.gateway_addr, requests, int(value)))
             else:
@@ -467,8 +502,7 @@ def run_setup(args, setup: str, aim: int, vocab: int) -> dict:
             for role, count in workers.items():
                 metrics |= {k: round(v, 6) for k, v in step_metrics(
                     f"service_{role}", before.get(role, {}), after.get(role, {}), elapsed * count).items()}
-            placed = gateway_placements(cluster) - placed_before
-            metrics |= {f"placements_{kind}": int(placed[kind]) for kind in PLACEMENT_KINDS}
+            metrics |= gateway_metrics(gateway_before, gateway_counts(_metric_samples(gateway_page)))
             metrics["concurrency" if mode == "closed" else "rate_rps"] = value
             runs[(workload, mode, value)] = (metrics, requests)
             print(f"{label:>9} {workload:>13} {mode}={value:g}: {metrics['service_output_tokens_per_s']:.0f} "
