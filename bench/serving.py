@@ -396,9 +396,9 @@ def gateway_metrics(before: Counter[str], after: Counter[str]) -> dict[str, floa
     count = run["predictions"]
     metrics["prefill_predictions"] = int(count)
     metrics["prefill_prediction_ratio_mean"] = round(run["predictions_sum"] / count, 4) if count else 0.0
-    for bound, name in ((1.25, "1.25"), (2.0, "2")):
+    for bound in (1.25, 2.0):
         over = count - run[f"predictions_le_{bound:g}"]
-        metrics[f"prefill_prediction_over_{name}x_fraction"] = round(over / count, 4) if count else 0.0
+        metrics[f"prefill_prediction_over_{bound:g}x_fraction"] = round(over / count, 4) if count else 0.0
     return metrics
 
 
@@ -487,10 +487,9 @@ def run_setup(args, setup: str, aim: int, vocab: int) -> dict:
     """
     cluster = start_cluster(args, setup, args.slos[aim])
     label = setup_label(setup, aim, args.slos)
-    runs = {}
+    runs, gateway_page = {}, cluster.metrics_ports["gateway"]
     try:
         for workload, mode, value, requests in sweep(args, vocab):
-            gateway_page = cluster.metrics_ports["gateway"]
             before, gateway_before = worker_step_totals(cluster), gateway_counts(_metric_samples(gateway_page))
             if mode == "closed":
                 results, elapsed = asyncio.run(closed_loop(cluster.gateway_addr, requests, int(value)))
