@@ -424,7 +424,8 @@ class Orchestrator:
         """Count a prefill of ``tokens`` prompt tokens in ``worker_id``'s queue while the block
         runs; when the block succeeds, record the worker's pace over the tokens it computed
         meanwhile (the ones queued ahead, and ``tokens`` or what the block sets in the yielded
-        :class:`_Prefill`) and how the placement's prediction fared."""
+        :class:`_Prefill`; net of the decode steps a local one was predicted to ride) and how the
+        placement's prediction fared."""
         prefill, ahead = _Prefill(tokens), self.placement.queued(worker_id)
         self.placement.started(worker_id, tokens)
         started = time.monotonic()
@@ -433,7 +434,7 @@ class Orchestrator:
         finally:
             self.placement.ended(worker_id, tokens)
         elapsed = time.monotonic() - started
-        self.pace.observe(worker_id, ahead + prefill.tokens, elapsed)
+        self.placement.observe_prefill(worker_id, ahead + prefill.tokens, elapsed, placement)
         if placement.predicted_ttft_s:
             metrics.PREFILL_PREDICTION.observe(elapsed / placement.predicted_ttft_s)
 

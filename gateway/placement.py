@@ -9,7 +9,7 @@ prediction, from state this gateway measures on the calls it makes:
 
 - a worker's prefill pace ``p_w``, seconds per prompt token (:class:`PrefillPace`: a prefill
   worker's Prefill calls, a decode worker's local prefills, each over its own tokens and the
-  ones queued ahead of it);
+  ones queued ahead of it; a local prefill's net of the decode steps it rode, below);
 - the prompt tokens this gateway sent each worker to prefill and has not seen done, ``q_w``
   (another gateway's are not seen: with several gateways the queue is underestimated);
 - a decode worker's step time ``s_d``, a moving average of its streams' time per output token.
@@ -20,16 +20,26 @@ same model; its first local prefill measures its own).
 
 TTFT if ``w`` prefills ``n_w`` tokens (the prompt's tokens it does not hold in its prefix
 cache): ``(q_w + n_w) * p_w``. A local prefill of ``n`` tokens on a decode worker that runs
-sequences stretches their steps while it lasts: the engine computes it in chunks of at most
-``c_d`` tokens a step (the step's token budget the decode worker publishes,
-``max_num_batched_tokens``; the whole prompt where it publishes none), so their ITL is
-``s_d + min(n, c_d) * p_d`` for ``ceil(n / c_d)`` steps, and it stalls them by its local TTFT
-in all, ``(q_d + n) * p_d`` (the local prefills queued ahead of it included), which a TPOT
-objective lets them absorb while each stream's slack lasts (:mod:`gateway.decode_slack`: a
-stream whose slack the ``q_d * p_d`` queued ahead already spends is not saved by refusing, and
-does not count;
-``s_d`` the remaining tokens' step time there, a decode worker with no ``s_d`` measured yet is
-not predicted).
+sequences rides its steps: the engine computes it in chunks of at most ``c_d`` tokens a step
+(the step's token budget the decode worker publishes, ``max_num_batched_tokens``; the whole
+prompt where it publishes none), so its running sequences' ITL is ``s_d + min(n, c_d) * p_d``
+for ``ceil(n / c_d)`` steps, and it stalls them by ``(q_d + n) * p_d`` in all (the local
+prefills queued ahead of it included), which a TPOT objective lets them absorb while each
+stream's slack lasts (:mod:`gateway.decode_slack`: a stream whose slack the ``q_d * p_d``
+queued ahead already spends is not saved by refusing, and does not count; ``s_d`` the
+remaining tokens' step time there, a decode worker with no ``s_d`` measured yet is not
+predicted). Its local TTFT adds the steps it rides, the one running as it arrives (half of it
+on average) and ``ceil((q_d + n) / c_d)`` more: ``(q_d + n) * p_d + (ceil((q_d + n) / c_d) + 1/2) * s_d``
+(:attr:`Placement.ride_s`). So ``p_d`` is the marginal cost of a prompt token in a decode step,
+measured net of the ride (a short local prompt's TTFT is mostly the steps it waited for). The
+price is linear in tokens where a step that carries a chunk costs a fixed part more: it runs
+eagerly (the CUDA graphs hold decode-only steps), and on an H200 (Llama-3-8B shape) its launches
+take 20-22 ms whether the chunk is 128 or 1024 tokens, against a 6 ms decode step from a graph
+(``bench/results/step_overhead-h200-20261128T210454Z.json``). The pace measured on short local
+prefills carries that fixed part, so under a 20 ms ITL objective no long prompt is placed on a
+decode worker even with 256-token steps (no ``local_predicted`` placement in
+``serving-h200x2-net256-adaptive-interference-*-20261128T205848Z.json``), as it should be
+while no mixed step fits inside the objective.
 
 The decision (:attr:`Placement.kind`, the ``tandem_gateway_placements`` metric's label):
 
@@ -124,10 +134,14 @@ class Placement:
             (module docstring).
         predicted_ttft_s: the chosen worker's predicted prefill time, seconds (``None``: its
             pace is not measured yet).
+        ride_s: of a local prefill's time, seconds, the decode worker's own steps it is
+            predicted to ride (module docstring; in ``predicted_ttft_s``); ``0`` for a remote
+            one and where nothing runs there.
     """
 
     kind: str
     predicted_ttft_s: float | None = None
+    ride_s: float = 0.0
 
     @property
     def local(self) -> bool:
@@ -189,27 +203,29 @@ class PlacementModel:
         local_pace = self.pace.s_per_token(decode_worker)
         if local_pace is None and remote_worker is not None:
             local_pace = self.pace.s_per_token(remote_worker)  # a prior (module docstring)
-        local_ttft = self._ttft(decode_worker, local_tokens, local_pace)
-        if remote_worker is None:
-            return Placement(LOCAL_ONLY, local_ttft)
-        if self.adaptive and shared_device:
-            return Placement(LOCAL_SHARED, local_ttft)
         # The running sequences' steps wait while the local prefills, this one last, compute:
-        # the stall they absorb is this one's local TTFT.
+        # the stall they absorb is their tokens' time; the prefill waits for their steps too.
+        stall = self._ttft(decode_worker, local_tokens, local_pace)
+        ride_s = self._ride_s(decode_worker, local_tokens, decode_running, decode_step_tokens)
+        local_ttft = None if stall is None else stall + ride_s
+        if remote_worker is None:
+            return Placement(LOCAL_ONLY, local_ttft, ride_s)
+        if self.adaptive and shared_device:
+            return Placement(LOCAL_SHARED, local_ttft, ride_s)
         keeps = self._keeps(decode_worker, decode_running, slo, self._itl(decode_worker, step_tokens, local_pace),
-                            local_ttft, self._ttft(decode_worker, 0, local_pace)) if self.adaptive else None
+                            stall, self._ttft(decode_worker, 0, local_pace)) if self.adaptive else None
         remote_ttft = self.predict_ttft(remote_worker, remote_tokens)
         if local_tokens <= self.local_prefill_max_tokens and (
                 keeps is not False or self._only_local_meets_ttft(slo, local_ttft, remote_ttft)):
-            return Placement(LOCAL_SHORT, local_ttft)
+            return Placement(LOCAL_SHORT, local_ttft, ride_s)
         if not self.adaptive or local_ttft is None or remote_ttft is None or not keeps:
             return Placement(REMOTE, remote_ttft)
         if slo.ttft_s:
-            local = remote_ttft > slo.ttft_s and (local_ttft <= slo.ttft_s or local_ttft < remote_ttft) \
+            sooner = remote_ttft > slo.ttft_s and (local_ttft <= slo.ttft_s or local_ttft < remote_ttft) \
                 or remote_ttft > _TTFT_HEADROOM * slo.ttft_s and local_ttft < self.local_gain * remote_ttft
         else:
-            local = local_ttft < self.local_gain * remote_ttft
-        return Placement(LOCAL_PREDICTED, local_ttft) if local else Placement(REMOTE, remote_ttft)
+            sooner = local_ttft < self.local_gain * remote_ttft
+        return Placement(LOCAL_PREDICTED, local_ttft, ride_s) if sooner else Placement(REMOTE, remote_ttft)
 
     @staticmethod
     def _only_local_meets_ttft(slo: ServiceLevel, local_ttft: float | None, remote_ttft: float | None) -> bool:
@@ -230,6 +246,15 @@ class PlacementModel:
 
     def _ttft(self, worker_id: str, tokens: int, pace: float | None) -> float | None:
         return None if pace is None else (self.queued(worker_id) + tokens) * pace
+
+    def _ride_s(self, decode_worker: str, tokens: int, running: int, step_tokens: int) -> float:
+        """Seconds of ``decode_worker``'s own steps a local prefill of ``tokens`` more prompt
+        tokens waits through while its ``running`` sequences decode (module docstring)."""
+        step_s = self._step_s.get(decode_worker, 0.0)
+        if not running or not step_s:
+            return 0.0
+        queued = self.queued(decode_worker) + tokens
+        return (math.ceil(queued / step_tokens) if step_tokens > 0 else 1) * step_s + step_s / 2
 
     def _itl(self, decode_worker: str, tokens: int, pace: float | None) -> float | None:
         return None if pace is None else self._step_s.get(decode_worker, 0.0) + tokens * pace
@@ -269,6 +294,12 @@ class PlacementModel:
         self._queued[worker_id] -= tokens
         if self._queued[worker_id] <= 0:
             del self._queued[worker_id]
+
+    def observe_prefill(self, worker_id: str, tokens: int, seconds: float, placement: Placement) -> None:
+        """``worker_id`` computed ``tokens`` prompt tokens (the ones queued ahead included) in
+        ``seconds`` for a prefill placed by ``placement``: its pace, net of the decode steps a
+        local prefill was predicted to ride (module docstring)."""
+        self.pace.observe(worker_id, tokens, max(0.0, seconds - placement.ride_s))
 
     def observe_step(self, decode_worker: str, seconds: float) -> None:
         """A stream on ``decode_worker`` took ``seconds`` per output token after its first."""

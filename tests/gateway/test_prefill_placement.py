@@ -174,6 +174,36 @@ def test_a_decode_worker_that_chunks_its_prefills_stretches_each_step_by_one_chu
     assert m.decide(PREFILL, 16, DECODE, 16, 4, ServiceLevel(itl_s=0.03)).kind == REMOTE
 
 
+def test_a_local_prefill_is_measured_net_of_the_decode_steps_it_rode():
+    """A short prompt prefilled beside 64 running sequences (7 ms steps, 256-token chunks) waits
+    for the step running as it arrives and rides one more: 12 ms of TTFT, 1.5 of them for its 100
+    tokens. Taken whole as prefill time (120 us a token), a 256-token chunk would be priced at a
+    whole step of its own and break a 20 ms ITL objective; net of the ride (15 us a token) it
+    does not, and a long prompt the prefill worker would start late is borrowed."""
+    slo = ServiceLevel(ttft_s=0.5, itl_s=0.02)
+    m = model(prefill_s_per_token=40e-6, decode_s_per_token=None, local_prefill_max_tokens=256)
+    m.observe_step(DECODE, 0.007)
+    short = m.decide(PREFILL, 100, DECODE, 100, 64, slo, decode_step_tokens=256)
+    assert short.kind == LOCAL_SHORT and short.ride_s == pytest.approx(0.0105)
+    assert m.decide(PREFILL, 100, DECODE, 100, 0, slo, decode_step_tokens=256).ride_s == 0  # nothing runs there
+    m.observe_prefill(DECODE, 100, 0.012, short)
+    assert m.pace.s_per_token(DECODE) == pytest.approx(15e-6)
+    assert m.predict_itl(DECODE, 256) == pytest.approx(0.007 + 256 * 15e-6)
+    m.started(PREFILL, 10_000)  # remote: 0.52 s
+    long = m.decide(PREFILL, 3000, DECODE, 3000, 64, slo, decode_step_tokens=256)
+    assert long.kind == LOCAL_PREDICTED  # 45 ms of its tokens, riding 12 steps of 7 ms and half of one
+    assert long.predicted_ttft_s == pytest.approx(3000 * 15e-6 + 12.5 * 0.007)
+    remote = m.decide(PREFILL, 3000, DECODE, 3000, 64, slo)  # a decode worker taking 3000 tokens in one step
+    assert remote.kind == REMOTE and remote.ride_s == 0
+    m.observe_prefill(PREFILL, 13_000, 0.52, remote)  # a prefill worker's pace is its calls' time
+    assert m.pace.s_per_token(PREFILL) == pytest.approx(40e-6)
+    gross = model(prefill_s_per_token=40e-6, decode_s_per_token=None, local_prefill_max_tokens=256)
+    gross.observe_step(DECODE, 0.007)
+    gross.started(PREFILL, 10_000)
+    gross.pace.observe(DECODE, 100, 0.012)
+    assert gross.decide(PREFILL, 3000, DECODE, 3000, 64, slo, decode_step_tokens=256).kind == REMOTE
+
+
 def test_a_ttft_objective_keeps_requests_disaggregated_while_the_prefill_worker_meets_it_with_headroom():
     m = model(decode_s_per_token=0.5e-3)  # the decode worker prefills twice as fast
     assert m.decide(PREFILL, 1000, DECODE, 1000, 0, NONE).kind == LOCAL_PREDICTED  # 0.5 s < 0.8 * 1 s
