@@ -1,0 +1,119 @@
+"""What one engine step costs beside a running batch: a decode step, and a mixed step (the same
+decode plus a prompt chunk), each as wall time and as the host time until its device work is
+queued (``on_launched``), with CUDA graphs and eagerly.
+
+A step that carries a prefill chunk runs eagerly (the graphs hold decode-only steps), so where
+the host's launches take longer than the device's work, the chunk's cost is the eager launch
+and not its tokens: this measures which, for the placement model's price of a local prefill
+(:mod:`gateway.placement`). Steps are timed one at a time, the device idle before each (a
+synchronize), the median of ``repeats``.
+
+Usage: ``python bench/step_overhead.py --model llama-3-8b --load-format dummy`` (on a GPU).
+"""
+
+from __future__ import annotations
+
+import argparse
+import gc
+import os
+import statistics
+import sys
+import time
+
+import torch
+
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+
+from bench.common import gpu_tag, machine, write_result  # noqa: E402
+from engine import LLM, SamplingParams  # noqa: E402
+
+_PROMPT_TOKENS = 64  # each running sequence's prompt
+
+
+def _timed_step(engine) -> tuple[float, float]:
+    """One step's wall seconds and the host's seconds until its device work was queued."""
+    launched: list[float] = []
+    start = time.perf_counter()
+    engine.step(on_launched=lambda: launched.append(time.perf_counter()))
+    if torch.cuda.is_available():
+        torch.cuda.synchronize()
+    end = time.perf_counter()
+    return end - start, (launched[0] if launched else end) - start
+
+
+def step_costs(llm: LLM, batch: int, chunk: int, repeats: int = 8) -> dict[str, float]:
+    """Median ``decode_step_ms`` / ``decode_launch_ms`` with ``batch`` sequences decoding, and
+    ``mixed_step_ms`` / ``mixed_launch_ms`` with a ``chunk``-token prompt (one output token)
+    added before each step; the batch is aborted afterwards.
+
+    Raises:
+        ValueError: ``chunk`` above the engine's step budget (the prompt would span steps).
+    """
+    engine = llm.engine
+    if chunk + batch > engine.config.max_num_batched_tokens:
+        raise ValueError(f"chunk={chunk} and batch={batch} exceed max_num_batched_tokens")
+    running = SamplingParams(max_tokens=1 << 20, temperature=0, ignore_eos=True)
+    one = SamplingParams(max_tokens=1, temperature=0, ignore_eos=True)
+    ids = [f"run-{i}" for i in range(batch)]
+    for i, request_id in enumerate(ids):
+        engine.add_request(request_id, [(i * 31 + j) % 1000 + 10 for j in range(_PROMPT_TOKENS)], running)
+    for _ in range(4):  # past the batch's prefill, into steady decode
+        engine.step()
+    metrics = {}
+    for kind, tokens in (("decode", 0), ("mixed", chunk)):
+        walls, hosts = [], []
+        for r in range(repeats):
+            if tokens:
+                engine.add_request(f"chunk-{r}", [(r * 17 + j) % 1000 + 10 for j in range(tokens)], one)
+            wall, host = _timed_step(engine)
+            walls.append(wall)
+            hosts.append(host)
+        metrics[f"{kind}_step_ms"] = round(1e3 * statistics.median(walls), 3)
+        metrics[f"{kind}_launch_ms"] = round(1e3 * statistics.median(hosts), 3)
+    for request_id in ids:
+        engine.abort_request(request_id)
+    while engine.has_unfinished_requests:
+        engine.step()
+    return metrics
+
+
+def step_overhead(model: str, load_format: str, batches: tuple[int, ...], chunks: tuple[int, ...],
+                  repeats: int, max_num_batched_tokens: int) -> dict[str, float]:
+    """:func:`step_costs` for every batch and chunk, keys prefixed ``{graphs|eager}_b{batch}_c{chunk}_``;
+    on a CPU (no CUDA graphs) the eager engine only."""
+    metrics = {}
+    for eager in (False, True) if torch.cuda.is_available() else (True,):
+        llm = LLM(model, load_format=load_format, enforce_eager=eager, max_num_batched_tokens=max_num_batched_tokens)
+        for batch in batches:
+            for chunk in chunks:
+                prefix = f"{'eager' if eager else 'graphs'}_b{batch}_c{chunk}_"
+                metrics |= {prefix + k: v for k, v in step_costs(llm, batch, chunk, repeats).items()}
+        del llm
+        gc.collect()
+        if torch.cuda.is_available():
+            torch.cuda.empty_cache()
+    return metrics
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--model", default="llama-3-8b")
+    parser.add_argument("--load-format", default="dummy")
+    parser.add_argument("--batches", default="1,64", help="running sequences, comma-separated")
+    parser.add_argument("--chunks", default="128,1024", help="prompt tokens of the mixed step, comma-separated")
+    parser.add_argument("--repeats", type=int, default=8)
+    parser.add_argument("--max-num-batched-tokens", type=int, default=2048)
+    args = parser.parse_args()
+    batches = tuple(int(b) for b in args.batches.split(","))
+    chunks = tuple(int(c) for c in args.chunks.split(","))
+    metrics = step_overhead(args.model, args.load_format, batches, chunks, args.repeats, args.max_num_batched_tokens)
+    gpu = torch.cuda.get_device_name() if torch.cuda.is_available() else None
+    keys = {"gpu": gpu} if gpu else {"machine": machine()}
+    write_result("step_overhead", metrics, {"batches": batches, "chunks": chunks, "repeats": args.repeats,
+                                            "prompt_tokens": _PROMPT_TOKENS,
+                                            "max_num_batched_tokens": args.max_num_batched_tokens},
+                 tag=gpu_tag(gpu) if gpu else "cpu", model=args.model, **keys)
+
+
+if __name__ == "__main__":
+    main()
