@@ -9,7 +9,8 @@ prediction, from state this gateway measures on the calls it makes:
 
 - a worker's prefill pace ``p_w``, seconds per prompt token (:class:`PrefillPace`: a prefill
   worker's Prefill calls, a decode worker's local prefills, each over its own tokens and the
-  ones queued ahead of it; a local prefill's net of the decode steps it rode, below);
+  ones queued ahead of it; a decode worker's net of the steps its local prefills rode, below,
+  kept apart from the gross pace the prefill timeouts use);
 - the prompt tokens this gateway sent each worker to prefill and has not seen done, ``q_w``
   (another gateway's are not seen: with several gateways the queue is underestimated);
 - a decode worker's step time ``s_d``, a moving average of its streams' time per output token.
@@ -153,7 +154,8 @@ class PlacementModel:
     """Per-request placement of the prefill (module docstring), and the state it predicts from.
 
     Args:
-        pace: the measured prefill pace per worker (shared with the prefill timeouts).
+        pace: the measured prefill pace per worker, over a call's whole time (shared with the
+            prefill timeouts); a prefill worker's predictions use it.
         local_prefill_max_tokens: at most this many tokens left after the decode worker's
             prefix hit: always prefilled there.
         local_gain: a local prefill is chosen for a shorter prediction only when its predicted
@@ -163,6 +165,8 @@ class PlacementModel:
             a prefill on the decode worker.
 
     Attributes:
+        local_pace: each decode worker's pace on its local prefills net of the decode steps they
+            rode (module docstring); its predictions use it.
         slack: the streams this gateway decodes on each decode worker (the orchestrator counts
             each from its first token to its end), for the TPOT objective.
 
@@ -176,6 +180,7 @@ class PlacementModel:
             raise ValueError(f"local_prefill_max_tokens={local_prefill_max_tokens} must be >= 0 and "
                              f"local_gain={local_gain} in (0, 1]")
         self.pace = pace
+        self.local_pace = PrefillPace(pace.base_s, pace.default_s_per_token)  # its timeouts unused
         self.local_prefill_max_tokens = local_prefill_max_tokens
         self.local_gain = local_gain
         self.adaptive = adaptive
@@ -200,7 +205,7 @@ class PlacementModel:
             shared_device: the prefill worker runs on a GPU the decode worker runs on.
         """
         step_tokens = min(local_tokens, decode_step_tokens) if decode_step_tokens > 0 else local_tokens
-        local_pace = self.pace.s_per_token(decode_worker)
+        local_pace = self.local_pace.s_per_token(decode_worker)
         if local_pace is None and remote_worker is not None:
             local_pace = self.pace.s_per_token(remote_worker)  # a prior (module docstring)
         # The running sequences' steps wait while the local prefills, this one last, compute:
@@ -242,7 +247,7 @@ class PlacementModel:
     def predict_itl(self, decode_worker: str, tokens: int) -> float | None:
         """The decode worker's step time, seconds, while a step of it also prefills ``tokens``
         prompt tokens (``None``: its pace is not measured yet)."""
-        return self._itl(decode_worker, tokens, self.pace.s_per_token(decode_worker))
+        return self._itl(decode_worker, tokens, self.local_pace.s_per_token(decode_worker))
 
     def _ttft(self, worker_id: str, tokens: int, pace: float | None) -> float | None:
         return None if pace is None else (self.queued(worker_id) + tokens) * pace
@@ -297,9 +302,12 @@ class PlacementModel:
 
     def observe_prefill(self, worker_id: str, tokens: int, seconds: float, placement: Placement) -> None:
         """``worker_id`` computed ``tokens`` prompt tokens (the ones queued ahead included) in
-        ``seconds`` for a prefill placed by ``placement``: its pace, net of the decode steps a
-        local prefill was predicted to ride (module docstring)."""
-        self.pace.observe(worker_id, tokens, max(0.0, seconds - placement.ride_s))
+        ``seconds`` for a prefill placed by ``placement``: its pace (:attr:`pace`, what the
+        timeouts allow) and, for a local prefill, its pace net of the decode steps it was
+        predicted to ride (:attr:`local_pace`, module docstring)."""
+        self.pace.observe(worker_id, tokens, seconds)
+        if placement.local:
+            self.local_pace.observe(worker_id, tokens, max(0.0, seconds - placement.ride_s))
 
     def observe_step(self, decode_worker: str, seconds: float) -> None:
         """A stream on ``decode_worker`` took ``seconds`` per output token after its first."""

@@ -16,11 +16,12 @@ NONE = ServiceLevel()
 
 def model(prefill_s_per_token: float | None = 1e-3, decode_s_per_token: float | None = 1e-3,
           local_prefill_max_tokens: int = 16, adaptive: bool = True) -> PlacementModel:
-    pace = PrefillPace(base_s=60, default_s_per_token=0.05)
-    for worker, s_per_token in ((PREFILL, prefill_s_per_token), (DECODE, decode_s_per_token)):
+    m = PlacementModel(PrefillPace(base_s=60, default_s_per_token=0.05), local_prefill_max_tokens, adaptive=adaptive)
+    for pace, worker, s_per_token in ((m.pace, PREFILL, prefill_s_per_token),
+                                      (m.local_pace, DECODE, decode_s_per_token)):
         if s_per_token is not None:
             pace.observe(worker, 1000, 1000 * s_per_token)
-    return PlacementModel(pace, local_prefill_max_tokens, adaptive=adaptive)
+    return m
 
 
 def test_static_overrides_come_first():
@@ -62,7 +63,7 @@ def test_an_unmeasured_decode_worker_is_taken_to_prefill_at_the_prefill_workers_
     assert m.decide(PREFILL, 1000, DECODE, 1000, 4, ServiceLevel(itl_s=0.04)).kind == REMOTE
     chunked = m.decide(PREFILL, 1000, DECODE, 1000, 4, ServiceLevel(itl_s=0.04), decode_step_tokens=16)
     assert chunked.kind == LOCAL_PREDICTED  # 20 + 16 ms a step
-    m.pace.observe(DECODE, 1000, 10.0)  # its own pace, once measured, rules: 10 ms a token
+    m.local_pace.observe(DECODE, 1000, 10.0)  # its own pace, once measured, rules: 10 ms a token
     assert m.decide(PREFILL, 1000, DECODE, 1000, 0, NONE).predicted_ttft_s == pytest.approx(10.0)
 
 
@@ -187,7 +188,8 @@ def test_a_local_prefill_is_measured_net_of_the_decode_steps_it_rode():
     assert short.kind == LOCAL_SHORT and short.ride_s == pytest.approx(0.0105)
     assert m.decide(PREFILL, 100, DECODE, 100, 0, slo, decode_step_tokens=256).ride_s == 0  # nothing runs there
     m.observe_prefill(DECODE, 100, 0.012, short)
-    assert m.pace.s_per_token(DECODE) == pytest.approx(15e-6)
+    assert m.local_pace.s_per_token(DECODE) == pytest.approx(15e-6)
+    assert m.pace.s_per_token(DECODE) == pytest.approx(120e-6)  # the timeouts allow for the whole call
     assert m.predict_itl(DECODE, 256) == pytest.approx(0.007 + 256 * 15e-6)
     m.started(PREFILL, 10_000)  # remote: 0.52 s
     long = m.decide(PREFILL, 3000, DECODE, 3000, 64, slo, decode_step_tokens=256)
@@ -196,11 +198,11 @@ def test_a_local_prefill_is_measured_net_of_the_decode_steps_it_rode():
     remote = m.decide(PREFILL, 3000, DECODE, 3000, 64, slo)  # a decode worker taking 3000 tokens in one step
     assert remote.kind == REMOTE and remote.ride_s == 0
     m.observe_prefill(PREFILL, 13_000, 0.52, remote)  # a prefill worker's pace is its calls' time
-    assert m.pace.s_per_token(PREFILL) == pytest.approx(40e-6)
+    assert m.pace.s_per_token(PREFILL) == pytest.approx(40e-6) and m.local_pace.s_per_token(PREFILL) is None
     gross = model(prefill_s_per_token=40e-6, decode_s_per_token=None, local_prefill_max_tokens=256)
     gross.observe_step(DECODE, 0.007)
     gross.started(PREFILL, 10_000)
-    gross.pace.observe(DECODE, 100, 0.012)
+    gross.local_pace.observe(DECODE, 100, 0.012)
     assert gross.decide(PREFILL, 3000, DECODE, 3000, 64, slo, decode_step_tokens=256).kind == REMOTE
 
 
