@@ -1,7 +1,8 @@
 """Tandem's kernels (paged attention, fused layer ops, sampling): Triton entry points; pure-PyTorch
 references with the same signatures in :mod:`kernels.reference`.
 
-The Triton modules load on first use of an entry point (module ``__getattr__``), so
+The Triton modules load on first use of an entry point (module ``__getattr__``, which then
+binds it here: the layers call the entry points through this package on every launch), so
 ``import kernels.reference`` works where Triton, an optional dependency, is not installed.
 """
 
@@ -26,7 +27,8 @@ def __getattr__(name: str):
     module = _ENTRY_POINTS.get(name)
     if module is None:
         raise AttributeError(f"module 'kernels' has no attribute {name!r}")
-    return getattr(importlib.import_module(module), name)
+    entry = globals()[name] = getattr(importlib.import_module(module), name)  # later calls skip this lookup
+    return entry
 
 
 def __dir__() -> list[str]:
