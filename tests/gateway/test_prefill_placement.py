@@ -177,7 +177,7 @@ def test_a_decode_worker_that_chunks_its_prefills_stretches_each_step_by_one_chu
 
 def test_a_local_prefill_is_measured_net_of_the_decode_steps_it_rode():
     """A short prompt prefilled beside 64 running sequences (7 ms steps, 256-token chunks) waits
-    for the step running as it arrives and rides one more: 12 ms of TTFT, 1.5 of them for its 100
+    for the step running as it arrives and rides one more: 12 ms of TTFT, 1.5 ms of them for its 100
     tokens. Taken whole as prefill time (120 us a token), a 256-token chunk would be priced at a
     whole step of its own and break a 20 ms ITL objective; net of the ride (15 us a token) it
     does not, and a long prompt the prefill worker would start late is borrowed."""
