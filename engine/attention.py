@@ -7,6 +7,7 @@ part (``paged_decode_attention``) and a prefill part (``paged_prefill_attention`
 
 from __future__ import annotations
 
+import functools
 from dataclasses import dataclass
 from types import ModuleType
 
@@ -45,6 +46,12 @@ class AttentionMetadata:
     max_decode_seq_len: int
     num_kv_splits: int | None = None
 
+    @functools.cached_property
+    def prefill_query_start_loc(self) -> torch.Tensor:
+        """``[num_seqs - num_decodes + 1]`` int32 prefix sums of the prefill chunks' new tokens,
+        from 0 (their rows follow the decode rows): one op per step, not one per layer."""
+        return self.query_start_loc[self.num_decodes:] - self.num_decodes
+
 
 class PagedAttentionBackend:
     """Writes new K/V into the cache and attends over it, through one kernel module.
@@ -79,8 +86,29 @@ class PagedAttentionBackend:
         Returns:
             ``[num_tokens, num_q_heads, head_dim]`` in query's dtype.
         """
+        self.write_kv(key, value, k_cache, v_cache, metadata)
+        return self.attend(query, k_cache, v_cache, metadata, scale)
+
+    def rope_attention(self, qkv: torch.Tensor, rope: tuple[torch.Tensor, torch.Tensor],
+                       k_cache: torch.Tensor, v_cache: torch.Tensor, metadata: AttentionMetadata,
+                       num_q_heads: int, scale: float) -> torch.Tensor | None:
+        """RoPE and :meth:`forward` from the fused QKV projection, in fewer launches where this
+        backend has a way for the step: ``qkv`` ``[num_tokens, (num_q_heads + 2 * num_kv_heads) *
+        head_dim]`` and ``rope`` ``(cos, sin)`` (``[num_tokens, 1, head_dim // 2]`` each) ->
+        ``[num_tokens, num_q_heads * head_dim]``; ``None`` when it has none (the caller then applies
+        RoPE and calls :meth:`forward`). Here always: RoPE and the KV write are one kernel
+        (``rotary_write_kv_cache``), then :meth:`attend`."""
+        num_tokens, (_, _, num_kv_heads, head_dim) = qkv.shape[0], k_cache.shape
+        q, k, v = qkv.view(num_tokens, -1, head_dim).split([num_q_heads, num_kv_heads, num_kv_heads], dim=1)
+        query = self.ops.rotary_write_kv_cache(q, k, v, *rope, k_cache, v_cache, metadata.slot_mapping)
+        return self.attend(query, k_cache, v_cache, metadata, scale).view(num_tokens, num_q_heads * head_dim)
+
+    def attend(self, query: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
+               metadata: AttentionMetadata, scale: float) -> torch.Tensor:
+        """The step's attention over the cache, its new K/V already written: ``query``
+        ``[num_tokens, num_q_heads, head_dim]`` -> a new tensor like it (decode rows by
+        :meth:`decode`, prefill rows by :meth:`prefill`)."""
         md = metadata
-        self.write_kv(key, value, k_cache, v_cache, md)
         out = torch.empty_like(query)
         nd = md.num_decodes
         if nd:
@@ -88,15 +116,6 @@ class PagedAttentionBackend:
         if md.max_query_len:
             self.prefill(query[nd:], k_cache, v_cache, md, scale, out[nd:])
         return out
-
-    def rope_decode_attention(self, qkv: torch.Tensor, rope: tuple[torch.Tensor, torch.Tensor],
-                              k_cache: torch.Tensor, v_cache: torch.Tensor, metadata: AttentionMetadata,
-                              num_q_heads: int, scale: float) -> torch.Tensor | None:
-        """RoPE and :meth:`forward` in one fused call, where this backend has one for the step:
-        ``qkv`` ``[num_tokens, (num_q_heads + 2 * num_kv_heads) * head_dim]`` (the fused QKV
-        projection) and ``rope`` ``(cos, sin)`` -> ``[num_tokens, num_q_heads * head_dim]``.
-        ``None`` when it has none: the caller applies RoPE and calls :meth:`forward`. (None here.)"""
-        return None
 
     def write_kv(self, key: torch.Tensor, value: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
                  metadata: AttentionMetadata) -> None:
@@ -109,7 +128,7 @@ class PagedAttentionBackend:
         num_q_heads, head_dim]``, the rows after the decode tokens) into ``out``, like it."""
         md, nd = metadata, metadata.num_decodes
         self.ops.paged_prefill_attention(
-            query, k_cache, v_cache, md.block_tables[nd:], md.query_start_loc[nd:] - nd, md.seq_lens[nd:], scale,
+            query, k_cache, v_cache, md.block_tables[nd:], md.prefill_query_start_loc, md.seq_lens[nd:], scale,
             out=out, max_query_len=md.max_query_len, max_seq_len=md.max_seq_len,
         )
 
@@ -149,9 +168,11 @@ class CpuPagedAttentionBackend(PagedAttentionBackend):
         self._metadata: AttentionMetadata | None = None
         self._plan: _StepPlan | None = None
 
-    def rope_decode_attention(self, qkv: torch.Tensor, rope: tuple[torch.Tensor, torch.Tensor],
-                              k_cache: torch.Tensor, v_cache: torch.Tensor, metadata: AttentionMetadata,
-                              num_q_heads: int, scale: float) -> torch.Tensor | None:
+    def rope_attention(self, qkv: torch.Tensor, rope: tuple[torch.Tensor, torch.Tensor],
+                       k_cache: torch.Tensor, v_cache: torch.Tensor, metadata: AttentionMetadata,
+                       num_q_heads: int, scale: float) -> torch.Tensor | None:
+        """The C call below where it applies (a float32 cache and C kernels), else ``None``: the
+        reference's RoPE and :meth:`forward` then run as the model calls them."""
         if self.cpu_kernels is None or qkv.dtype != torch.float32 or k_cache.dtype != torch.float32:
             return None
         md, nd, (_, _, num_kv_heads, head_dim) = metadata, metadata.num_decodes, k_cache.shape

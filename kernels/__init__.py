@@ -16,6 +16,7 @@ _ENTRY_POINTS = {
     "write_kv_cache": "kernels.cache_write",
     "rms_norm": "kernels.norm",
     "rotary_embedding": "kernels.rotary",
+    "rotary_write_kv_cache": "kernels.rotary",
     "silu_and_mul": "kernels.activation",
     "sample_tokens": "kernels.sampling",
 }

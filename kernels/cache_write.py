@@ -13,6 +13,15 @@ __all__ = ["write_kv_cache"]
 
 
 @triton.jit
+def store_heads(dst, x, offs_h, offs_d, mask, stride_h, stride_d, SATURATE_AT: tl.constexpr):
+    """Store ``x`` ``[BLOCK_H, BLOCK_D]`` (one token's heads) at ``dst`` in the cache's dtype; to
+    fp8 clamped in float32 first, as :func:`kernels.reference.to_cache_dtype`, never NaN."""
+    if SATURATE_AT > 0:
+        x = tl.minimum(tl.maximum(x.to(tl.float32), -SATURATE_AT), SATURATE_AT)
+    tl.store(dst + offs_h * stride_h + offs_d * stride_d, x.to(dst.dtype.element_ty), mask=mask)
+
+
+@triton.jit
 def _write_kv_kernel(
     key_ptr, value_ptr, k_cache_ptr, v_cache_ptr, slot_mapping_ptr,
     stride_kt, stride_kh, stride_kd,
@@ -32,13 +41,16 @@ def _write_kv_kernel(
         mask = (offs_h < NUM_KV_HEADS) & (offs_d < HEAD_DIM)
         k = tl.load(key_ptr + token * stride_kt + offs_h * stride_kh + offs_d * stride_kd, mask=mask)
         v = tl.load(value_ptr + token * stride_vt + offs_h * stride_vh + offs_d * stride_vd, mask=mask)
-        if SATURATE_AT > 0:  # fp8: clamped in float32, as kernels.reference.to_cache_dtype, never NaN
-            k = tl.minimum(tl.maximum(k.to(tl.float32), -SATURATE_AT), SATURATE_AT)
-            v = tl.minimum(tl.maximum(v.to(tl.float32), -SATURATE_AT), SATURATE_AT)
-        k_dst = k_cache_ptr + block * stride_kcb + row * stride_kct + offs_h * stride_kch + offs_d * stride_kcd
-        v_dst = v_cache_ptr + block * stride_vcb + row * stride_vct + offs_h * stride_vch + offs_d * stride_vcd
-        tl.store(k_dst, k.to(k_cache_ptr.dtype.element_ty), mask=mask)
-        tl.store(v_dst, v.to(v_cache_ptr.dtype.element_ty), mask=mask)
+        store_heads(k_cache_ptr + block * stride_kcb + row * stride_kct, k, offs_h, offs_d, mask,
+                     stride_kch, stride_kcd, SATURATE_AT)
+        store_heads(v_cache_ptr + block * stride_vcb + row * stride_vct, v, offs_h, offs_d, mask,
+                     stride_vch, stride_vcd, SATURATE_AT)
+
+
+def saturate_at(cache_dtype: torch.dtype) -> float:
+    """The magnitude a write into a cache of ``cache_dtype`` clamps to: fp8's largest value, else
+    0 (no clamp)."""
+    return FP8_E4M3_MAX if cache_dtype == torch.float8_e4m3fn else 0.0
 
 
 def write_kv_cache(
@@ -79,6 +91,6 @@ def write_kv_cache(
         key, value, k_cache, v_cache, slot_mapping,
         *key.stride(), *value.stride(), *k_cache.stride(), *v_cache.stride(),
         NUM_KV_HEADS=num_kv_heads, HEAD_DIM=head_dim, PAGE=k_cache.shape[1],
-        BLOCK_H=block_h, BLOCK_D=block_d, SATURATE_AT=FP8_E4M3_MAX if k_cache.dtype == torch.float8_e4m3fn else 0.0,
+        BLOCK_H=block_h, BLOCK_D=block_d, SATURATE_AT=saturate_at(k_cache.dtype),
         num_warps=max(1, min(8, block_h * block_d // 256)) if key.device.type == "cuda" else 1,
     )

@@ -17,7 +17,8 @@ import torch
 import torch.nn.functional as F
 
 __all__ = ["paged_decode_attention", "paged_prefill_attention", "rms_norm", "rope_decode_attention",
-           "rotary_embedding", "sample_tokens", "silu_and_mul", "to_cache_dtype", "write_kv_cache"]
+           "rotary_embedding", "rotary_write_kv_cache", "sample_tokens", "silu_and_mul", "to_cache_dtype",
+           "write_kv_cache"]
 
 # The largest finite float8 e4m3 value (e4m3fn has no infinity): what an fp8 cache saturates to.
 FP8_E4M3_MAX = float(torch.finfo(torch.float8_e4m3fn).max)  # 448.0
@@ -225,6 +226,18 @@ def rotary_embedding(
     """
     rotated = _rotate_half(torch.cat([q, k], dim=1), cos, sin)
     return rotated.split([q.shape[1], k.shape[1]], dim=1)
+
+
+def rotary_write_kv_cache(
+    q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
+    k_cache: torch.Tensor, v_cache: torch.Tensor, slot_mapping: torch.Tensor,
+) -> torch.Tensor:
+    """:func:`rotary_embedding` of ``q`` and ``k`` (``[num_tokens, heads, head_dim]``), then
+    :func:`write_kv_cache` of the rotated ``k`` and ``v`` at ``slot_mapping`` (-1 skips);
+    returns the rotated ``q``."""
+    q, k = rotary_embedding(q, k, cos, sin)
+    write_kv_cache(k, v, k_cache, v_cache, slot_mapping)
+    return q
 
 
 def rope_decode_attention(

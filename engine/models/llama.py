@@ -67,8 +67,8 @@ class LlamaAttention(nn.Module):
         num_tokens = hidden.shape[0]
         qkv = self.qkv_proj(hidden)  # [T, (Hq + 2 Hkv) * D]
         if not self.qk_norm:
-            out = self.attn_backend.rope_decode_attention(qkv, rope, k_cache, v_cache, metadata, self.num_heads,
-                                                          self.scale)
+            out = self.attn_backend.rope_attention(qkv, rope, k_cache, v_cache, metadata, self.num_heads,
+                                                   self.scale)
             if out is not None:
                 return self.o_proj(out)
         q, k, v = qkv.split(self.shard_sizes(), dim=-1)

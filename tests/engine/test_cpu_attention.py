@@ -2,9 +2,12 @@
 what the reference backend computes, layer after layer of one step, in float32 and bfloat16, over
 caches of those dtypes and float8 e4m3."""
 
+import dataclasses
+
 import pytest
 import torch
 
+import kernels
 import kernels.reference
 from engine.attention import AttentionMetadata, CpuPagedAttentionBackend, PagedAttentionBackend
 from engine.layers.ops import cpu_kernels
@@ -59,7 +62,7 @@ def test_a_new_step_gets_a_new_plan():
     q = torch.randn(num_tokens, Q_HEADS, HEAD_DIM)
     kv = torch.ones(num_tokens, KV_HEADS, HEAD_DIM)
     backend.forward(q, kv, kv, k_cache, v_cache, metadata, 1.0)
-    moved = AttentionMetadata(**{**metadata.__dict__, "slot_mapping": metadata.slot_mapping + 4})
+    moved = dataclasses.replace(metadata, slot_mapping=metadata.slot_mapping + 4)
     backend.forward(q, 2 * kv, 2 * kv, k_cache, v_cache, moved, 1.0)
     assert k_cache[5, 2].eq(1).all() and k_cache[6, 2].eq(2).all()  # slot 22 from step 1, slot 26 from step 2
 
@@ -81,7 +84,7 @@ def test_a_decode_only_step_runs_rope_and_attention_in_one_c_call():
     rope = (angles.cos(), angles.sin())
     fused = CpuPagedAttentionBackend(kernels_built)
     k_cache, v_cache = (pools[0][:, :, 1, i].transpose(1, 2) for i in (0, 1))
-    out = fused.rope_decode_attention(qkv, rope, k_cache, v_cache, decodes, Q_HEADS, HEAD_DIM ** -0.5)
+    out = fused.rope_attention(qkv, rope, k_cache, v_cache, decodes, Q_HEADS, HEAD_DIM ** -0.5)
     # what the model does without it: RoPE, then the reference backend
     q, k, v = qkv.view(3, -1, HEAD_DIM).split([Q_HEADS, KV_HEADS, KV_HEADS], dim=1)
     q, k = kernels.reference.rotary_embedding(q, k, *rope)
@@ -90,8 +93,8 @@ def test_a_decode_only_step_runs_rope_and_attention_in_one_c_call():
     assert torch.allclose(out, expected.view(3, -1), rtol=1e-5, atol=1e-5)
     assert torch.allclose(pools[0], pools[1], rtol=0, atol=1e-6)
     # no fused call for a bfloat16 cache or without the C kernels
-    assert fused.rope_decode_attention(qkv, rope, k_cache.bfloat16(), v_cache.bfloat16(), decodes, Q_HEADS, 1.0) is None
-    assert CpuPagedAttentionBackend().rope_decode_attention(qkv, rope, k_cache, v_cache, decodes, Q_HEADS, 1.0) is None
+    assert fused.rope_attention(qkv, rope, k_cache.bfloat16(), v_cache.bfloat16(), decodes, Q_HEADS, 1.0) is None
+    assert CpuPagedAttentionBackend().rope_attention(qkv, rope, k_cache, v_cache, decodes, Q_HEADS, 1.0) is None
 
 
 def test_decode_rows_get_the_same_result_with_or_without_prefill_chunks_beside_them():
@@ -113,8 +116,8 @@ def test_decode_rows_get_the_same_result_with_or_without_prefill_chunks_beside_t
     rope = (angles.cos(), angles.sin())
     backend = CpuPagedAttentionBackend(kernels_built)
     views = [tuple(p[:, :, 0, i].transpose(1, 2) for i in (0, 1)) for p in pools]
-    mixed = backend.rope_decode_attention(qkv, rope, *views[0], full, Q_HEADS, HEAD_DIM ** -0.5)
-    alone = backend.rope_decode_attention(qkv[:3], (rope[0][:3], rope[1][:3]), *views[1], decodes, Q_HEADS,
+    mixed = backend.rope_attention(qkv, rope, *views[0], full, Q_HEADS, HEAD_DIM ** -0.5)
+    alone = backend.rope_attention(qkv[:3], (rope[0][:3], rope[1][:3]), *views[1], decodes, Q_HEADS,
                                           HEAD_DIM ** -0.5)
     assert torch.equal(mixed[:3], alone)
     q, k, v = qkv.view(num_tokens, -1, HEAD_DIM).split([Q_HEADS, KV_HEADS, KV_HEADS], dim=1)
@@ -122,3 +125,27 @@ def test_decode_rows_get_the_same_result_with_or_without_prefill_chunks_beside_t
     expected = PagedAttentionBackend(kernels.reference).forward(q, k, v, *views[2], full, HEAD_DIM ** -0.5)
     assert torch.equal(mixed[3:], expected[3:].reshape(num_tokens - 3, -1))
     assert torch.allclose(pools[0], pools[2], rtol=0, atol=1e-6)  # every token's K/V written, nothing else
+
+
+@pytest.mark.parametrize("ops", [kernels.reference, kernels], ids=["reference", "triton"])
+@pytest.mark.parametrize("kv_dtype", [torch.float32, FP8])
+def test_rope_attention_from_the_fused_projection_equals_rope_then_forward(ops, kv_dtype):
+    """The backend's one call (RoPE fused with the KV write, then attention) over a step of
+    decodes and a prefill chunk gives the output and cache bytes of RoPE, then :meth:`forward`."""
+    metadata, num_tokens = _step()
+    generator = torch.Generator().manual_seed(3)
+    qkv = torch.randn(num_tokens, (Q_HEADS + 2 * KV_HEADS) * HEAD_DIM, generator=generator)
+    angles = torch.rand(num_tokens, 1, HEAD_DIM // 2, generator=generator) * 50
+    rope = angles.cos(), angles.sin()
+    pool = torch.randn(NUM_BLOCKS, BLOCK_SIZE, 2, KV_HEADS, HEAD_DIM, generator=generator).to(kv_dtype)
+    pools, before = [pool, pool.clone()], pool.clone()
+    backend = PagedAttentionBackend(ops)
+    fused = backend.rope_attention(qkv, rope, pools[0][:, :, 0], pools[0][:, :, 1], metadata, Q_HEADS, 0.25)
+    q, k, v = qkv.view(num_tokens, -1, HEAD_DIM).split([Q_HEADS, KV_HEADS, KV_HEADS], dim=1)
+    q, k = ops.rotary_embedding(q, k, *rope)
+    unfused = backend.forward(q, k, v, pools[1][:, :, 0], pools[1][:, :, 1], metadata, 0.25)
+    assert fused.shape == (num_tokens, Q_HEADS * HEAD_DIM)
+    assert torch.equal(fused, unfused.view(num_tokens, -1)) and torch.isfinite(fused).all()
+    assert torch.equal(pools[0].view(torch.uint8), pools[1].view(torch.uint8))
+    changed = (pools[0].view(torch.uint8) != before.view(torch.uint8)).any(dim=(2, 3, 4)).nonzero().tolist()
+    assert changed == [[5, 2], [9, 1], [20, 2], [20, 3], [21, 0], [21, 1], [21, 2]]  # the slots, -1 skipped
