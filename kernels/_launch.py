@@ -12,6 +12,22 @@ _TL_DTYPES = {torch.float32: tl.float32, torch.float16: tl.float16, torch.bfloat
 _CACHE_DTYPES = (*_TL_DTYPES, torch.float8_e4m3fn)
 
 
+def next_power_of_2(n: int) -> int:
+    """The least power of two ``>= n`` (0 for 0), as ``triton.next_power_of_2``.
+
+    A plain function on purpose: Triton 3.6 makes its own (and ``triton.cdiv``) a
+    ``ConstexprFunction``, whose call from the host goes through the JIT's argument unwrapping,
+    ~4 µs a call on a 2-core EPYC, several times a launch (the decode entry point made five such
+    calls), on every launch of every layer of an eager step."""
+    return 1 << (n - 1).bit_length() if n > 0 else 0
+
+
+def cdiv(a: int, b: int) -> int:
+    """``ceil(a / b)`` for ints, ``b > 0``: ``triton.cdiv`` as a plain function (see
+    :func:`next_power_of_2`)."""
+    return -(-a // b)
+
+
 def check_device(*tensors: torch.Tensor) -> torch.device:
     """Return the tensors' common device; raise if a Triton kernel cannot run there.
 

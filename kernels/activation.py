@@ -7,7 +7,7 @@ import torch
 import triton
 import triton.language as tl
 
-from kernels._launch import check_device
+from kernels._launch import cdiv, check_device
 
 __all__ = ["silu_and_mul"]
 
@@ -38,7 +38,7 @@ def silu_and_mul(x: torch.Tensor) -> torch.Tensor:
     out = torch.empty(num_tokens, d, dtype=x.dtype, device=device)
     if num_tokens:
         block = 1024 if device.type == "cuda" else 128
-        _silu_and_mul_kernel[(num_tokens, triton.cdiv(d, block))](
+        _silu_and_mul_kernel[(num_tokens, cdiv(d, block))](
             x, out, x.stride(0), out.stride(0), d, BLOCK=block, num_warps=4 if device.type == "cuda" else 1,
         )
     return out

@@ -6,7 +6,7 @@ import torch
 import triton
 import triton.language as tl
 
-from kernels._launch import check_cache, check_device
+from kernels._launch import check_cache, check_device, next_power_of_2
 from kernels.reference import FP8_E4M3_MAX
 
 __all__ = ["write_kv_cache"]
@@ -85,8 +85,8 @@ def write_kv_cache(
         )
     if num_tokens == 0:
         return
-    block_h = triton.next_power_of_2(num_kv_heads)
-    block_d = triton.next_power_of_2(head_dim)
+    block_h = next_power_of_2(num_kv_heads)
+    block_d = next_power_of_2(head_dim)
     _write_kv_kernel[(num_tokens,)](
         key, value, k_cache, v_cache, slot_mapping,
         *key.stride(), *value.stride(), *k_cache.stride(), *v_cache.stride(),

@@ -15,7 +15,7 @@ import torch
 import triton
 import triton.language as tl
 
-from kernels._launch import check_cache, check_device, dot_inputs, sm_count
+from kernels._launch import check_cache, check_device, dot_inputs, next_power_of_2, sm_count
 
 __all__ = ["launch_paged_decode", "launch_variants", "long_tail_splits", "num_kv_splits", "paged_decode_attention"]
 
@@ -148,7 +148,7 @@ def num_kv_splits(num_seqs: int, num_kv_heads: int, max_seq_len: int, num_sms: i
     ``MIN_SPLIT_TOKENS`` tokens. ``max_seq_len`` is rounded up to a power of two first, so a
     captured CUDA graph serves a whole length bucket.
     """
-    bucket = triton.next_power_of_2(max(1, max_seq_len))
+    bucket = next_power_of_2(max(1, max_seq_len))
     wanted = round(num_sms / (num_seqs * num_kv_heads))
     return max(1, min(wanted, bucket // MIN_SPLIT_TOKENS, MAX_SPLITS))
 
@@ -182,7 +182,7 @@ def launch_variants(
         for num_seqs in range(1, max_num_seqs + 1):
             splits = num_kv_splits(num_seqs, num_kv_heads, bucket, num_sms)
             config = _default_config(device, head_dim, dtype, num_seqs * num_kv_heads * splits / num_sms)
-            key = (splits == 1, triton.next_power_of_2(splits), config)
+            key = (splits == 1, next_power_of_2(splits), config)
             examples.setdefault(key, (num_seqs, bucket))
         if bucket >= max_seq_len:
             return list(examples.values())
@@ -256,10 +256,10 @@ def launch_paged_decode(
     block_n = block_n or default_n
     dot_dtype, precision = dot_inputs(k_cache.dtype, q.dtype, device)
     group = num_q_heads // num_kv_heads
-    block_d = triton.next_power_of_2(head_dim)
+    block_d = next_power_of_2(head_dim)
     meta = dict(
         GROUP=group, HEAD_DIM=head_dim, PAGE=page,
-        BLOCK_H=max(16, triton.next_power_of_2(group)), BLOCK_D=block_d, BLOCK_N=block_n,
+        BLOCK_H=max(16, next_power_of_2(group)), BLOCK_D=block_d, BLOCK_N=block_n,
         DOT_DTYPE=dot_dtype, DOT_PRECISION=precision, KV_EVICTION=kv_eviction,
         num_warps=num_warps or default_warps, num_stages=num_stages or default_stages,
     )
@@ -289,7 +289,7 @@ def launch_paged_decode(
         part.stride(0), part.stride(1), part.stride(2),
         part_lse.stride(0), part_lse.stride(1),
         *out.stride(), lse.stride(0), lse.stride(1), num_splits,
-        HEAD_DIM=head_dim, BLOCK_S=triton.next_power_of_2(num_splits),
+        HEAD_DIM=head_dim, BLOCK_S=next_power_of_2(num_splits),
         BLOCK_D=block_d, STORE_LSE=return_lse, num_warps=4 if device.type == "cuda" else 1,
     )
     return (out, lse) if return_lse else out

@@ -7,7 +7,7 @@ import torch
 import triton
 import triton.language as tl
 
-from kernels._launch import check_device
+from kernels._launch import check_device, next_power_of_2
 
 __all__ = ["rms_norm"]
 
@@ -69,7 +69,7 @@ def rms_norm(
     out = torch.empty(num_tokens, size, dtype=x.dtype, device=device)
     residual_out = torch.empty_like(out) if residual is not None else out
     if num_tokens:
-        block = triton.next_power_of_2(size)
+        block = next_power_of_2(size)
         _rms_norm_kernel[(num_tokens,)](
             x, residual if residual is not None else x, weight, out, residual_out, eps,
             x.stride(0), (residual if residual is not None else x).stride(0), out.stride(0),

@@ -15,7 +15,7 @@ import torch
 import triton
 import triton.language as tl
 
-from kernels._launch import check_cache, check_device, dot_inputs
+from kernels._launch import cdiv, check_cache, check_device, dot_inputs, next_power_of_2
 
 __all__ = ["launch_paged_prefill", "paged_prefill_attention"]
 
@@ -159,12 +159,12 @@ def launch_paged_prefill(
         max_query_len = int((cu_seqlens_q[1:] - cu_seqlens_q[:-1]).max())
     block_m, block_n, num_warps, num_stages = config or _default_config(device, head_dim, k_cache.dtype)
     dot_dtype, precision = dot_inputs(k_cache.dtype, q.dtype, device)
-    grid = (triton.cdiv(max_query_len, block_m), num_seqs, num_q_heads)
+    grid = (cdiv(max_query_len, block_m), num_seqs, num_q_heads)
     _prefill_kernel[grid](
         q, k_cache, v_cache, out, block_tables, cu_seqlens_q, seq_lens, scale * _LOG2E,
         *q.stride(), *k_cache.stride(), *v_cache.stride(), *out.stride(), block_tables.stride(0),
         GROUP=num_q_heads // num_kv_heads, HEAD_DIM=head_dim, PAGE=page,
-        BLOCK_M=block_m, BLOCK_N=block_n, BLOCK_D=triton.next_power_of_2(head_dim),
+        BLOCK_M=block_m, BLOCK_N=block_n, BLOCK_D=next_power_of_2(head_dim),
         DOT_DTYPE=dot_dtype, DOT_PRECISION=precision, num_warps=num_warps, num_stages=num_stages,
     )
     return out

@@ -9,7 +9,7 @@ import torch
 import triton
 import triton.language as tl
 
-from kernels._launch import check_cache, check_device
+from kernels._launch import check_cache, check_device, next_power_of_2
 from kernels.cache_write import store_heads, saturate_at
 
 __all__ = ["rotary_embedding", "rotary_write_kv_cache"]
@@ -133,8 +133,8 @@ def rotary_embedding(
     q_out = torch.empty(q.shape, dtype=q.dtype, device=device)
     k_out = torch.empty(k.shape, dtype=k.dtype, device=device)
     if num_tokens:
-        block_h = triton.next_power_of_2(max(num_q_heads, k.shape[1]))
-        block_half = triton.next_power_of_2(half)
+        block_h = next_power_of_2(max(num_q_heads, k.shape[1]))
+        block_half = next_power_of_2(half)
         _rotary_kernel[(num_tokens,)](
             q, k, q_out, k_out, cos, sin,
             q.stride(0), q.stride(1), k.stride(0), k.stride(1),
@@ -181,8 +181,8 @@ def rotary_write_kv_cache(
                          f"do not fit cache {tuple(k_cache.shape)} (v's last dimension must be contiguous)")
     q_out = torch.empty(q.shape, dtype=q.dtype, device=device)
     if num_tokens:
-        block_h = triton.next_power_of_2(max(num_q_heads, num_kv_heads))
-        block_half = triton.next_power_of_2(head_dim // 2)
+        block_h = next_power_of_2(max(num_q_heads, num_kv_heads))
+        block_half = next_power_of_2(head_dim // 2)
         _rotary_write_kv_kernel[(num_tokens,)](
             q, k, v, q_out, cos, sin, k_cache, v_cache, slot_mapping,
             q.stride(0), q.stride(1), k.stride(0), k.stride(1), v.stride(0), v.stride(1),
