@@ -52,6 +52,19 @@ def copy_bandwidth_tbps() -> float:
     return 2 * src.numel() * src.element_size() / ms / 1e9
 
 
+def release_engine_memory() -> None:
+    """Collect now the cycles of an engine whose last reference the caller dropped (its CUDA
+    graphs, its KV pool), not at exit, and hand the freed device memory back to the driver, for
+    the next engine or worker process."""
+    import gc
+
+    import torch
+
+    gc.collect()
+    if torch.cuda.is_available():
+        torch.cuda.empty_cache()
+
+
 def gpu_tag(name: str) -> str:
     """A file-name part for a GPU: ``"NVIDIA H100 80GB HBM3"`` -> ``"h100-80gb-hbm3"``."""
     return re.sub(r"[^a-z0-9]+", "-", name.lower().replace("nvidia", "")).strip("-")

@@ -16,7 +16,6 @@ Usage: python bench/kv_cache_dtype.py [--requests 128] [--prompt-len 2048] [--ne
 from __future__ import annotations
 
 import argparse
-import gc
 import statistics
 import sys
 from pathlib import Path
@@ -25,7 +24,7 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from bench.common import gpu_tag, write_result  # noqa: E402
+from bench.common import gpu_tag, release_engine_memory, write_result  # noqa: E402
 from bench.throughput import full_batch_decodes, make_prompts, run_tandem  # noqa: E402
 from engine import LLM  # noqa: E402
 from engine.kv_cache import KVCache  # noqa: E402
@@ -56,8 +55,7 @@ def measure(kv_cache_dtype: str, prompts: list[list[int]], new_tokens: int, memo
         return metrics
     finally:
         del llm, engine
-        gc.collect()
-        torch.cuda.empty_cache()
+        release_engine_memory()
 
 
 def main() -> None:

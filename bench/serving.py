@@ -62,7 +62,6 @@ from __future__ import annotations
 import argparse
 import asyncio
 import dataclasses
-import gc
 import os
 import random
 import sys
@@ -78,7 +77,7 @@ from prometheus_client.samples import Sample
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
-from bench.common import machine, write_result  # noqa: E402
+from bench.common import machine, release_engine_memory, write_result  # noqa: E402
 from bench.serving_compare import fold_aimed_runs, setup_label, slo_suffix, write_comparison  # noqa: E402
 from cli.launcher import LocalCluster, gpu_placement  # noqa: E402
 from engine.outputs import StepTotals  # noqa: E402
@@ -406,8 +405,6 @@ def offline_run(model: str, load_format: str, requests: list[Request], engine_ar
     """The same prompts through ``LLM.generate`` (later turns of a conversation use the prompts
     the service built): ``offline_output_tokens_per_s`` and the engine's steps
     (:func:`step_metrics`, prefix ``offline``)."""
-    import torch
-
     from engine import LLM, SamplingParams
 
     llm = LLM(model, load_format=load_format, **engine_args)
@@ -420,9 +417,7 @@ def offline_run(model: str, load_format: str, requests: list[Request], engine_ar
     metrics = {"offline_output_tokens_per_s": sum(len(o.outputs[0].token_ids) for o in outputs) / elapsed,
                **step_metrics("offline", before, llm.engine.stats().step_totals, elapsed)}
     del llm
-    gc.collect()  # the engine's cycles (CUDA graphs, the KV pool) go now, not at exit,
-    if torch.cuda.is_available():  # and their memory back to the driver for later processes
-        torch.cuda.empty_cache()
+    release_engine_memory()
     return metrics
 
 
