@@ -16,11 +16,15 @@ Prints the results as JSON and writes ``<out-dir>/kernels-<gpu>-<date>.json``. `
 times tuning variants instead (tile sizes, warps, stages, split counts), writes
 ``<out-dir>/sweep.json`` and prints the best ones; ``--sweep focus`` times only the curated
 variants of the 16x2048 shape (:data:`FOCUS_VARIANTS`), each beside SDPA, in about a minute.
+``--rope-kv`` times a layer's RoPE and KV cache write as one kernel (``rotary_write_kv_cache``)
+beside the two it replaces (``rotary_embedding``, then ``write_kv_cache``), in turn in one process:
+host time per call (launches queued back to back, no sync inside) and device time (graph replays),
+and writes ``<out-dir>/kernels_rope_kv-<gpu>-<date>.json``.
 ``--long-tail`` times decode batches with and without a long tail (one 3500-token context among
 400-token ones) at the two split counts a CUDA graph of their size may have
 (``engine/cuda_graphs.py``) and writes ``<out-dir>/kernels_long_tail-<gpu>-<date>.json``.
 
-Usage: python bench/kernels.py [--sweep [focus | NxCTX ...] | --long-tail] [--out-dir DIR]
+Usage: python bench/kernels.py [--sweep [focus | NxCTX ...] | --long-tail | --rope-kv] [--out-dir DIR]
 """
 
 from __future__ import annotations
@@ -31,6 +35,7 @@ import json
 import math
 import statistics
 import sys
+import time
 from pathlib import Path
 
 import torch
@@ -41,11 +46,13 @@ from triton.testing import do_bench
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from bench.common import copy_bandwidth_tbps, gpu_tag, write_result  # noqa: E402
+import kernels  # noqa: E402
 import kernels.reference as reference  # noqa: E402
 from kernels.decode_attention import (  # noqa: E402
     MIN_SPLIT_TOKENS, launch_paged_decode, long_tail_splits, num_kv_splits,
 )
 from kernels.prefill_attention import launch_paged_prefill  # noqa: E402
+from kernels.rotary import _rotary_write_kv_kernel  # noqa: E402
 
 Q_HEADS, KV_HEADS, HEAD_DIM, DTYPE = 32, 8, 128, torch.bfloat16
 DECODE_SHAPES = [(1, 8192), (16, 2048), (64, 2048), (128, 1024), (256, 1024), (64, 8192), (256, 4096)]
@@ -248,6 +255,81 @@ def bench_long_tail(metrics: dict, gen: torch.Generator) -> None:
         torch.cuda.empty_cache()
 
 
+@triton.jit
+def _empty_kernel(ptr):
+    pass
+
+
+ROPE_KV_TOKENS = [64, 1088]  # a decode batch; the same with a 1024-token prompt chunk
+ROPE_KV_ROUNDS, ROPE_KV_CALLS = 7, 200
+
+
+def _host_us(fn, calls: int) -> float:
+    """Microseconds of host time per ``fn()``, ``calls`` of them queued back to back (the GPU's
+    queue is drained before and after, outside the timing)."""
+    torch.cuda.synchronize()
+    started = time.perf_counter()
+    for _ in range(calls):
+        fn()
+    elapsed = time.perf_counter() - started
+    torch.cuda.synchronize()
+    return elapsed / calls * 1e6
+
+
+def bench_rope_kv(metrics: dict, gen: torch.Generator) -> None:
+    """A Llama-3-8B layer's RoPE and KV write over ``tokens`` of :data:`ROPE_KV_TOKENS` (bf16,
+    fused QKV rows, 16-token blocks at shuffled slots), fused and as two kernels:
+    ``rope_kv_{fused|unfused}_{host|device}_us_{tokens}`` and ``rope_kv_host_speedup_{tokens}``
+    (unfused over fused host time; the medians of :data:`ROPE_KV_ROUNDS` rounds taken in turn).
+    Where a launch's host time goes: ``rope_kv_triton_only_*`` launches the fused kernel through
+    Triton without the entry point's checks and allocation, ``rope_kv_empty_*`` a kernel of one
+    argument that does nothing (Triton's own floor)."""
+    for tokens in ROPE_KV_TOKENS:
+        qkv = torch.randn(tokens, (Q_HEADS + 2 * KV_HEADS) * HEAD_DIM, generator=gen).to(device="cuda", dtype=DTYPE)
+        q, k, v = qkv.view(tokens, -1, HEAD_DIM).split([Q_HEADS, KV_HEADS, KV_HEADS], dim=1)
+        angles = torch.rand(tokens, 1, HEAD_DIM // 2, generator=gen).cuda() * 1000
+        cos, sin = angles.cos().to(DTYPE), angles.sin().to(DTYPE)
+        num_blocks = triton.cdiv(tokens, 16) + 8
+        pool = torch.zeros(num_blocks, 2, 16, KV_HEADS, HEAD_DIM, device="cuda", dtype=DTYPE)
+        k_cache, v_cache = pool[:, 0], pool[:, 1]
+        slots = torch.randperm(num_blocks * 16, generator=gen)[:tokens].cuda()
+
+        def fused(_=None):
+            kernels.rotary_write_kv_cache(q, k, v, cos, sin, k_cache, v_cache, slots)
+
+        def unfused(_=None):
+            _, rot_k = kernels.rotary_embedding(q, k, cos, sin)
+            kernels.write_kv_cache(rot_k, v, k_cache, v_cache, slots)
+
+        q_out = torch.empty(q.shape, dtype=q.dtype, device="cuda")
+        args = (q, k, v, q_out, cos, sin, k_cache, v_cache, slots,
+                q.stride(0), q.stride(1), k.stride(0), k.stride(1), v.stride(0), v.stride(1),
+                q_out.stride(0), q_out.stride(1), cos.stride(0), sin.stride(0), *k_cache.stride(), *v_cache.stride())
+        constants = dict(NUM_Q_HEADS=Q_HEADS, NUM_KV_HEADS=KV_HEADS, HALF=HEAD_DIM // 2, PAGE=16, BLOCK_H=32,
+                         BLOCK_HALF=HEAD_DIM // 2, SATURATE_AT=0.0, num_warps=4)
+
+        def triton_only(_=None):  # the fused kernel's launch through Triton alone, no wrapper
+            _rotary_write_kv_kernel[(tokens,)](*args, **constants)
+
+        def empty(_=None):  # the floor: a one-argument kernel that does nothing
+            _empty_kernel[(1,)](slots)
+
+        variants = {"fused": fused, "unfused": unfused, "triton_only": triton_only, "empty": empty}
+        host = {name: [] for name in variants}
+        for _ in range(ROPE_KV_ROUNDS):
+            for name, fn in variants.items():
+                host[name].append(_host_us(fn, ROPE_KV_CALLS))
+        for name, fn in variants.items():
+            metrics[f"rope_kv_{name}_host_us_{tokens}"] = statistics.median(host[name])
+            metrics[f"rope_kv_{name}_device_us_{tokens}"] = _graph_ms([None], fn) * 1e3
+        metrics[f"rope_kv_host_speedup_{tokens}"] = (metrics[f"rope_kv_unfused_host_us_{tokens}"]
+                                                     / metrics[f"rope_kv_fused_host_us_{tokens}"])
+        us = {key: metrics[f"rope_kv_{key}_us_{tokens}"] for key in
+              ("fused_host", "unfused_host", "fused_device", "unfused_device")}
+        print(f"rope+kv write, {tokens} tokens: host {us['fused_host']:.1f} µs fused, {us['unfused_host']:.1f} "
+              f"unfused; device {us['fused_device']:.1f} / {us['unfused_device']:.1f}", flush=True)
+
+
 class PrefillInputs:
     """One sequence: ``cached`` tokens already in the cache plus a chunk of new ones (written)."""
 
@@ -373,6 +455,8 @@ def main() -> None:
                              "named; 'focus': the curated 16x2048 variants beside SDPA)")
     parser.add_argument("--long-tail", action="store_true",
                         help="time long-tail decode batches at both graph split counts instead")
+    parser.add_argument("--rope-kv", action="store_true",
+                        help="time RoPE fused with the KV write beside the two kernels instead")
     parser.add_argument("--out-dir", type=Path, default=Path(__file__).resolve().parent / "results")
     args = parser.parse_args()
     if not torch.cuda.is_available():
@@ -396,6 +480,17 @@ def main() -> None:
                     "mixes": {mix: lengths(4) for mix, lengths in LONG_TAIL_MIXES.items()},
                     "sm_count": props.multi_processor_count, "timing": "median of CUDA-graph replays"}
         path = write_result("kernels_long_tail", {k: round(v, 6) for k, v in metrics.items()}, workload,
+                            tag=gpu_tag(props.name), out_dir=args.out_dir, gpu=props.name)
+        print(f"wrote {path}")
+        return
+    if args.rope_kv:
+        metrics = {}
+        bench_rope_kv(metrics, gen)
+        workload = {"dtype": "bfloat16", "num_q_heads": Q_HEADS, "num_kv_heads": KV_HEADS, "head_dim": HEAD_DIM,
+                    "block_size": 16, "tokens": ROPE_KV_TOKENS, "rounds": ROPE_KV_ROUNDS, "calls": ROPE_KV_CALLS,
+                    "timing": "host: queued calls back to back, per call, median of rounds in turn; device: "
+                              "median of CUDA-graph replays"}
+        path = write_result("kernels_rope_kv", {k: round(v, 6) for k, v in metrics.items()}, workload,
                             tag=gpu_tag(props.name), out_dir=args.out_dir, gpu=props.name)
         print(f"wrote {path}")
         return

@@ -6,7 +6,9 @@ A step that carries a prefill chunk runs eagerly (the graphs hold decode-only st
 the host's launches take longer than the device's work, the chunk's cost is the eager launch
 and not its tokens: this measures which, for the placement model's price of a local prefill
 (:mod:`gateway.placement`). Steps are timed one at a time, the device idle before each (a
-synchronize), the median of ``repeats``.
+synchronize), the median of ``repeats``; ``*_launch_min_ms`` is the fastest launch of them, what
+the host does when nothing else takes its cores (a shared host's eager steps move by 2x from one
+run to the next, and a comparison of code versions reads this one).
 
 Usage: ``python bench/step_overhead.py --model llama-3-8b --load-format dummy`` (on a GPU).
 """
@@ -14,7 +16,6 @@ Usage: ``python bench/step_overhead.py --model llama-3-8b --load-format dummy`` 
 from __future__ import annotations
 
 import argparse
-import gc
 import os
 import statistics
 import sys
@@ -24,7 +25,7 @@ import torch
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
-from bench.common import gpu_tag, machine, write_result  # noqa: E402
+from bench.common import gpu_tag, machine, release_engine_memory, write_result  # noqa: E402
 from engine import LLM, SamplingParams  # noqa: E402
 
 _PROMPT_TOKENS = 64  # each running sequence's prompt
@@ -42,9 +43,9 @@ def _timed_step(engine) -> tuple[float, float]:
 
 
 def step_costs(llm: LLM, batch: int, chunk: int, repeats: int = 8) -> dict[str, float]:
-    """Median ``decode_step_ms`` / ``decode_launch_ms`` with ``batch`` sequences decoding, and
-    ``mixed_step_ms`` / ``mixed_launch_ms`` with a ``chunk``-token prompt (one output token)
-    added before each step; the batch is aborted afterwards.
+    """Median ``decode_step_ms`` / ``decode_launch_ms`` (and the least, ``decode_launch_min_ms``)
+    with ``batch`` sequences decoding, and ``mixed_*`` likewise with a ``chunk``-token prompt (one
+    output token) added before each step; the batch is aborted afterwards.
 
     Raises:
         ValueError: ``chunk`` above the engine's step budget (the prompt would span steps).
@@ -70,6 +71,7 @@ def step_costs(llm: LLM, batch: int, chunk: int, repeats: int = 8) -> dict[str, 
             hosts.append(host)
         metrics[f"{kind}_step_ms"] = round(1e3 * statistics.median(walls), 3)
         metrics[f"{kind}_launch_ms"] = round(1e3 * statistics.median(hosts), 3)
+        metrics[f"{kind}_launch_min_ms"] = round(1e3 * min(hosts), 3)
     for request_id in ids:
         engine.abort_request(request_id)
     while engine.has_unfinished_requests:
@@ -89,9 +91,7 @@ def step_overhead(model: str, load_format: str, batches: tuple[int, ...], chunks
                 prefix = f"{'eager' if eager else 'graphs'}_b{batch}_c{chunk}_"
                 metrics |= {prefix + k: v for k, v in step_costs(llm, batch, chunk, repeats).items()}
         del llm
-        gc.collect()
-        if torch.cuda.is_available():
-            torch.cuda.empty_cache()
+        release_engine_memory()
     return metrics
 
 

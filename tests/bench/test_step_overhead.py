@@ -11,7 +11,7 @@ def test_decode_and_mixed_steps_are_timed_and_the_engine_is_left_empty():
     free = llm.engine.num_free_blocks
     metrics = step_costs(llm, batch=2, chunk=32, repeats=2)
     for kind in ("decode", "mixed"):
-        assert 0 < metrics[f"{kind}_launch_ms"] <= metrics[f"{kind}_step_ms"]
+        assert 0 < metrics[f"{kind}_launch_min_ms"] <= metrics[f"{kind}_launch_ms"] <= metrics[f"{kind}_step_ms"]
     assert not llm.engine.has_unfinished_requests
     assert llm.engine.num_free_blocks == free
     stats = llm.engine.stats().step_totals
