@@ -31,10 +31,19 @@ def _rotate(src, dst, stride_sh, stride_dh, cos, sin, offs_h, offs_d, mask, HALF
 
 
 @triton.jit
-def _angles(cos_ptr, sin_ptr, token, stride_ct, stride_st, offs_d, d_mask):
+def _rotate_query(q_ptr, q_out_ptr, cos_ptr, sin_ptr, token, stride_qt, stride_qh, stride_qot, stride_qoh,
+                  stride_ct, stride_st, NUM_Q_HEADS: tl.constexpr, HALF: tl.constexpr,
+                  BLOCK_H: tl.constexpr, BLOCK_HALF: tl.constexpr):
+    """Rotate one token's query heads into ``q_out``; return its angles and the head and
+    half-dimension offsets (with the latter's mask) for its key heads."""
+    offs_h = tl.arange(0, BLOCK_H)[:, None]
+    offs_d = tl.arange(0, BLOCK_HALF)[None, :]
+    d_mask = offs_d < HALF
     cos = tl.load(cos_ptr + token * stride_ct + offs_d, mask=d_mask, other=0.0).to(tl.float32)
     sin = tl.load(sin_ptr + token * stride_st + offs_d, mask=d_mask, other=0.0).to(tl.float32)
-    return cos, sin
+    _rotate(q_ptr + token * stride_qt, q_out_ptr + token * stride_qot, stride_qh, stride_qoh, cos, sin,
+            offs_h, offs_d, (offs_h < NUM_Q_HEADS) & d_mask, HALF)
+    return cos, sin, offs_h, offs_d, d_mask
 
 
 @triton.jit
@@ -46,12 +55,9 @@ def _rotary_kernel(
     BLOCK_H: tl.constexpr, BLOCK_HALF: tl.constexpr,
 ):
     token = tl.program_id(0).to(tl.int64)
-    offs_h = tl.arange(0, BLOCK_H)[:, None]
-    offs_d = tl.arange(0, BLOCK_HALF)[None, :]
-    d_mask = offs_d < HALF
-    cos, sin = _angles(cos_ptr, sin_ptr, token, stride_ct, stride_st, offs_d, d_mask)
-    _rotate(q_ptr + token * stride_qt, q_out_ptr + token * stride_qot, stride_qh, stride_qoh, cos, sin,
-            offs_h, offs_d, (offs_h < NUM_Q_HEADS) & d_mask, HALF)
+    cos, sin, offs_h, offs_d, d_mask = _rotate_query(q_ptr, q_out_ptr, cos_ptr, sin_ptr, token, stride_qt, stride_qh,
+                                                     stride_qot, stride_qoh, stride_ct, stride_st,
+                                                     NUM_Q_HEADS, HALF, BLOCK_H, BLOCK_HALF)
     _rotate(k_ptr + token * stride_kt, k_out_ptr + token * stride_kot, stride_kh, stride_koh, cos, sin,
             offs_h, offs_d, (offs_h < NUM_KV_HEADS) & d_mask, HALF)
 
@@ -67,12 +73,9 @@ def _rotary_write_kv_kernel(
     BLOCK_H: tl.constexpr, BLOCK_HALF: tl.constexpr, SATURATE_AT: tl.constexpr,
 ):
     token = tl.program_id(0).to(tl.int64)
-    offs_h = tl.arange(0, BLOCK_H)[:, None]
-    offs_d = tl.arange(0, BLOCK_HALF)[None, :]
-    d_mask = offs_d < HALF
-    cos, sin = _angles(cos_ptr, sin_ptr, token, stride_ct, stride_st, offs_d, d_mask)
-    _rotate(q_ptr + token * stride_qt, q_out_ptr + token * stride_qot, stride_qh, stride_qoh, cos, sin,
-            offs_h, offs_d, (offs_h < NUM_Q_HEADS) & d_mask, HALF)
+    cos, sin, offs_h, offs_d, d_mask = _rotate_query(q_ptr, q_out_ptr, cos_ptr, sin_ptr, token, stride_qt, stride_qh,
+                                                     stride_qot, stride_qoh, stride_ct, stride_st,
+                                                     NUM_Q_HEADS, HALF, BLOCK_H, BLOCK_HALF)
     slot = tl.load(slot_mapping_ptr + token).to(tl.int64)
     if slot >= 0:  # slot -1: padding token, nothing to write
         block = slot // PAGE
