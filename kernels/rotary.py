@@ -10,7 +10,7 @@ import triton
 import triton.language as tl
 
 from kernels._launch import check_cache, check_device, next_power_of_2
-from kernels.cache_write import store_heads, saturate_at
+from kernels.cache_write import saturate_at, store_heads
 
 __all__ = ["rotary_embedding", "rotary_write_kv_cache"]
 
