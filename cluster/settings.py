@@ -166,9 +166,13 @@ class WorkerSettings(TandemSettings):
     max_num_batched_tokens: int = Field(2048, ge=1, description="tokens per engine step at most (prefill chunk size)")
     max_model_len: int | None = Field(None, ge=2, description="prompt + output tokens at most; unset: the model's")
     enable_prefix_caching: bool = Field(True, description="reuse cached KV blocks across requests")
-    enforce_eager: bool = Field(False, description="CUDA: capture no decode CUDA graphs (less start-up, slower decode)")
+    enforce_eager: bool = Field(False, description="CUDA: capture no CUDA graphs (less start-up, slower steps)")
     cuda_graph_batch_sizes: Annotated[list[int] | None, NoDecode] = Field(
         None, description="CUDA: decode batch sizes captured as graphs; unset: 1, 2, 4, then every multiple of 8 up to max_num_seqs")
+    cuda_graph_token_sizes: Annotated[list[int] | None, NoDecode] = Field(
+        None, description="CUDA: token counts at which the pieces between attentions of other steps (prompt chunks) "
+                          "are captured as graphs; unset: 16, 32, ..., 256, then every multiple of 256 up to "
+                          "min(max_num_batched_tokens, 2048); empty: none")
     device: str = Field("auto", description="auto (CUDA when available), cpu or cuda[:N]; with tensor parallelism, "
                                             "rank 0's GPU (rank r runs on the GPU r after it)")
     tensor_parallel_size: int = Field(1, ge=1, description="ranks the model is sharded over (Megatron-LM tensor "
@@ -200,7 +204,7 @@ class WorkerSettings(TandemSettings):
                                                       "token for the worker's event loop, coarser streaming "
                                                       "(SGLang's stream_interval)")
 
-    @field_validator("cuda_graph_batch_sizes", mode="before")
+    @field_validator("cuda_graph_batch_sizes", "cuda_graph_token_sizes", mode="before")
     @classmethod
     def _split_sizes(cls, value):
         """``"1,2,4"`` (an environment variable or a flag) → ``[1, 2, 4]``."""
@@ -224,7 +228,7 @@ class WorkerSettings(TandemSettings):
             enable_prefix_caching=self.enable_prefix_caching, dtype=self.dtype, quantization=self.quantization,
             kv_cache_dtype=self.kv_cache_dtype, device=self.device,
             seed=self.seed, enforce_eager=self.enforce_eager, cuda_graph_batch_sizes=self.cuda_graph_batch_sizes,
-            tensor_parallel_size=self.tensor_parallel_size,
+            cuda_graph_token_sizes=self.cuda_graph_token_sizes, tensor_parallel_size=self.tensor_parallel_size,
         )
 
     def resolved_worker_id(self, role: str) -> str:

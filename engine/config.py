@@ -50,6 +50,12 @@ class EngineConfig:
             as CUDA graphs at start-up (a step is padded to the next captured size; larger ones
             run eagerly); ``None``: 1, 2, 4, 8, 16, ... every multiple of 8, up to
             ``max_num_seqs``. Each must be in ``[1, max_num_batched_tokens]``. Ignored on CPU.
+        cuda_graph_token_sizes: on CUDA, the token counts at which the pieces between
+            attentions are captured as CUDA graphs for the other steps (prompt chunks; a step is
+            padded to the next captured count, its attentions run eagerly; larger ones run
+            wholly eagerly, :mod:`engine.piecewise_graphs`); ``None``: 16, 32, ..., 256, then every
+            multiple of 256 up to ``min(max_num_batched_tokens, 2048)``; empty: none (only decode
+            graphs). Each must be in ``[1, max_num_batched_tokens]``. Ignored on CPU.
         enforce_eager: on CUDA, capture no graphs and run every step eagerly.
         tensor_parallel_size: ranks the model is sharded over (Megatron-LM tensor parallelism,
             :mod:`engine.tensor_parallel`), one process each; on CUDA rank ``r`` runs on the GPU
@@ -73,12 +79,14 @@ class EngineConfig:
     device: str = "auto"
     seed: int = 0
     cuda_graph_batch_sizes: list[int] | None = None
+    cuda_graph_token_sizes: list[int] | None = None
     enforce_eager: bool = False
     tensor_parallel_size: int = 1
 
     def __post_init__(self) -> None:
-        if self.cuda_graph_batch_sizes is not None:
-            self.cuda_graph_batch_sizes = sorted(set(self.cuda_graph_batch_sizes))
+        for name in ("cuda_graph_batch_sizes", "cuda_graph_token_sizes"):
+            if getattr(self, name) is not None:
+                setattr(self, name, sorted(set(getattr(self, name))))
         checks = [
             ("block_size", self.block_size in SUPPORTED_BLOCK_SIZES, f"must be one of {SUPPORTED_BLOCK_SIZES}"),
             ("max_num_seqs", self.max_num_seqs >= 1, "must be >= 1"),
@@ -91,10 +99,11 @@ class EngineConfig:
             ("dtype", self.dtype == "auto" or self.dtype in DTYPE_NAMES, f"must be auto or one of {DTYPE_NAMES}"),
             ("quantization", self.quantization in QUANTIZATIONS, f"must be one of {QUANTIZATIONS}"),
             ("kv_cache_dtype", self.kv_cache_dtype in KV_CACHE_DTYPES, f"must be one of {KV_CACHE_DTYPES}"),
-            ("cuda_graph_batch_sizes", self.cuda_graph_batch_sizes is None or (
-                self.cuda_graph_batch_sizes
-                and all(isinstance(n, int) and 1 <= n <= self.max_num_batched_tokens for n in self.cuda_graph_batch_sizes)),
-             "must be a non-empty list of sizes in [1, max_num_batched_tokens]"),
+            *((name, sizes is None or (len(sizes) >= least and all(
+                isinstance(n, int) and 1 <= n <= self.max_num_batched_tokens for n in sizes)),
+               f"must be a list of {'at least one size' if least else 'sizes'} in [1, max_num_batched_tokens]")
+              for name, sizes, least in (("cuda_graph_batch_sizes", self.cuda_graph_batch_sizes, 1),
+                                         ("cuda_graph_token_sizes", self.cuda_graph_token_sizes, 0))),
         ]
         for name, ok, message in checks:
             if not ok:

@@ -3,7 +3,10 @@
 Per step the batch's input ids, positions, slot mapping, block tables, sequence lengths and
 query offsets are built on the host in persistent buffers (:mod:`engine.input_buffers`) and
 copied to the device once each. A decode-only step replays a CUDA graph captured for the
-smallest batch size that holds it (:mod:`engine.cuda_graphs`); other steps run eagerly.
+smallest batch size that holds it (:mod:`engine.cuda_graphs`); another step replays graphs of
+the pieces between its attentions, captured for the smallest token count that holds it
+(:mod:`engine.piecewise_graphs`), and runs its attentions eagerly; a step past both ladders
+runs eagerly.
 Sampling works on the whole batch at once, and the step's one host sync is a single
 device-to-host copy of the sampled tokens with their log-probabilities.
 """
@@ -22,6 +25,7 @@ from engine.cuda_graphs import CUDAGraphRunner
 from engine.input_buffers import InputBuffers, StepInputs
 from engine.kv_cache import KVCache
 from engine.outputs import StepStats
+from engine.piecewise_graphs import PiecewiseCUDAGraphs
 from engine.sampler import SamplerOutput, SamplingBatch, sample
 from engine.scheduler import SchedulerOutput
 from engine.sequence import Sequence
@@ -68,6 +72,7 @@ class ModelRunner:
         self.buffers = InputBuffers(max_num_tokens, max_num_seqs, self.max_blocks_per_seq, self.block_size,
                                     self.device)
         self.graphs: CUDAGraphRunner | None = None
+        self.pieces: PiecewiseCUDAGraphs | None = None
         self._rng = np.random.default_rng(seed)
         self._sampling: tuple[list[Sequence], SamplingBatch] | None = None
         # Rank 0 of a tensor-parallel engine: sends each step's inputs to the other ranks
@@ -81,11 +86,17 @@ class ModelRunner:
                                       self.max_model_len)
         self.graphs.capture()
 
+    def capture_piecewise_graphs(self, token_sizes: list[int]) -> None:
+        """Capture the pieces between attentions at ``token_sizes`` (CUDA only); later steps of up
+        to ``max(token_sizes)`` tokens that no decode graph runs replay them."""
+        self.pieces = PiecewiseCUDAGraphs(self.model, token_sizes, self.device)
+        self.pieces.capture()
+
     def release_cuda_graphs(self) -> None:
         """Drop the captured graphs once no step is left to run (later steps run eagerly). A
         tensor-parallel rank does this before it leaves its group: NCCL's communicator teardown
         waits for the graphs that captured its all-reduces to be destroyed."""
-        self.graphs = None
+        self.graphs = self.pieces = None
         if self.device.type == "cuda":
             torch.cuda.synchronize(self.device)
 
@@ -128,8 +139,9 @@ class ModelRunner:
             copies = np.asarray(step.block_copies, dtype=np.int64).reshape(-1)
             self.broadcast(np.concatenate([[graph_size or 0, len(step.block_copies)], copies, buffers.pack()]))
         graph = self._graph(graph_size)
+        pieces_size = self._pieces_size(inputs, graph)
         prepared = time.perf_counter()
-        logits = self._run(inputs, graph, step.block_copies)
+        logits = self._run(inputs, graph, pieces_size, step.block_copies)
         sampling_start = time.perf_counter()
         seqs = inputs.sampled
         batch = self._sampling_batch(seqs, inputs.sample_positions) if seqs else None
@@ -142,6 +154,7 @@ class ModelRunner:
         stats = StepStats(
             num_seqs=len(step.scheduled), num_decodes=step.num_decodes, num_tokens=step.num_tokens,
             cuda_graph_size=graph_size, cuda_graph_splits=None if graph is None else graph[1],
+            piecewise_graph_tokens=pieces_size,
             prepare_s=prepare_s, execute_s=time.perf_counter() - start,
             num_kv_slots_used=inputs.num_kv_slots_used, num_kv_slots_allocated=inputs.num_kv_slots_allocated,
         )
@@ -156,24 +169,38 @@ class ModelRunner:
         copies = packed[2:2 + 2 * num_copies].reshape(-1, 2).tolist()
         buffers = self.buffers if graph_size == 0 else self.graphs.buffers
         inputs = buffers.load(packed[2 + 2 * num_copies:])
-        self._run(inputs, self._graph(graph_size or None), copies)
+        graph = self._graph(graph_size or None)
+        self._run(inputs, graph, self._pieces_size(inputs, graph), copies)
 
     def _graph(self, graph_size: int | None) -> tuple[int, int] | None:
         """The ``(batch size, split count)`` graph that runs the prepared (or loaded) step of
         ``graph_size`` rows (``None``: eager)."""
         return None if graph_size is None else (graph_size, self.graphs.splits_for(graph_size))
 
-    def _run(self, inputs: StepInputs, graph: tuple[int, int] | None, block_copies) -> torch.Tensor | None:
+    def _pieces_size(self, inputs: StepInputs, graph: tuple[int, int] | None) -> int | None:
+        """The padded token count whose piecewise graphs run a step that ``graph`` does not,
+        ``None`` when it runs eagerly."""
+        if graph is not None or self.pieces is None:
+            return None
+        return self.pieces.size_for(inputs.input_ids.shape[0])
+
+    def _run(self, inputs: StepInputs, graph: tuple[int, int] | None, pieces_size: int | None,
+             block_copies) -> torch.Tensor | None:
         """Copy blocks (copy-on-write), run the forward (the replay of ``graph``, a ``(batch size,
-        split count)`` of :meth:`CUDAGraphRunner.variants`, or eagerly) and the logits head;
-        returns ``[len(logits_indices), vocab]`` float32 logits (``None`` when nothing samples)."""
+        split count)`` of :meth:`CUDAGraphRunner.variants`; or the piecewise graphs of
+        ``pieces_size`` tokens; or eagerly) and the logits head; returns ``[len(logits_indices),
+        vocab]`` float32 logits (``None`` when nothing samples)."""
         for src, dst in block_copies:
             self.kv_cache.tensor[dst].copy_(self.kv_cache.tensor[src])
         num_sampled = inputs.logits_indices.shape[0]
         if graph is not None:
             # Decode-only without forks: row i samples sequence i.
             return self.model.compute_logits(self.graphs.replay(*graph)[:num_sampled])
-        hidden = self.model(inputs.input_ids, inputs.positions, self.kv_cache, inputs.metadata)
+        if pieces_size is not None:
+            hidden = self.pieces.forward(pieces_size, inputs.input_ids, inputs.positions, self.kv_cache,
+                                         inputs.metadata)
+        else:
+            hidden = self.model(inputs.input_ids, inputs.positions, self.kv_cache, inputs.metadata)
         if not num_sampled:
             return None
         return self.model.compute_logits(hidden.index_select(0, inputs.logits_indices))

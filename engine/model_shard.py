@@ -28,6 +28,7 @@ from engine.layers.linear import packed_linear_available
 from engine.loader import LoadedModel, load_model
 from engine.model_runner import ModelRunner
 from engine.outputs import StartupStats
+from engine.piecewise_graphs import piecewise_token_sizes
 from engine.profiling import MemoryProfile, device_used_bytes, profile_memory
 from engine.shared_memory import allocate_shared, open_shared, release_handle
 from engine.warmup import start_up
@@ -95,9 +96,10 @@ def build_shard(model: str | dict | None, config: EngineConfig, load_format: str
 
     bs = config.block_size
     graph_sizes = cuda_graph_sizes(config, device)
+    token_sizes = piecewise_token_sizes(config, device)
     memory_profile = None
     if device.type == "cuda" and not config.num_blocks:
-        memory_profile = profile_memory(net, config, kv_dtype, device, graph_sizes, others_bytes)
+        memory_profile = profile_memory(net, config, kv_dtype, device, graph_sizes, token_sizes, others_bytes)
     per_block = KVCache.bytes_per_block(net.config, bs, kv_dtype)
     budget = memory_profile.kv_cache_bytes if memory_profile is not None else config.kv_cache_memory_bytes
     num_blocks = config.num_blocks or budget // per_block
@@ -114,7 +116,7 @@ def build_shard(model: str | dict | None, config: EngineConfig, load_format: str
     pools = _kv_pools(KVCache.shape(net.config, num_blocks, bs), kv_dtype, device, tp, store)
     kv_cache = KVCache(net.config, num_blocks, bs, kv_dtype, device, tensor=pools[0])
     runner = ModelRunner(net, kv_cache, config.max_num_batched_tokens, config.max_num_seqs, max_len, config.seed)
-    startup = start_up(runner, config, graph_sizes, started, load_s, profile_s)
+    startup = start_up(runner, config, graph_sizes, token_sizes, started, load_s, profile_s)
     return ModelShard(loaded, kv_cache, pools, runner, num_blocks, max_len, memory_profile, startup)
 
 

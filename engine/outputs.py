@@ -71,6 +71,8 @@ class StepStats:
         cuda_graph_size: the captured batch size the step replayed, ``None`` when it ran eagerly.
         cuda_graph_splits: the decode kernel's split count in the replayed graph (more than
             the batch size's own for a long-tail batch, ``engine.cuda_graphs``), ``None`` when eager.
+        piecewise_graph_tokens: the padded token count whose piecewise graphs ran the step
+            (``engine.piecewise_graphs``), ``None`` when it replayed a decode graph or ran eagerly.
         prepare_s: host-side preparation: input tensors, their copies, sampling settings.
         execute_s: the model runner's whole step, the wait for the sampled tokens included.
         step_s: the engine's whole step (scheduling and output bookkeeping included; under an
@@ -91,6 +93,7 @@ class StepStats:
     num_kv_slots_used: int
     num_kv_slots_allocated: int
     step_s: float = 0.0
+    piecewise_graph_tokens: int | None = None
 
     @property
     def kind(self) -> str:
@@ -145,7 +148,7 @@ class StartupStats:
         load_s: building the model and loading its weights.
         profile_s: measuring the largest step's memory to size the KV cache (CUDA).
         warmup_s: compiling every kernel variant of the eager steps (CUDA).
-        cuda_graph_s: capturing the decode graphs (CUDA, unless ``enforce_eager``).
+        cuda_graph_s: capturing the decode graphs and the piecewise ones (CUDA, unless ``enforce_eager``).
         total_s: the whole constructor.
     """
 

@@ -6,7 +6,8 @@ the engine can run: a profiling step of ``max_num_batched_tokens`` tokens in whi
 batch of rows samples (logits, filtered sampling with top-N logprobs), run through a model
 runner over a one-block cache, as vLLM's ``profile_run`` does. The CUDA graphs' private memory
 pool is measured the same way, by an eager forward of the largest captured decode batch (and of
-the largest with long-tail splits, whose partial outputs take memory too).
+the largest with long-tail splits, whose partial outputs take memory too), and the piecewise
+graphs' pool with their buffers by an eager run of every piece at the largest token count.
 """
 
 from __future__ import annotations
@@ -22,6 +23,7 @@ from engine.config import EngineConfig
 from engine.cuda_graphs import CUDAGraphRunner
 from engine.kv_cache import KVCache
 from engine.model_runner import ModelRunner
+from engine.piecewise_graphs import PiecewiseCUDAGraphs
 from engine.sampling_params import SamplingParams
 from engine.scheduler import ScheduledSequence, SchedulerOutput
 from engine.sequence import Sequence
@@ -70,8 +72,9 @@ class MemoryProfile:
         used_bytes: what this engine took since it started, before the KV cache (weights,
             allocator, libraries' workspaces).
         activation_bytes: peak of the largest step above what it started with.
-        cuda_graph_bytes: peak of the largest captured decode batch (the graphs' pool), 0 when
-            no graphs are captured.
+        cuda_graph_bytes: peak of the largest captured decode batch (the decode graphs' pool)
+            plus that of the pieces at the largest token count with their buffers (the piecewise
+            graphs' pool), 0 when no graphs are captured.
         kv_cache_bytes: what is left for the KV cache: of the budget, and of the memory the
             device still has free.
     """
@@ -121,15 +124,17 @@ def kv_cache_room(budget_left: int, free: int, peaks: int) -> int:
 
 
 def profile_memory(model: torch.nn.Module, config: EngineConfig, dtype: torch.dtype, device: torch.device,
-                   cuda_graph_batch_sizes: list[int], others_bytes: int) -> MemoryProfile:
-    """Measure the largest step's activation peak (and the decode graphs' pool) and size the
+                   cuda_graph_batch_sizes: list[int], cuda_graph_token_sizes: list[int],
+                   others_bytes: int) -> MemoryProfile:
+    """Measure the largest step's activation peak (and the graphs' pools) and size the
     KV cache from what is left of ``config.gpu_memory_utilization``; logs the split.
 
     Args:
         model: the loaded model, on ``device`` (CUDA).
         config: the engine's settings (block size, step limits, ``max_model_len``).
         dtype: of the KV cache.
-        cuda_graph_batch_sizes: the ladder to be captured (empty: none).
+        cuda_graph_batch_sizes: the decode graphs' ladder to be captured (empty: none).
+        cuda_graph_token_sizes: the piecewise graphs' ladder to be captured (empty: none).
         others_bytes: :func:`device_used_bytes` when the engine started, before it loaded
             anything.
 
@@ -149,8 +154,12 @@ def profile_memory(model: torch.nn.Module, config: EngineConfig, dtype: torch.dt
         for batch_size, num_splits in graphs.peak_variants():
             graphs.forward(batch_size, num_splits)
 
+    def run_largest_pieces() -> None:
+        PiecewiseCUDAGraphs(model, cuda_graph_token_sizes, device).run_pieces(max(cuda_graph_token_sizes))
+
     activation = _peak_bytes(device, run_largest_step)
     graph = _peak_bytes(device, run_largest_graph) if cuda_graph_batch_sizes else 0
+    graph += _peak_bytes(device, run_largest_pieces) if cuda_graph_token_sizes else 0
     gc.collect()
     torch.cuda.empty_cache()
     free, total = torch.cuda.mem_get_info(device)

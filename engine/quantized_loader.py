@@ -19,6 +19,7 @@ from torch import nn
 
 from engine.config import QUANTIZATIONS
 from engine.gguf_tensors import read_gguf
+from engine.layers.linear import replace_module
 from engine.layers.quantized import GroupQuantized, Int4Linear, QuantizedEmbedding, QuantizedLogitsHead
 from engine.models.llama import FUSED_PARAMS, LlamaForCausalLM
 
@@ -80,7 +81,7 @@ def load_gguf_quantized(net: LlamaForCausalLM, path: Path, model: object,
         net.lm_head = QuantizedLogitsHead(take("lm_head.weight", (net.lm_head.out_features, net.lm_head.in_features)))
     for name, module in list(net.named_modules()):
         if isinstance(module, nn.Linear):
-            _replace(net, name, _load_linear(net, name, module, take, dtype))
+            replace_module(net, name, _load_linear(net, name, module, take, dtype))
     for name, param in net.named_parameters():
         if name in pending:
             param.copy_(take(name, tuple(param.shape)))
@@ -114,8 +115,3 @@ def _linear(weight: GroupQuantized | torch.Tensor, bias: torch.Tensor | None, dt
     if bias is not None:
         layer.bias.copy_(bias)
     return layer
-
-
-def _replace(net: nn.Module, name: str, layer: nn.Module) -> None:
-    parent, _, child = name.rpartition(".")
-    setattr(net.get_submodule(parent) if parent else net, child, layer)

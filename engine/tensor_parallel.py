@@ -12,8 +12,8 @@ zeros, one all-reduce), and each rank's logits for its vocabulary slice are gath
 sampling.
 
 As gpt-fast's ``tp.py`` does it, the model code is untouched: the model is built from a shard's
-config (:func:`shard_config`), the all-reduces are forward hooks on its attention and MLP
-modules and the vocabulary-parallel layers replace its embedding and head (:func:`parallelize`),
+config (:func:`shard_config`), the all-reduces are forward hooks on its row-parallel
+projections and the vocabulary-parallel layers replace its embedding and head (:func:`parallelize`),
 and the loader reads each rank's slice of the checkpoint (:func:`shard_dim`).
 """
 
@@ -124,7 +124,8 @@ class ParallelLMHead(nn.Module):
 def parallelize(net: LlamaForCausalLM, group: TPGroup) -> None:
     """Make ``net``, built on the meta device from :func:`shard_config`, one rank's shard:
     vocabulary-parallel embedding and head (the head tied to the embedding when the model ties
-    them), and an all-reduce after every attention and MLP block. Load the weights afterwards."""
+    them), and an all-reduce after every row-parallel projection (``o_proj``, ``down_proj``).
+    Load the weights afterwards."""
     config = net.config
     with torch.device("meta"):
         embedding = VocabParallelEmbedding(config.vocab_size, config.hidden_size, group)
@@ -132,5 +133,5 @@ def parallelize(net: LlamaForCausalLM, group: TPGroup) -> None:
                                      embedding if config.tie_word_embeddings else None)
     net.model.embed_tokens = embedding
     for layer in net.model.layers:
-        for block in (layer.self_attn, layer.mlp):
-            block.register_forward_hook(lambda _module, _args, output: group.all_reduce(output))
+        for projection in (layer.self_attn.o_proj, layer.mlp.down_proj):
+            projection.register_forward_hook(lambda _module, _args, output: group.all_reduce(output))

@@ -8,7 +8,8 @@ do not specialize on what moves (split counts, slices of step buffers), so what 
 prefill chunk sizes' matmuls and kernels, mixed decode + prefill steps, both sampler variants
 (greedy only; random with filters and top-N logprobs), every decode-kernel variant an eager step
 can hit (:func:`kernels.decode_attention.launch_variants`), and, captured afterwards, the decode
-graphs (:mod:`engine.cuda_graphs`). Every dummy step writes only to block 0, before any request
+graphs (:mod:`engine.cuda_graphs`) and the pieces of the other steps (:mod:`engine.piecewise_graphs`).
+Every dummy step writes only to block 0, before any request
 owns it.
 """
 
@@ -67,9 +68,10 @@ def warm_up(runner: ModelRunner, max_num_batched_tokens: int, max_num_seqs: int)
         paged_decode_attention(q, k_cache, v_cache, block_tables, seq_lens, 1.0, max_seq_len=max_seq_len)
 
 
-def start_up(runner: ModelRunner, config: EngineConfig, cuda_graph_batch_sizes: list[int], started: float,
-             load_s: float, profile_s: float) -> StartupStats:
-    """On CUDA, warm ``runner`` up and capture its decode graphs; return (and log) the start-up
+def start_up(runner: ModelRunner, config: EngineConfig, cuda_graph_batch_sizes: list[int],
+             cuda_graph_token_sizes: list[int], started: float, load_s: float, profile_s: float) -> StartupStats:
+    """On CUDA, warm ``runner`` up and capture its decode graphs (at ``cuda_graph_batch_sizes``)
+    and its piecewise graphs (at ``cuda_graph_token_sizes``); return (and log) the start-up
     times, ``started`` being the ``time.perf_counter()`` at which the engine began."""
     warmup_start = time.perf_counter()
     if runner.device.type == "cuda":
@@ -81,6 +83,8 @@ def start_up(runner: ModelRunner, config: EngineConfig, cuda_graph_batch_sizes: 
             for size in cuda_graph_batch_sizes:
                 runner.model.compute_logits(runner.graphs.hidden[:size])
         torch.cuda.synchronize(runner.device)
+    if cuda_graph_token_sizes:
+        runner.capture_piecewise_graphs(cuda_graph_token_sizes)
     done = time.perf_counter()
     stats = StartupStats(load_s=load_s, profile_s=profile_s, warmup_s=capture_start - warmup_start,
                          cuda_graph_s=done - capture_start, total_s=done - started)

@@ -43,15 +43,24 @@ class PackedLinear(nn.Module):
         return torch.ops.mkldnn._linear_pointwise(x, self.packed, self.bias, "none", [], "")
 
 
+def replace_module(model: nn.Module, name: str, module: nn.Module) -> None:
+    """Put ``module`` at ``name`` (``model.layers.0.mlp.down_proj``) in ``model``, keeping the
+    forward hooks of the module it replaces (tensor parallelism's all-reduce after a row-parallel
+    projection, :func:`engine.tensor_parallel.parallelize`)."""
+    parent_name, _, child = name.rpartition(".")
+    parent = model.get_submodule(parent_name) if parent_name else model
+    module._forward_hooks.update(getattr(parent, child)._forward_hooks)
+    setattr(parent, child, module)
+
+
 def pack_linears(model: nn.Module) -> int:
-    """Replace every ``nn.Linear`` in ``model`` by a :class:`PackedLinear` with the same weights.
+    """Replace every ``nn.Linear`` in ``model`` by a :class:`PackedLinear` with the same weights
+    (and forward hooks).
 
     Returns:
         How many layers were packed.
     """
     targets = [(name, module) for name, module in model.named_modules() if isinstance(module, nn.Linear)]
     for name, module in targets:
-        parent_name, _, child = name.rpartition(".")
-        parent = model.get_submodule(parent_name) if parent_name else model
-        setattr(parent, child, PackedLinear(module.weight, module.bias))
+        replace_module(model, name, PackedLinear(module.weight, module.bias))
     return len(targets)

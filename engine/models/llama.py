@@ -9,6 +9,8 @@ follow HF so that checkpoints map one-to-one (see :data:`FUSED_PARAMS`).
 
 from __future__ import annotations
 
+from collections.abc import Callable
+
 import torch
 import torch.nn.functional as F
 from torch import nn
@@ -29,7 +31,10 @@ FUSED_PARAMS = {
 
 
 class LlamaAttention(nn.Module):
-    """Fused QKV projection, optional q/k RMSNorm (Qwen3), RoPE, paged attention, output projection."""
+    """Fused QKV projection, optional q/k RMSNorm (Qwen3), RoPE, paged attention, output projection.
+
+    The projections and :meth:`attention` are called one by one by :meth:`LlamaModel.piece`, so
+    that everything but :meth:`attention` can be captured in CUDA graphs."""
 
     def __init__(self, config: ModelConfig, attn_backend: PagedAttentionBackend) -> None:
         super().__init__()
@@ -53,24 +58,23 @@ class LlamaAttention(nn.Module):
         """Rows of ``qkv_proj`` taken by q, k and v."""
         return [self.q_size, self.kv_size, self.kv_size]
 
-    def forward(
+    def attention(
         self,
         rope: tuple[torch.Tensor, torch.Tensor],
-        hidden: torch.Tensor,
+        qkv: torch.Tensor,
         k_cache: torch.Tensor,
         v_cache: torch.Tensor,
         metadata: AttentionMetadata,
     ) -> torch.Tensor:
-        """``hidden`` ``[T, hidden_size]`` -> ``[T, hidden_size]``; writes this step's K/V to the cache.
-
-        ``rope`` is the step's ``(cos, sin)`` from :class:`RotaryEmbedding`."""
-        num_tokens = hidden.shape[0]
-        qkv = self.qkv_proj(hidden)  # [T, (Hq + 2 Hkv) * D]
+        """The fused projection ``qkv`` ``[T, (Hq + 2 Hkv) * D]`` -> the heads' attention output
+        ``[T, Hq * D]`` (before ``o_proj``): q/k norms, RoPE, this step's K/V written to the cache,
+        paged attention. ``rope`` is the step's ``(cos, sin)`` from :class:`RotaryEmbedding`."""
+        num_tokens = qkv.shape[0]
         if not self.qk_norm:
             out = self.attn_backend.rope_attention(qkv, rope, k_cache, v_cache, metadata, self.num_heads,
                                                    self.scale)
             if out is not None:
-                return self.o_proj(out)
+                return out
         q, k, v = qkv.split(self.shard_sizes(), dim=-1)
         q = q.view(num_tokens, self.num_heads, self.head_dim)
         k = k.view(num_tokens, self.num_kv_heads, self.head_dim)
@@ -79,7 +83,7 @@ class LlamaAttention(nn.Module):
             q, k = self.q_norm(q), self.k_norm(k)
         q, k = apply_rotary_emb(q, k, *rope)
         out = self.attn_backend.forward(q, k, v, k_cache, v_cache, metadata, self.scale)
-        return self.o_proj(out.view(num_tokens, self.q_size))
+        return out.view(num_tokens, self.q_size)
 
 
 class LlamaMLP(nn.Module):
@@ -100,7 +104,8 @@ class LlamaMLP(nn.Module):
 
 
 class LlamaDecoderLayer(nn.Module):
-    """Pre-norm block: ``h = x + attn(norm(x)); out = h + mlp(norm(h))``, residual adds fused into the norms."""
+    """Pre-norm block: ``h = x + attn(norm(x)); out = h + mlp(norm(h))``, residual adds fused into
+    the norms; run by :class:`LlamaModel` piece by piece."""
 
     def __init__(self, config: ModelConfig, attn_backend: PagedAttentionBackend) -> None:
         super().__init__()
@@ -108,24 +113,6 @@ class LlamaDecoderLayer(nn.Module):
         self.mlp = LlamaMLP(config)
         self.input_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
         self.post_attention_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
-
-    def forward(
-        self,
-        rope: tuple[torch.Tensor, torch.Tensor],
-        hidden: torch.Tensor,
-        residual: torch.Tensor | None,
-        k_cache: torch.Tensor,
-        v_cache: torch.Tensor,
-        metadata: AttentionMetadata,
-    ) -> tuple[torch.Tensor, torch.Tensor]:
-        """Return ``(hidden, residual)``, both ``[T, hidden_size]``; their sum is the layer's output."""
-        if residual is None:
-            hidden, residual = self.input_layernorm(hidden), hidden
-        else:
-            hidden, residual = self.input_layernorm(hidden, residual)
-        hidden = self.self_attn(rope, hidden, k_cache, v_cache, metadata)
-        hidden, residual = self.post_attention_layernorm(hidden, residual)
-        return self.mlp(hidden), residual
 
 
 class LlamaModel(nn.Module):
@@ -146,21 +133,61 @@ class LlamaModel(nn.Module):
         )
         self.norm = RMSNorm(config.hidden_size, config.rms_norm_eps)
 
+    @property
+    def num_pieces(self) -> int:
+        """Pieces of a forward between its attentions: one more than the layers."""
+        return len(self.layers) + 1
+
+    def piece(self, index: int, hidden: torch.Tensor, residual: torch.Tensor | None
+              ) -> tuple[torch.Tensor, torch.Tensor | None]:
+        """Run piece ``index`` of the forward: everything between layer ``index - 1``'s attention
+        and layer ``index``'s (vLLM's piecewise split). Every op in it is row-wise (a token's
+        output depends on its own row only), so a batch padded with extra rows leaves the real
+        rows' outputs as they are.
+
+        Args:
+            index: ``0`` takes the embedded tokens, ``1 .. L - 1`` layer ``index - 1``'s attention
+                output ``[T, Hq * D]``, ``L`` (:attr:`num_pieces` - 1) the last layer's.
+            hidden: that input.
+            residual: ``[T, hidden_size]`` the residual stream so far (``None`` for piece 0).
+
+        Returns:
+            ``(qkv, residual)``: layer ``index``'s fused QKV projection ``[T, (Hq + 2 Hkv) * D]``
+            and the residual stream, or for the last piece ``(final-normed hidden, None)``.
+        """
+        if index > 0:
+            layer = self.layers[index - 1]
+            hidden, residual = layer.post_attention_layernorm(layer.self_attn.o_proj(hidden), residual)
+            hidden = layer.mlp(hidden)
+        if index == len(self.layers):
+            return self.norm(hidden, residual)[0], None
+        layer = self.layers[index]
+        if residual is None:
+            hidden, residual = layer.input_layernorm(hidden), hidden
+        else:
+            hidden, residual = layer.input_layernorm(hidden, residual)
+        return layer.self_attn.qkv_proj(hidden), residual
+
     def forward(
         self,
         input_ids: torch.Tensor,
         positions: torch.Tensor,
         kv_cache: KVCache,
         metadata: AttentionMetadata,
+        run_piece: Callable[[int, torch.Tensor, torch.Tensor | None],
+                            tuple[torch.Tensor, torch.Tensor | None]] | None = None,
     ) -> torch.Tensor:
+        """Embed, then run each :meth:`piece` through ``run_piece`` (default: the method itself;
+        :mod:`engine.piecewise_graphs` replays CUDA graphs of them) with each layer's attention
+        between two pieces."""
         hidden = self.embed_tokens(input_ids)  # [T, hidden_size]
         rope = self.rotary_emb(positions, hidden.dtype)
+        run_piece = run_piece or self.piece
         residual = None
         for i, layer in enumerate(self.layers):
-            k_cache, v_cache = kv_cache.layer(i)
-            hidden, residual = layer(rope, hidden, residual, k_cache, v_cache, metadata)
-        hidden, _ = self.norm(hidden, residual)
-        return hidden
+            qkv, residual = run_piece(i, hidden, residual)
+            hidden = layer.self_attn.attention(rope, qkv, *kv_cache.layer(i), metadata)
+        return run_piece(len(self.layers), hidden, residual)[0]
 
 
 class LlamaForCausalLM(nn.Module):
@@ -195,6 +222,8 @@ class LlamaForCausalLM(nn.Module):
         positions: torch.Tensor,
         kv_cache: KVCache,
         metadata: AttentionMetadata,
+        run_piece: Callable[[int, torch.Tensor, torch.Tensor | None],
+                            tuple[torch.Tensor, torch.Tensor | None]] | None = None,
     ) -> torch.Tensor:
         """Run one step over a flattened batch and write its K/V into ``kv_cache``.
 
@@ -203,11 +232,13 @@ class LlamaForCausalLM(nn.Module):
             positions: ``[num_tokens]`` int64 position of each token in its sequence.
             kv_cache: the worker's cache; ``metadata.slot_mapping`` says where each token goes.
             metadata: the step's attention metadata.
+            run_piece: runs :meth:`LlamaModel.piece` (its arguments and results), e.g. by
+                replaying a CUDA graph of it; default: the method itself.
 
         Returns:
             ``[num_tokens, hidden_size]`` final-normed hidden states in the model dtype.
         """
-        return self.model(input_ids, positions, kv_cache, metadata)
+        return self.model(input_ids, positions, kv_cache, metadata, run_piece)
 
     @torch.inference_mode()
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:

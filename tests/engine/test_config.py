@@ -5,14 +5,22 @@ import torch
 
 from engine.config import EngineConfig
 from engine.cuda_graphs import cuda_graph_sizes
+from engine.piecewise_graphs import piecewise_token_sizes
 
 CUDA, CPU = torch.device("cuda"), torch.device("cpu")
 
 
-@pytest.mark.parametrize("sizes", [[], [0], [4096], [2, -1]])
-def test_bad_cuda_graph_batch_sizes_name_the_field(sizes):
-    with pytest.raises(ValueError, match="cuda_graph_batch_sizes"):
-        EngineConfig(cuda_graph_batch_sizes=sizes, max_num_batched_tokens=2048)
+@pytest.mark.parametrize("field", ["cuda_graph_batch_sizes", "cuda_graph_token_sizes"])
+@pytest.mark.parametrize("sizes", [[0], [4096], [2, -1]])
+def test_bad_cuda_graph_sizes_name_the_field(field, sizes):
+    with pytest.raises(ValueError, match=field):
+        EngineConfig(**{field: sizes}, max_num_batched_tokens=2048)
+
+
+def test_decode_graphs_need_a_size_and_piecewise_graphs_may_have_none():
+    with pytest.raises(ValueError, match="cuda_graph_batch_sizes must be a list of at least one size"):
+        EngineConfig(cuda_graph_batch_sizes=[])
+    assert piecewise_token_sizes(EngineConfig(cuda_graph_token_sizes=[]), CUDA) == []
 
 
 def test_default_ladder_covers_every_batch_up_to_max_num_seqs_with_little_padding():
@@ -35,3 +43,16 @@ def test_kv_cache_dtype_is_auto_or_fp8_e4m3_and_a_bad_one_names_the_field():
     assert EngineConfig(kv_cache_dtype="fp8_e4m3").kv_cache_dtype == "fp8_e4m3"
     with pytest.raises(ValueError, match="kv_cache_dtype"):
         EngineConfig(kv_cache_dtype="fp8_e5m2")
+
+
+def test_piecewise_ladder_doubles_to_256_then_steps_by_256_up_to_the_step_bound():
+    assert piecewise_token_sizes(EngineConfig(), CUDA) == [16, 32, 64, 128, 256, 512, 768, 1024, 1280, 1536,
+                                                            1792, 2048]
+    assert piecewise_token_sizes(EngineConfig(max_num_batched_tokens=8192), CUDA)[-1] == 2048  # then eager
+    assert piecewise_token_sizes(EngineConfig(max_num_batched_tokens=600), CUDA) == [16, 32, 64, 128, 256, 512, 600]
+    assert piecewise_token_sizes(EngineConfig(max_num_batched_tokens=100), CUDA) == [16, 32, 64, 100]
+    assert piecewise_token_sizes(EngineConfig(max_num_batched_tokens=8), CUDA) == [8]
+    config = EngineConfig(cuda_graph_token_sizes=[512, 64, 64])
+    assert piecewise_token_sizes(config, CUDA) == [64, 512]
+    assert piecewise_token_sizes(config, CPU) == []
+    assert piecewise_token_sizes(EngineConfig(enforce_eager=True), CUDA) == []

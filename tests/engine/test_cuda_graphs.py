@@ -1,7 +1,8 @@
-"""Decode steps replayed from CUDA graphs: padding rows change nothing, graph and eager agree.
+"""Decode steps replayed from CUDA graphs, and other steps from graphs of the pieces between
+their attentions: padding rows change nothing, graph and eager agree.
 
-The padding semantics are checked on the CPU through the graph runner's eager forward (what a
-graph captures); replaying real graphs needs a GPU.
+The padding semantics are checked on the CPU through the graph runners' eager forwards (what a
+graph captures); replaying real graphs needs a GPU (tests/engine/test_gpu_engine.py).
 """
 
 import numpy as np
@@ -11,6 +12,7 @@ import transformers
 
 from engine import EngineConfig, LLMEngine, SamplingParams
 from engine.cuda_graphs import CUDAGraphRunner, is_long_tail
+from engine.piecewise_graphs import PiecewiseCUDAGraphs
 from tests.engine.model_helpers import make_hf_model
 
 
@@ -69,6 +71,61 @@ def test_batch_size_for_pads_up_and_falls_back_to_eager(tiny_dir):
     assert graphs.batch_size_for(step) is None
 
 
+def _mixed_step(engine: LLMEngine):
+    """Two sequences past their prompts and a 20-token prompt: the scheduler's next step holds
+    2 decodes and the prompt's chunk (22 tokens)."""
+    greedy = SamplingParams(max_tokens=4, temperature=0, ignore_eos=True)
+    for i in range(2):
+        engine.add_request(f"d{i}", [(7 * i + j) % 90 + 2 for j in range(5 + 3 * i)], greedy)
+    engine.step()
+    engine.add_request("p", [(5 * j) % 90 + 2 for j in range(20)], greedy)
+    step = engine.scheduler.schedule()
+    assert step.num_decodes == 2 and step.num_tokens == 22
+    return step
+
+
+@torch.inference_mode()
+def test_pieces_padded_over_stale_rows_equal_the_model_and_write_only_the_step(tiny_dir):
+    engine = LLMEngine(str(tiny_dir), EngineConfig(block_size=8, num_blocks=64))
+    step = _mixed_step(engine)
+    inputs = engine.runner.buffers.prepare(step)
+    cache_before = engine.kv_cache.tensor.clone()
+    expected = engine.model(inputs.input_ids, inputs.positions, engine.kv_cache, inputs.metadata)
+    written = engine.kv_cache.tensor.clone()
+    engine.kv_cache.tensor.copy_(cache_before)
+
+    pieces = PiecewiseCUDAGraphs(engine.model, [8, 32, 16], torch.device("cpu"))
+    assert [pieces.size_for(n) for n in (1, 8, 9, 22, 32)] == [8, 8, 16, 32, 32]
+    assert pieces.size_for(0) is None and pieces.size_for(33) is None  # past the ladder: eager
+    for buffer in (pieces.embedded, pieces.attn_out, pieces.qkv, pieces.residual, pieces.hidden):
+        buffer.normal_()  # what an earlier, larger step would have left in the padding rows
+    hidden = pieces.forward(32, inputs.input_ids, inputs.positions, engine.kv_cache, inputs.metadata)
+    assert hidden.shape == expected.shape
+    torch.testing.assert_close(hidden, expected, rtol=1e-5, atol=1e-5)
+    assert torch.isfinite(pieces.hidden).all()
+    assert torch.equal(engine.kv_cache.tensor != cache_before, written != cache_before)
+    torch.testing.assert_close(engine.kv_cache.tensor, written, rtol=1e-5, atol=1e-5)
+
+
+def test_the_runner_runs_steps_within_the_ladder_as_pieces_and_the_rest_eagerly(tiny_dir):
+    config = EngineConfig(block_size=8, num_blocks=64, max_num_batched_tokens=40)
+    prompts = [[(3 * i + j) % 90 + 2 for j in range(40 if i == 0 else 6 + 5 * i)] for i in range(4)]
+    params = [SamplingParams(max_tokens=6, temperature=0, ignore_eos=True),
+              SamplingParams(max_tokens=6, temperature=0.8, top_p=0.9, seed=3, ignore_eos=True, logprobs=2)]
+    expected = _generate(LLMEngine(str(tiny_dir), config), prompts, params)
+    engine = LLMEngine(str(tiny_dir), config)
+    ladder = [8, 16, 32]  # steps of 40, 40, 40, 12 tokens, then decodes
+    engine.runner.pieces = PiecewiseCUDAGraphs(engine.model, ladder, engine.runner.device)  # eager pieces
+    stats = []
+    assert _generate(engine, prompts, params, stats) == expected
+    assert engine.num_free_blocks == 64
+    pieced = [s for s in stats if s.piecewise_graph_tokens is not None]
+    assert any(s.kind == "decode" for s in pieced) and any(s.kind != "decode" for s in pieced)
+    assert all(s.piecewise_graph_tokens == min(n for n in ladder if n >= s.num_tokens) for s in pieced)
+    eager = [s for s in stats if s.piecewise_graph_tokens is None]
+    assert eager and all(s.num_tokens > 32 for s in eager)
+
+
 @pytest.fixture
 def triton_ops(monkeypatch):
     """Run the engine's layers, attention and sampler through the Triton kernels (on the CPU under
@@ -101,13 +158,18 @@ def test_triton_kernels_in_the_engine_match_the_references(tiny_dir, triton_ops)
     assert got == _generate(torch_engine, prompts, params)
 
 
-def _generate(engine, prompts, params):
+def _generate(engine, prompts, params, stats=None):
+    """Each prompt with each of ``params``: their tokens by request; each step's stats appended
+    to ``stats``."""
     outs = {}
     for i, prompt in enumerate(prompts):
         for j, p in enumerate(params):
             engine.add_request(f"{i}-{j}", prompt, p)
     while engine.has_unfinished_requests:
-        for out in engine.step().outputs:
+        out = engine.step()
+        if stats is not None:
+            stats.append(out.stats)
+        for out in out.outputs:
             if out.finished:
                 outs[out.request_id] = out.outputs[0].token_ids
     return outs

@@ -114,7 +114,10 @@ def test_graph_replay_equals_eager_greedy(graph_and_eager, batch):
     assert replayed and all(size >= 1 for size in replayed)
     if batch in (3, 13, 40):
         assert max(replayed) > batch  # padded rows ran beside the real ones
-    assert all(s.cuda_graph_size is None for s in eager_stats)
+    pieced = [s for s in stats if s.kind != "decode"]  # prompt chunks: the piecewise graphs
+    assert pieced and all(s.num_tokens <= s.piecewise_graph_tokens for s in pieced)
+    assert any(s.num_tokens < s.piecewise_graph_tokens for s in pieced)
+    assert all(s.cuda_graph_size is None and s.piecewise_graph_tokens is None for s in eager_stats)
 
 
 def test_a_long_tail_batch_replays_more_splits_and_equals_eager_greedy(graph_and_eager):
