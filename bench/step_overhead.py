@@ -1,11 +1,12 @@
 """What one engine step costs beside a running batch: a decode step, and a mixed step (the same
 decode plus a prompt chunk), each as wall time and as the host time until its device work is
-queued (``on_launched``), with CUDA graphs and eagerly.
+queued (``on_launched``): with every CUDA graph (``graphs``: decode graphs, and piecewise graphs
+for the mixed step), with decode graphs only (``decode_graphs``: the mixed step eager, as before
+piecewise graphs), and eagerly (``eager``), one engine after another in one process.
 
-A step that carries a prefill chunk runs eagerly (the graphs hold decode-only steps), so where
-the host's launches take longer than the device's work, the chunk's cost is the eager launch
-and not its tokens: this measures which, for the placement model's price of a local prefill
-(:mod:`gateway.placement`). Steps are timed one at a time, the device idle before each (a
+Where the host's launches take longer than the device's work, an eager mixed step's cost is
+its launches and not its tokens: this measures which, for the placement model's price of a
+local prefill (:mod:`gateway.placement`), and what the piecewise graphs take off it. Steps are timed one at a time, the device idle before each (a
 synchronize), the median of ``repeats``; ``*_launch_min_ms`` is the fastest launch of them, what
 the host does when nothing else takes its cores (a shared host's eager steps move by 2x from one
 run to the next, and a comparison of code versions reads this one).
@@ -79,16 +80,24 @@ def step_costs(llm: LLM, batch: int, chunk: int, repeats: int = 8) -> dict[str, 
     return metrics
 
 
+# Setup -> the engine settings that make it.
+SETUPS = {
+    "graphs": {},
+    "decode_graphs": {"cuda_graph_token_sizes": []},
+    "eager": {"enforce_eager": True},
+}
+
+
 def step_overhead(model: str, load_format: str, batches: tuple[int, ...], chunks: tuple[int, ...],
                   repeats: int, max_num_batched_tokens: int) -> dict[str, float]:
-    """:func:`step_costs` for every batch and chunk, keys prefixed ``{graphs|eager}_b{batch}_c{chunk}_``;
-    on a CPU (no CUDA graphs) the eager engine only."""
+    """:func:`step_costs` for every batch and chunk, keys prefixed ``{setup}_b{batch}_c{chunk}_``
+    (:data:`SETUPS`); on a CPU (no CUDA graphs) the eager engine only."""
     metrics = {}
-    for eager in (False, True) if torch.cuda.is_available() else (True,):
-        llm = LLM(model, load_format=load_format, enforce_eager=eager, max_num_batched_tokens=max_num_batched_tokens)
+    for setup in SETUPS if torch.cuda.is_available() else ("eager",):
+        llm = LLM(model, load_format=load_format, max_num_batched_tokens=max_num_batched_tokens, **SETUPS[setup])
         for batch in batches:
             for chunk in chunks:
-                prefix = f"{'eager' if eager else 'graphs'}_b{batch}_c{chunk}_"
+                prefix = f"{setup}_b{batch}_c{chunk}_"
                 metrics |= {prefix + k: v for k, v in step_costs(llm, batch, chunk, repeats).items()}
         del llm
         release_engine_memory()
