@@ -86,6 +86,11 @@ def test_flags_win_over_the_environment_and_lists_split(monkeypatch):
     assert config.cuda_graph_batch_sizes == [1, 2, 4]
     w = from_args(WorkerSettings, ["--cuda-graph-batch-sizes", "8,16"], "worker", "")
     assert w.engine_config().cuda_graph_batch_sizes == [8, 16]
+    monkeypatch.setenv("TANDEM_CUDA_GRAPH_TOKEN_SIZES", "512, 64")
+    assert from_args(WorkerSettings, [], "worker", "").engine_config().cuda_graph_token_sizes == [64, 512]
+    monkeypatch.setenv("TANDEM_CUDA_GRAPH_TOKEN_SIZES", "")  # none: decode graphs only
+    assert from_args(WorkerSettings, [], "worker", "").engine_config().cuda_graph_token_sizes == []
+    assert from_args(WorkerSettings, [], "worker", "").engine_config().cuda_graph_batch_sizes == [1, 2, 4]
     monkeypatch.setenv("TANDEM_KV_CACHE_DTYPE", "fp8_e4m3")
     assert from_args(WorkerSettings, [], "worker", "").engine_config().kv_cache_dtype == "fp8_e4m3"
     w = from_args(WorkerSettings, ["--kv-cache-dtype", "auto"], "worker", "")
