@@ -9,7 +9,7 @@ them) and sequence length 0 (the paged decode kernel returns 0 for them), so the
 the KV cache nor change a real row (every op is row-wise). The decode kernel is given the fixed
 bound ``max_model_len`` instead of the step's longest context, so its grid, and hence the
 graph, serves every length. Steps with prefill chunks, fork children, or more sequences than
-the largest graph run eagerly. The logits head runs eagerly on the graph's output rows, so only
+the largest graph do not replay these (:mod:`engine.piecewise_graphs` runs them). The logits head runs eagerly on the graph's output rows, so only
 the sampled rows are computed.
 
 A graph fixes the decode kernel's split count too: :func:`~kernels.decode_attention.num_kv_splits`
@@ -107,7 +107,7 @@ class CUDAGraphRunner:
             self._size_for[n] = n if n in self.batch_sizes else self._size_for[n + 1]
 
     def batch_size_for(self, step: SchedulerOutput) -> int | None:
-        """The captured batch size that runs ``step``, or ``None`` when it must run eagerly (it
+        """The captured batch size that runs ``step``, or ``None`` when no decode graph can (it
         has prefill chunks, fork children, or too many sequences)."""
         n = len(step.scheduled)
         if step.num_decodes != n or n > self.max_batch_size or any(s.seq.forks for s in step.scheduled):

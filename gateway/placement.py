@@ -33,14 +33,15 @@ predicted). Its local TTFT adds the steps it rides, the one running as it arrive
 on average) and ``ceil((q_d + n) / c_d)`` more: ``(q_d + n) * p_d + (ceil((q_d + n) / c_d) + 1/2) * s_d``
 (:attr:`Placement.ride_s`). So ``p_d`` is the marginal cost of a prompt token in a decode step,
 measured net of the ride (a short local prompt's TTFT is mostly the steps it waited for). The
-price is linear in tokens where a step that carries a chunk costs a fixed part more: it runs
-eagerly (the CUDA graphs hold decode-only steps), and on an H200 (Llama-3-8B shape) its launches
-take 20-22 ms whether the chunk is 128 or 1024 tokens, against a 6 ms decode step from a graph
-(``bench/results/step_overhead-h200-20261128T210454Z.json``). The pace measured on short local
-prefills carries that fixed part, so under a 20 ms ITL objective no long prompt is placed on a
-decode worker even with 256-token steps (no ``local_predicted`` placement in
-``serving-h200x2-net256-adaptive-interference-*-20261128T205848Z.json``), as it should be
-while no mixed step fits inside the objective.
+price is linear in tokens where a step that carries a chunk costs a fixed part more. When such
+steps ran eagerly, their launches took 20-22 ms on an H200 (Llama-3-8B shape) whether the chunk
+was 128 or 1024 tokens, against a 6 ms decode step from a graph
+(``bench/results/step_overhead-h200-20261128T210454Z.json``), and the pace measured on short
+local prefills carried that fixed part: under a 20 ms ITL objective no long prompt was placed on
+a decode worker even with 256-token steps (no ``local_predicted`` placement in
+``serving-h200x2-net256-adaptive-interference-*-20261128T205848Z.json``). They replay piecewise
+CUDA graphs now (:mod:`engine.piecewise_graphs`: 11-20 ms for 128-1024-token chunks,
+``step_overhead-h200-piecewise-20261129T023648Z.json``); the measured pace follows by itself.
 
 The decision (:attr:`Placement.kind`, the ``tandem_gateway_placements`` metric's label):
 
@@ -60,8 +61,8 @@ The decision (:attr:`Placement.kind`, the ``tandem_gateway_placements`` metric's
   theirs for a certain one of the request's; refused anyway, the short prompts of a decode-heavy
   load queued behind long ones past the prefill worker's saturation, and adaptive placement lost
   to the fixed split: ``serving_2gpu-committed-high-interference-20261128T035953Z.json``, its
-  ``placements_*`` beside the fixed split's). A step that carries a prefill chunk runs
-  without CUDA graphs: on two H100s (Llama-3-8B shapes) such short local prefills put the decode-heavy
+  ``placements_*`` beside the fixed split's). When a step that carried a prefill chunk ran
+  without CUDA graphs, on two H100s (Llama-3-8B shapes) such short local prefills put the decode-heavy
   requests' ITL p99 at 50-59 ms against 21-32 ms with every prompt disaggregated
   (``bench/results/serving_2gpu-h100x2-interference-20261126T154430Z.json``,
   ``serving-h100x2-nolocal-disagg-interference-*-20261126T155004Z.json``).
