@@ -11,6 +11,7 @@ import pytest
 import torch
 import transformers
 
+from engine.layers.linear import PackedLinear, pack_linears, packed_linear_available
 from engine.layers.rotary import RotaryEmbedding
 from engine.loader import load_model
 from engine.model_config import ModelConfig
@@ -101,3 +102,18 @@ def test_rope_table_matches_hf():
 def test_unknown_rope_scaling_rejected():
     with pytest.raises(ValueError, match="rope_scaling"):
         RotaryEmbedding(16, 128, 10000.0, {"rope_type": "yarn", "factor": 4.0})
+
+
+@pytest.mark.skipif(not packed_linear_available(torch.device("cpu"), torch.float32), reason="needs oneDNN")
+def test_packed_linears_compute_the_same_and_keep_forward_hooks():
+    # Tensor parallelism's all-reduce is a forward hook on o_proj / down_proj; packing replaces them.
+    torch.manual_seed(0)
+    net = torch.nn.Sequential(torch.nn.Linear(8, 16), torch.nn.ReLU(), torch.nn.Linear(16, 4))
+    net[2].register_forward_hook(lambda _module, _args, output: output * 10)
+    x = torch.randn(3, 8)
+    with torch.no_grad():
+        expected = net(x)
+        assert pack_linears(net) == 2
+        assert isinstance(net[0], PackedLinear) and isinstance(net[2], PackedLinear)
+        torch.testing.assert_close(net(x), expected)
+        torch.testing.assert_close(net[2](torch.zeros(1, 16)), 10 * net[2].bias.unsqueeze(0))
