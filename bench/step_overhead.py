@@ -6,10 +6,11 @@ piecewise graphs), and eagerly (``eager``), one engine after another in one proc
 
 Where the host's launches take longer than the device's work, an eager mixed step's cost is
 its launches and not its tokens: this measures which, for the placement model's price of a
-local prefill (:mod:`gateway.placement`), and what the piecewise graphs take off it. Steps are timed one at a time, the device idle before each (a
-synchronize), the median of ``repeats``; ``*_launch_min_ms`` is the fastest launch of them, what
-the host does when nothing else takes its cores (a shared host's eager steps move by 2x from one
-run to the next, and a comparison of code versions reads this one).
+local prefill (:mod:`gateway.placement`), and what the piecewise graphs take off it. Steps are
+timed one at a time, the device idle before each (a synchronize), the median of ``repeats``;
+``*_launch_min_ms`` is the fastest launch of them, what the host does when nothing else takes
+its cores (a shared host's eager steps move by 2x from one run to the next, and a comparison of
+code versions reads this one).
 
 Usage: ``python bench/step_overhead.py --model llama-3-8b --load-format dummy`` (on a GPU).
 """

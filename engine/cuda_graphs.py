@@ -9,8 +9,8 @@ them) and sequence length 0 (the paged decode kernel returns 0 for them), so the
 the KV cache nor change a real row (every op is row-wise). The decode kernel is given the fixed
 bound ``max_model_len`` instead of the step's longest context, so its grid, and hence the
 graph, serves every length. Steps with prefill chunks, fork children, or more sequences than
-the largest graph do not replay these (:mod:`engine.piecewise_graphs` runs them). The logits head runs eagerly on the graph's output rows, so only
-the sampled rows are computed.
+the largest graph do not replay these (:mod:`engine.piecewise_graphs` runs them). The logits
+head runs eagerly on the graph's output rows, so only the sampled rows are computed.
 
 A graph fixes the decode kernel's split count too: :func:`~kernels.decode_attention.num_kv_splits`
 of its batch size, about one program per SM if every context were as long as the longest. A few

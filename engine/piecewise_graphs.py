@@ -4,7 +4,7 @@ A decode-only step replays one graph of the whole forward (:mod:`engine.cuda_gra
 step that carries a prompt chunk cannot: its attention's grid depends on how the step's tokens
 fall into sequences. Run eagerly, such a step launches about ten kernels a layer, and on the
 host that is the step's time: a mixed step of Llama-3-8B took 15-33 ms of host launches on an
-H200's host (README, "Benchmarks"), so a decode worker that prefills cannot hold a 20 ms
+H200's host (docs/engine.md, "CUDA graphs"), so a decode worker that prefills cannot hold a 20 ms
 inter-token latency. As vLLM's piecewise CUDA graphs do, everything between two attentions
 (:meth:`engine.models.llama.LlamaModel.piece`: ``o_proj``, the norms, the MLP, the next
 ``qkv_proj``, and the tensor-parallel all-reduces) is captured once per padded token count of
@@ -26,7 +26,9 @@ import logging
 
 import torch
 
+from engine.attention import AttentionMetadata
 from engine.config import EngineConfig
+from engine.kv_cache import KVCache
 
 logger = logging.getLogger(__name__)
 
@@ -118,7 +120,8 @@ class PiecewiseCUDAGraphs:
         return self.qkv[:n], self.residual[:n]
 
     @torch.inference_mode()
-    def forward(self, size: int, input_ids: torch.Tensor, positions: torch.Tensor, kv_cache, metadata) -> torch.Tensor:
+    def forward(self, size: int, input_ids: torch.Tensor, positions: torch.Tensor, kv_cache: KVCache,
+                metadata: AttentionMetadata) -> torch.Tensor:
         """The model's forward over a step of ``n = len(input_ids)`` tokens (the arguments of
         ``model.forward``) with its pieces padded to ``size`` rows (:meth:`size_for`); returns
         the final hidden states ``[n, hidden_size]``, a view of a buffer the next step overwrites."""
