@@ -166,10 +166,10 @@ def _generate(engine, prompts, params, stats=None):
         for j, p in enumerate(params):
             engine.add_request(f"{i}-{j}", prompt, p)
     while engine.has_unfinished_requests:
-        out = engine.step()
+        result = engine.step()
         if stats is not None:
-            stats.append(out.stats)
-        for out in out.outputs:
+            stats.append(result.stats)
+        for out in result.outputs:
             if out.finished:
                 outs[out.request_id] = out.outputs[0].token_ids
     return outs
