@@ -67,6 +67,16 @@ def cuda_graph_sizes(config: EngineConfig, device: torch.device) -> list[int]:
     return [s for s in (1, 2, 4) if s < top] + list(range(8, top, 8)) + [top]
 
 
+def round_up_table(ladder: list[int]) -> list[int]:
+    """A lookup table ``t`` with ``t[n]`` the smallest size of ``ladder`` (sorted, positive)
+    that is ``>= n``, for ``1 <= n <= ladder[-1]`` (``t[0]`` is unused): how a step is padded
+    to the graph that runs it."""
+    members, table = set(ladder), [0] * (ladder[-1] + 1)
+    for n in range(ladder[-1], 0, -1):
+        table[n] = n if n in members else table[n + 1]
+    return table
+
+
 class CUDAGraphRunner:
     """The captured decode graphs of one model over one KV cache.
 
@@ -101,10 +111,7 @@ class CUDAGraphRunner:
         long_tail = long_tail_splits(num_kv_heads, num_sms)
         self.long_tail_splits = {b: long_tail for b in self.batch_sizes
                                  if b <= LONG_TAIL_MAX_BATCH and long_tail > self.num_splits[b]}
-        # _size_for[n]: the smallest captured batch size >= n.
-        self._size_for = [0] * (self.max_batch_size + 1)
-        for n in range(self.max_batch_size, 0, -1):
-            self._size_for[n] = n if n in self.batch_sizes else self._size_for[n + 1]
+        self._size_for = round_up_table(self.batch_sizes)
 
     def batch_size_for(self, step: SchedulerOutput) -> int | None:
         """The captured batch size that runs ``step``, or ``None`` when no decode graph can (it

@@ -28,6 +28,7 @@ import torch
 
 from engine.attention import AttentionMetadata
 from engine.config import EngineConfig
+from engine.cuda_graphs import round_up_table
 from engine.kv_cache import KVCache
 
 logger = logging.getLogger(__name__)
@@ -83,10 +84,7 @@ class PiecewiseCUDAGraphs:
         self.qkv, self.residual, self.hidden = buffer(qkv_size), buffer(config.hidden_size), buffer(config.hidden_size)
         self.graphs: dict[tuple[int, int], torch.cuda.CUDAGraph] = {}  # by (token count, piece)
         self._size = self.max_num_tokens  # the token count of the step under way
-        # _size_for[n]: the smallest captured count >= n.
-        self._size_for = [0] * (self.max_num_tokens + 1)
-        for n in range(self.max_num_tokens, 0, -1):
-            self._size_for[n] = n if n in self.token_sizes else self._size_for[n + 1]
+        self._size_for = round_up_table(self.token_sizes)
 
     def size_for(self, num_tokens: int) -> int | None:
         """The padded token count that runs a step of ``num_tokens``, ``None`` past the ladder."""

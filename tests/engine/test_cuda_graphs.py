@@ -11,7 +11,7 @@ import torch
 import transformers
 
 from engine import EngineConfig, LLMEngine, SamplingParams
-from engine.cuda_graphs import CUDAGraphRunner, is_long_tail
+from engine.cuda_graphs import CUDAGraphRunner, is_long_tail, round_up_table
 from engine.piecewise_graphs import PiecewiseCUDAGraphs
 from tests.engine.model_helpers import make_hf_model
 
@@ -82,6 +82,13 @@ def _mixed_step(engine: LLMEngine):
     step = engine.scheduler.schedule()
     assert step.num_decodes == 2 and step.num_tokens == 22
     return step
+
+
+@pytest.mark.parametrize("ladder", [[1], [1, 2, 4, 8, 16, 24], [16, 32, 256, 512, 768], [3, 7]])
+def test_round_up_table_gives_the_smallest_ladder_size_at_least_n(ladder):
+    table = round_up_table(ladder)
+    assert len(table) == ladder[-1] + 1
+    assert table[1:] == [min(s for s in ladder if s >= n) for n in range(1, ladder[-1] + 1)]
 
 
 @torch.inference_mode()
