@@ -57,9 +57,9 @@ DECODE_BLOCKS = 140  # of 16 tokens: room for one REQUEST (76 blocks + a margin 
 DOCUMENTED = {"UNAVAILABLE", "DEADLINE_EXCEEDED"}
 PROMPT = " ".join(f"Note {i}: the lighthouse keeper counts ships." for i in range(110))  # 1210 tokens
 REQUEST = gateway_pb2.GenerateRequest(prompt=PROMPT, sampling=SP(max_tokens=32, temperature=0, ignore_eos=True))
-BLOCKER = gateway_pb2.GenerateRequest(  # 1290 prompt tokens (81 blocks), decoding for seconds
+BLOCKER = gateway_pb2.GenerateRequest(  # 1290 prompt tokens and 128 out (89 blocks), decoding for seconds
     prompt=" ".join(f"Line {i}: the tide comes in and goes out." for i in range(100)),
-    sampling=SP(max_tokens=64, temperature=0, ignore_eos=True))
+    sampling=SP(max_tokens=128, temperature=0, ignore_eos=True))
 
 
 class PartitionProxy:
@@ -166,14 +166,23 @@ def _code(stub, request) -> str:
 
 
 def _fill_decode_capacity(cluster, baseline: dict[str, int]) -> list[Future]:
-    """Start one BLOCKER per decode worker; return once every decode worker holds blocks for one."""
+    """Start one BLOCKER per decode worker; return once every decode worker decodes one.
+
+    Decoding, not merely admitted: a blocker whose prefill attempt fails gives its reservation
+    back while the gateway retries it, and the request could take that room (a CI run saw the
+    request never wait); once decoding, a blocker holds its blocks until it ends."""
     pool = ThreadPoolExecutor(2)
     blockers = [pool.submit(_code, cluster.stub, BLOCKER) for _ in range(2)]
     pool.shutdown(wait=False)  # the calls go on; the test waits for their futures
-    deadline = time.monotonic() + 20
-    while any(stats(cluster, w.address, "decode").num_free_blocks >= baseline[name]
-              for name, w in cluster.workers.items() if name.startswith("decode")):
-        assert time.monotonic() < deadline, "the blockers did not reach both decode workers"
+
+    def decoding(name: str, worker) -> bool:
+        s = stats(cluster, worker.address, "decode")
+        return s.num_running >= 1 and s.num_free_blocks < baseline[name]
+
+    deadline = time.monotonic() + 60
+    while not all(decoding(name, w) for name, w in cluster.workers.items() if name.startswith("decode")):
+        assert time.monotonic() < deadline, f"the blockers are not decoding on both decode workers: " \
+                                            f"{[f.result() for f in blockers if f.done()]} ended"
         time.sleep(0.02)
     return blockers
 
@@ -213,7 +222,8 @@ def test_one_fault_at_one_phase(cluster, phase, fault):
     if phase == "queued":
         prefill_worker = "prefill-0"  # none has it yet: it gets the one left after a kill
         while _waiting_at_gateway(cluster) < 1:
-            assert time.monotonic() < deadline, "the request never waited for capacity"
+            assert time.monotonic() < deadline, f"the request never waited for capacity (running: " \
+                f"{call.running()}; blockers ended: {[f.result() for f in blockers if f.done()]})"
             time.sleep(0.02)
     else:
         while (prefill_worker := _serving(cluster, "prefill", baseline)) is None:  # the one that prefills it
