@@ -12,8 +12,9 @@ a ladder, and the attention (RoPE, the KV cache write, paged attention) runs eag
 two replays on the step's real tokens.
 
 A step of ``n`` tokens runs at the smallest captured count ``T >= n``. The graphs read and
-write fixed buffers of ``max(T)`` rows: the embedded tokens and each attention output are
-copied into the first ``n`` rows of an input buffer, and a piece's outputs (the next layer's
+write fixed buffers of ``max(T)`` rows: the embedded tokens are copied into the first ``n`` rows
+of an input buffer, and each attention writes its output into those of another
+(``AttentionMetadata.attn_out``), and a piece's outputs (the next layer's
 fused QKV projection and the residual stream) land in output buffers. Rows ``n .. T`` hold
 what an earlier step left there (zeros at first): every op of a piece is row-wise, so they
 change no real row, and they never reach the attention, which reads rows ``:n`` only. Larger
@@ -22,6 +23,7 @@ steps run eagerly: from a few thousand tokens on, their matmuls outlast their la
 
 from __future__ import annotations
 
+import dataclasses
 import logging
 
 import torch
@@ -103,11 +105,14 @@ class PiecewiseCUDAGraphs:
 
     def _piece(self, index: int, hidden: torch.Tensor, _residual: torch.Tensor | None
                ) -> tuple[torch.Tensor, torch.Tensor | None]:
-        """``run_piece`` of the model's forward: ``hidden`` (``n`` rows) into the input buffer,
-        then the graph of ``(the step's size, index)`` (eagerly when not captured). The residual
-        argument is the view of ``self.residual`` this returned before, so it is not copied."""
+        """``run_piece`` of the model's forward: ``hidden`` (``n`` rows) into the input buffer
+        (unless the attention wrote it there: ``metadata.attn_out``), then the graph of ``(the
+        step's size, index)`` (eagerly when not captured). The residual argument is the view of
+        ``self.residual`` this returned before, so it is not copied."""
         n = hidden.shape[0]
-        (self.embedded if index == 0 else self.attn_out)[:n].copy_(hidden)
+        buffer = self.embedded if index == 0 else self.attn_out
+        if hidden.data_ptr() != buffer.data_ptr():
+            buffer[:n].copy_(hidden)
         graph = self.graphs.get((self._size, index))
         if graph is None:
             self._run_piece(index, self._size)
@@ -122,8 +127,10 @@ class PiecewiseCUDAGraphs:
                 metadata: AttentionMetadata) -> torch.Tensor:
         """The model's forward over a step of ``n = len(input_ids)`` tokens (the arguments of
         ``model.forward``) with its pieces padded to ``size`` rows (:meth:`size_for`); returns
-        the final hidden states ``[n, hidden_size]``, a view of a buffer the next step overwrites."""
+        the final hidden states ``[n, hidden_size]``, a view of a buffer the next step overwrites.
+        The attention writes its outputs straight into the pieces' input buffer."""
         self._size = size
+        metadata = dataclasses.replace(metadata, attn_out=self.attn_out[:len(input_ids)])
         return self.model(input_ids, positions, kv_cache, metadata, run_piece=self._piece)
 
     @torch.inference_mode()

@@ -19,6 +19,10 @@ _ENTRY_POINTS = {
     "rotary_write_kv_cache": "kernels.rotary",
     "silu_and_mul": "kernels.activation",
     "sample_tokens": "kernels.sampling",
+    # an engine step's launches, prepared once for all its layers
+    "PagedDecodeLaunch": "kernels.decode_attention",
+    "PagedPrefillLaunch": "kernels.prefill_attention",
+    "RotaryWriteKVLaunch": "kernels.rotary",
 }
 
 __all__ = list(_ENTRY_POINTS)

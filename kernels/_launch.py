@@ -87,3 +87,52 @@ def sm_count(device: torch.device) -> int:
     if device.type != "cuda":
         return 4
     return _cuda_sm_count(device.index if device.index is not None else torch.cuda.current_device())
+
+
+class KernelLaunch:
+    """One Triton kernel launched many times with one grid and the same arguments but for its
+    tensors, which move (the layers of an engine step): the first launch goes through the JIT,
+    the later ones straight to the kernel it compiled (or found).
+
+    Why: ``kernel[grid](...)`` binds and specializes every argument anew, ~36 µs of host time a
+    launch on an H200's host (``bench/kernels.py --rope-kv``), three launches a layer of an
+    eager step, which is bound by its host time; the compiled kernel's own launcher
+    (``CompiledKernel[grid]``, Triton's launch of an already compiled kernel) skips that. It may
+    only run arguments of the first launch's specialization: the integers and constexprs are
+    fixed here, and a tensor whose address is not aligned (16 bytes) as the first launch's was
+    goes through the JIT again, as does everything under the interpreter.
+
+    Args:
+        kernel: a ``@triton.jit`` function whose constexpr parameters all come after the others.
+        grid: its launch grid.
+        meta: its constexprs and launch options (``num_warps``, ``num_stages``) by name.
+    """
+
+    def __init__(self, kernel, grid: tuple[int, ...], meta: dict) -> None:
+        self.kernel, self.grid, self.meta = kernel, grid, meta
+        self._runner = None
+        self._tensors: list[int] = []  # positions of the tensor arguments
+        self._aligned: tuple[bool, ...] = ()
+        params = getattr(kernel, "params", None)
+        constexpr = [p.is_constexpr for p in params] if params is not None else []
+        if constexpr and constexpr == sorted(constexpr):  # constexprs last: passed after the positional arguments
+            self._constexprs = tuple(meta[p.name] for p in params if p.is_constexpr)
+        else:
+            self._constexprs = None
+
+    def __call__(self, *args) -> None:
+        """Launch with the kernel's non-constexpr arguments, in order."""
+        if self._runner is not None and self._alignment(args) == self._aligned:
+            self._runner(*args, *self._constexprs)
+            return
+        compiled = self.kernel[self.grid](*args, **self.meta)
+        if self._runner is None and self._constexprs is not None and compiled is not None:
+            self._tensors = [i for i, a in enumerate(args) if isinstance(a, torch.Tensor)]
+            if self._tensors and args[self._tensors[0]].is_cuda:
+                grid = (*self.grid, 1, 1)[:3]  # the compiled kernel's launcher takes all three dimensions
+                self._runner, self._aligned = compiled[grid], self._alignment(args)
+
+    def _alignment(self, args: tuple) -> tuple[bool, ...]:
+        """Whether each tensor argument's address is a multiple of 16 bytes (what the JIT
+        specializes a pointer on)."""
+        return tuple(not args[i].data_ptr() & 15 for i in self._tensors)

@@ -15,9 +15,9 @@ import torch
 import triton
 import triton.language as tl
 
-from kernels._launch import check_cache, check_device, dot_inputs, next_power_of_2, sm_count
+from kernels._launch import KernelLaunch, check_cache, check_device, dot_inputs, next_power_of_2, sm_count
 
-__all__ = ["launch_paged_decode", "launch_variants", "long_tail_splits", "num_kv_splits", "paged_decode_attention"]
+__all__ = ["PagedDecodeLaunch", "launch_paged_decode", "launch_variants", "long_tail_splits", "num_kv_splits", "paged_decode_attention"]
 
 # Split heuristic: about one program per SM (each keeps two or three K/V tiles in flight), but no
 # slice shorter than MIN_SPLIT_TOKENS tokens.
@@ -207,6 +207,98 @@ def _default_config(
     return 64, 4, 3 if programs_per_sm < 2 else 2
 
 
+class PagedDecodeLaunch:
+    """:func:`paged_decode_attention`'s launches for one shape, prepared once and run per call.
+
+    Everything a launch needs besides the query, the caches and the output (the checks, the
+    split count, the tile config, the grids, the integer arguments, the split buffers) is worked
+    out here, so a call only launches: what an engine step's layers need, each attending with
+    the same shapes over its own layer's cache (an eager step is bound by its host time,
+    docs/engine.md, "Launches").
+
+    Args:
+        q, k_cache, v_cache, out: examples of what each call passes (shapes, strides, dtypes and
+            device; the tensors themselves are not kept), as :func:`paged_decode_attention` takes
+            them.
+        block_tables, seq_lens, scale, return_lse, max_seq_len, num_splits: as
+            :func:`paged_decode_attention`; the same for every call.
+        block_n, num_warps, num_stages, kv_eviction: the tuning knobs of :func:`launch_paged_decode`.
+
+    Raises:
+        ValueError, RuntimeError: as :func:`paged_decode_attention`.
+    """
+
+    def __init__(
+        self, q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, block_tables: torch.Tensor,
+        seq_lens: torch.Tensor, scale: float, out: torch.Tensor, return_lse: bool = False,
+        max_seq_len: int | None = None, num_splits: int | None = None, block_n: int | None = None,
+        num_warps: int | None = None, num_stages: int | None = None, kv_eviction: str = "",
+    ) -> None:
+        device = check_device(q, k_cache, v_cache, block_tables, seq_lens)
+        check_cache(k_cache, v_cache)
+        num_seqs, num_q_heads, head_dim = q.shape
+        _, page, num_kv_heads, cache_head_dim = k_cache.shape
+        if cache_head_dim != head_dim or num_q_heads % num_kv_heads:
+            raise ValueError(
+                f"q {tuple(q.shape)} does not fit cache {tuple(k_cache.shape)}: head_dim must match and "
+                "num_q_heads must be a multiple of num_kv_heads"
+            )
+        if out.shape != q.shape:
+            raise ValueError(f"out {tuple(out.shape)} must have q's shape {tuple(q.shape)}")
+        out_strides = out.stride()
+        self.num_seqs = num_seqs
+        self.return_lse = return_lse
+        # Without return_lse the kernels never store through lse; the output stands in as its pointer.
+        self.lse = torch.empty(num_seqs, num_q_heads, dtype=torch.float32, device=device) if return_lse else None
+        if num_seqs == 0:
+            return
+        if num_splits is None:
+            if max_seq_len is None:
+                max_seq_len = int(seq_lens.max())
+            num_splits = num_kv_splits(num_seqs, num_kv_heads, max_seq_len, sm_count(device))
+        programs_per_sm = num_seqs * num_kv_heads * num_splits / sm_count(device)
+        default_n, default_warps, default_stages = _default_config(
+            device, head_dim, k_cache.dtype, programs_per_sm)
+        dot_dtype, precision = dot_inputs(k_cache.dtype, q.dtype, device)
+        group = num_q_heads // num_kv_heads
+        block_d = next_power_of_2(head_dim)
+        self.split = KernelLaunch(_decode_split_kernel, (num_seqs, num_kv_heads, num_splits), dict(
+            GROUP=group, HEAD_DIM=head_dim, PAGE=page,
+            BLOCK_H=max(16, next_power_of_2(group)), BLOCK_D=block_d, BLOCK_N=block_n or default_n,
+            DOT_DTYPE=dot_dtype, DOT_PRECISION=precision, STORE_LSE=return_lse or num_splits > 1,
+            KV_EVICTION=kv_eviction, num_warps=num_warps or default_warps, num_stages=num_stages or default_stages,
+        ))
+        self.tables = (block_tables, seq_lens)
+        cache_args = (scale * _LOG2E, *q.stride(), *k_cache.stride(), *v_cache.stride(), block_tables.stride(0))
+        self.part = self.part_lse = None
+        if num_splits == 1:
+            lse_strides = self.lse.stride() if return_lse else (0, 0)
+            self.split_args = (*cache_args, out_strides[0], out_strides[1], 0, out_strides[2],
+                               lse_strides[0], lse_strides[1], 0, 1)
+            return
+        self.part = torch.empty(num_seqs, num_q_heads, num_splits, head_dim, dtype=torch.float32, device=device)
+        self.part_lse = torch.empty(num_seqs, num_q_heads, num_splits, dtype=torch.float32, device=device)
+        self.split_args = (*cache_args, *self.part.stride(), *self.part_lse.stride(), num_splits)
+        lse_strides = self.lse.stride() if return_lse else (0, 0)
+        self.merge_args = (self.part.stride(0), self.part.stride(1), self.part.stride(2),
+                           self.part_lse.stride(0), self.part_lse.stride(1), *out_strides, *lse_strides, num_splits)
+        self.merge = KernelLaunch(_decode_merge_kernel, (num_seqs, num_q_heads), dict(
+            HEAD_DIM=head_dim, BLOCK_S=next_power_of_2(num_splits), BLOCK_D=block_d,
+            STORE_LSE=return_lse, num_warps=4 if device.type == "cuda" else 1))
+
+    def __call__(self, q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, out: torch.Tensor) -> None:
+        """Attend ``q`` over the caches into ``out`` (and :attr:`lse` when asked for): tensors
+        like the examples this was prepared with, unchecked."""
+        if self.num_seqs == 0:
+            return
+        lse = out if self.lse is None else self.lse
+        if self.part is None:
+            self.split(q, k_cache, v_cache, *self.tables, out, lse, *self.split_args)
+            return
+        self.split(q, k_cache, v_cache, *self.tables, self.part, self.part_lse, *self.split_args)
+        self.merge(self.part, self.part_lse, out, lse, *self.merge_args)
+
+
 def launch_paged_decode(
     q: torch.Tensor,
     k_cache: torch.Tensor,
@@ -229,70 +321,13 @@ def launch_paged_decode(
     >= 16), ``num_warps`` and ``num_stages`` override the per-device defaults; ``kv_eviction``
     is the K/V loads' L2 eviction policy (``""`` or ``"evict_first"``: each byte is read once).
     """
-    device = check_device(q, k_cache, v_cache, block_tables, seq_lens)
-    check_cache(k_cache, v_cache)
-    num_seqs, num_q_heads, head_dim = q.shape
-    _, page, num_kv_heads, cache_head_dim = k_cache.shape
-    if cache_head_dim != head_dim or num_q_heads % num_kv_heads:
-        raise ValueError(
-            f"q {tuple(q.shape)} does not fit cache {tuple(k_cache.shape)}: head_dim must match and "
-            "num_q_heads must be a multiple of num_kv_heads"
-        )
     if out is None:
         out = torch.empty_like(q)
-    elif out.shape != q.shape:
-        raise ValueError(f"out {tuple(out.shape)} must have q's shape {tuple(q.shape)}")
-    # Without return_lse the kernels never store through lse; out stands in as its pointer.
-    lse = torch.empty(num_seqs, num_q_heads, dtype=torch.float32, device=device) if return_lse else out
-    if num_seqs == 0:
-        return (out, lse) if return_lse else out
-    if num_splits is None:
-        if max_seq_len is None:
-            max_seq_len = int(seq_lens.max())
-        num_splits = num_kv_splits(num_seqs, num_kv_heads, max_seq_len, sm_count(device))
-    programs_per_sm = num_seqs * num_kv_heads * num_splits / sm_count(device)
-    default_n, default_warps, default_stages = _default_config(
-        device, head_dim, k_cache.dtype, programs_per_sm)
-    block_n = block_n or default_n
-    dot_dtype, precision = dot_inputs(k_cache.dtype, q.dtype, device)
-    group = num_q_heads // num_kv_heads
-    block_d = next_power_of_2(head_dim)
-    meta = dict(
-        GROUP=group, HEAD_DIM=head_dim, PAGE=page,
-        BLOCK_H=max(16, next_power_of_2(group)), BLOCK_D=block_d, BLOCK_N=block_n,
-        DOT_DTYPE=dot_dtype, DOT_PRECISION=precision, KV_EVICTION=kv_eviction,
-        num_warps=num_warps or default_warps, num_stages=num_stages or default_stages,
-    )
-    cache_args = (*k_cache.stride(), *v_cache.stride(), block_tables.stride(0))
-    grid = (num_seqs, num_kv_heads, num_splits)
-    if num_splits == 1:
-        _decode_split_kernel[grid](
-            q, k_cache, v_cache, block_tables, seq_lens, out, lse, scale * _LOG2E,
-            *q.stride(), *cache_args,
-            out.stride(0), out.stride(1), 0, out.stride(2),
-            lse.stride(0), lse.stride(1), 0, 1,
-            STORE_LSE=return_lse, **meta,
-        )
-        return (out, lse) if return_lse else out
-
-    part = torch.empty(num_seqs, num_q_heads, num_splits, head_dim, dtype=torch.float32, device=device)
-    part_lse = torch.empty(num_seqs, num_q_heads, num_splits, dtype=torch.float32, device=device)
-    _decode_split_kernel[grid](
-        q, k_cache, v_cache, block_tables, seq_lens, part, part_lse, scale * _LOG2E,
-        *q.stride(), *cache_args,
-        part.stride(0), part.stride(1), part.stride(2), part.stride(3),
-        *part_lse.stride(), num_splits,
-        STORE_LSE=True, **meta,
-    )
-    _decode_merge_kernel[(num_seqs, num_q_heads)](
-        part, part_lse, out, lse,
-        part.stride(0), part.stride(1), part.stride(2),
-        part_lse.stride(0), part_lse.stride(1),
-        *out.stride(), lse.stride(0), lse.stride(1), num_splits,
-        HEAD_DIM=head_dim, BLOCK_S=next_power_of_2(num_splits),
-        BLOCK_D=block_d, STORE_LSE=return_lse, num_warps=4 if device.type == "cuda" else 1,
-    )
-    return (out, lse) if return_lse else out
+    launch = PagedDecodeLaunch(q, k_cache, v_cache, block_tables, seq_lens, scale, out, return_lse=return_lse,
+                               max_seq_len=max_seq_len, num_splits=num_splits, block_n=block_n,
+                               num_warps=num_warps, num_stages=num_stages, kv_eviction=kv_eviction)
+    launch(q, k_cache, v_cache, out)
+    return (out, launch.lse) if return_lse else out
 
 
 def paged_decode_attention(

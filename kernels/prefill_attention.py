@@ -15,9 +15,9 @@ import torch
 import triton
 import triton.language as tl
 
-from kernels._launch import cdiv, check_cache, check_device, dot_inputs, next_power_of_2
+from kernels._launch import KernelLaunch, cdiv, check_cache, check_device, dot_inputs, next_power_of_2
 
-__all__ = ["launch_paged_prefill", "paged_prefill_attention"]
+__all__ = ["PagedPrefillLaunch", "launch_paged_prefill", "paged_prefill_attention"]
 
 _LOG2E = 1.0 / math.log(2.0)
 
@@ -122,6 +122,62 @@ def _default_config(device: torch.device, head_dim: int, dtype: torch.dtype) -> 
     return 64, 64, 4, 3
 
 
+class PagedPrefillLaunch:
+    """:func:`paged_prefill_attention`'s launch for one shape, prepared once and run per call
+    (the checks, the tile config, the grid and the integer arguments worked out here, as
+    :class:`kernels.decode_attention.PagedDecodeLaunch` does for the layers of one engine step).
+
+    Args:
+        q, k_cache, v_cache, out: examples of what each call passes (shapes, strides, dtypes and
+            device; not kept), as :func:`paged_prefill_attention` takes them.
+        block_tables, cu_seqlens_q, seq_lens, scale, max_query_len: as
+            :func:`paged_prefill_attention`; the same for every call.
+        config: ``(BLOCK_M, BLOCK_N, num_warps, num_stages)``, BLOCK_M and BLOCK_N powers of two
+            >= 16; None picks the per-device default.
+
+    Raises:
+        ValueError, RuntimeError: as :func:`paged_prefill_attention`.
+    """
+
+    def __init__(
+        self, q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, block_tables: torch.Tensor,
+        cu_seqlens_q: torch.Tensor, seq_lens: torch.Tensor, scale: float, out: torch.Tensor,
+        max_query_len: int | None = None, config: tuple[int, int, int, int] | None = None,
+    ) -> None:
+        device = check_device(q, k_cache, v_cache, block_tables, cu_seqlens_q, seq_lens)
+        check_cache(k_cache, v_cache)
+        total_tokens, num_q_heads, head_dim = q.shape
+        _, page, num_kv_heads, cache_head_dim = k_cache.shape
+        num_seqs = seq_lens.shape[0]
+        if cache_head_dim != head_dim or num_q_heads % num_kv_heads or cu_seqlens_q.shape != (num_seqs + 1,):
+            raise ValueError(
+                f"q {tuple(q.shape)}, cu_seqlens_q {tuple(cu_seqlens_q.shape)}, seq_lens "
+                f"{tuple(seq_lens.shape)} do not fit cache {tuple(k_cache.shape)}"
+            )
+        if out.shape != q.shape:
+            raise ValueError(f"out {tuple(out.shape)} must have q's shape {tuple(q.shape)}")
+        self.empty = total_tokens == 0 or num_seqs == 0
+        if self.empty:
+            return
+        if max_query_len is None:
+            max_query_len = int((cu_seqlens_q[1:] - cu_seqlens_q[:-1]).max())
+        block_m, block_n, num_warps, num_stages = config or _default_config(device, head_dim, k_cache.dtype)
+        dot_dtype, precision = dot_inputs(k_cache.dtype, q.dtype, device)
+        self.tables = (block_tables, cu_seqlens_q, seq_lens, scale * _LOG2E)
+        self.args = (*q.stride(), *k_cache.stride(), *v_cache.stride(), *out.stride(), block_tables.stride(0))
+        self.launch = KernelLaunch(_prefill_kernel, (cdiv(max_query_len, block_m), num_seqs, num_q_heads), dict(
+            GROUP=num_q_heads // num_kv_heads, HEAD_DIM=head_dim, PAGE=page,
+            BLOCK_M=block_m, BLOCK_N=block_n, BLOCK_D=next_power_of_2(head_dim),
+            DOT_DTYPE=dot_dtype, DOT_PRECISION=precision, num_warps=num_warps, num_stages=num_stages,
+        ))
+
+    def __call__(self, q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, out: torch.Tensor) -> None:
+        """Attend ``q`` over the caches into ``out``: tensors like the examples this was
+        prepared with, unchecked."""
+        if not self.empty:
+            self.launch(q, k_cache, v_cache, out, *self.tables, *self.args)
+
+
 def launch_paged_prefill(
     q: torch.Tensor,
     k_cache: torch.Tensor,
@@ -134,39 +190,12 @@ def launch_paged_prefill(
     max_query_len: int | None = None,
     config: tuple[int, int, int, int] | None = None,
 ) -> torch.Tensor:
-    """:func:`paged_prefill_attention` with its tile config exposed (tests and benchmarks).
-
-    ``config`` is ``(BLOCK_M, BLOCK_N, num_warps, num_stages)``, BLOCK_M and BLOCK_N powers of
-    two >= 16; None picks the per-device default.
-    """
-    device = check_device(q, k_cache, v_cache, block_tables, cu_seqlens_q, seq_lens)
-    check_cache(k_cache, v_cache)
-    total_tokens, num_q_heads, head_dim = q.shape
-    _, page, num_kv_heads, cache_head_dim = k_cache.shape
-    num_seqs = seq_lens.shape[0]
-    if cache_head_dim != head_dim or num_q_heads % num_kv_heads or cu_seqlens_q.shape != (num_seqs + 1,):
-        raise ValueError(
-            f"q {tuple(q.shape)}, cu_seqlens_q {tuple(cu_seqlens_q.shape)}, seq_lens "
-            f"{tuple(seq_lens.shape)} do not fit cache {tuple(k_cache.shape)}"
-        )
+    """:func:`paged_prefill_attention` with its tile config exposed (tests and benchmarks):
+    ``config`` as :class:`PagedPrefillLaunch` takes it."""
     if out is None:
         out = torch.empty_like(q)
-    elif out.shape != q.shape:
-        raise ValueError(f"out {tuple(out.shape)} must have q's shape {tuple(q.shape)}")
-    if total_tokens == 0 or num_seqs == 0:
-        return out
-    if max_query_len is None:
-        max_query_len = int((cu_seqlens_q[1:] - cu_seqlens_q[:-1]).max())
-    block_m, block_n, num_warps, num_stages = config or _default_config(device, head_dim, k_cache.dtype)
-    dot_dtype, precision = dot_inputs(k_cache.dtype, q.dtype, device)
-    grid = (cdiv(max_query_len, block_m), num_seqs, num_q_heads)
-    _prefill_kernel[grid](
-        q, k_cache, v_cache, out, block_tables, cu_seqlens_q, seq_lens, scale * _LOG2E,
-        *q.stride(), *k_cache.stride(), *v_cache.stride(), *out.stride(), block_tables.stride(0),
-        GROUP=num_q_heads // num_kv_heads, HEAD_DIM=head_dim, PAGE=page,
-        BLOCK_M=block_m, BLOCK_N=block_n, BLOCK_D=next_power_of_2(head_dim),
-        DOT_DTYPE=dot_dtype, DOT_PRECISION=precision, num_warps=num_warps, num_stages=num_stages,
-    )
+    PagedPrefillLaunch(q, k_cache, v_cache, block_tables, cu_seqlens_q, seq_lens, scale, out,
+                       max_query_len=max_query_len, config=config)(q, k_cache, v_cache, out)
     return out
 
 

@@ -9,10 +9,10 @@ import torch
 import triton
 import triton.language as tl
 
-from kernels._launch import check_cache, check_device, next_power_of_2
+from kernels._launch import KernelLaunch, check_cache, check_device, next_power_of_2
 from kernels.cache_write import saturate_at, store_heads
 
-__all__ = ["rotary_embedding", "rotary_write_kv_cache"]
+__all__ = ["RotaryWriteKVLaunch", "rotary_embedding", "rotary_write_kv_cache"]
 
 
 @triton.jit
@@ -150,6 +150,59 @@ def rotary_embedding(
     return q_out, k_out
 
 
+class RotaryWriteKVLaunch:
+    """:func:`rotary_write_kv_cache`'s launch for one shape, prepared once and run per call (the
+    checks, the tile sizes and the integer arguments worked out here, as
+    :class:`kernels.decode_attention.PagedDecodeLaunch` does for the layers of one engine step).
+
+    Args:
+        q, k, v, k_cache, v_cache, q_out: examples of what each call passes (shapes, strides,
+            dtypes and device; not kept), as :func:`rotary_write_kv_cache` takes them; ``q_out``
+            is where the rotated query goes, ``[num_tokens, num_q_heads, head_dim]`` in q's dtype,
+            contiguous last dimension.
+        cos, sin, slot_mapping: as :func:`rotary_write_kv_cache`; the same for every call.
+
+    Raises:
+        ValueError, RuntimeError: as :func:`rotary_write_kv_cache`.
+    """
+
+    def __init__(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
+                 k_cache: torch.Tensor, v_cache: torch.Tensor, slot_mapping: torch.Tensor,
+                 q_out: torch.Tensor) -> None:
+        device = check_device(q, k, v, cos, sin, k_cache, v_cache, slot_mapping, q_out)
+        check_cache(k_cache, v_cache)
+        _check_rotary(q, k, cos, sin)
+        num_tokens, num_q_heads, head_dim = q.shape
+        num_kv_heads = k.shape[1]
+        if (v.shape != k.shape or v.stride(2) != 1 or k_cache.shape[2:] != k.shape[1:]
+                or slot_mapping.shape != (num_tokens,)):
+            raise ValueError(f"k {tuple(k.shape)}, v {tuple(v.shape)}, slot_mapping {tuple(slot_mapping.shape)} "
+                             f"do not fit cache {tuple(k_cache.shape)} (v's last dimension must be contiguous)")
+        if q_out.shape != q.shape or q_out.dtype != q.dtype or q_out.stride(2) != 1:
+            raise ValueError(f"q_out {tuple(q_out.shape)} {q_out.dtype} must be like q {tuple(q.shape)} {q.dtype}, "
+                             "its last dimension contiguous")
+        self.num_tokens = num_tokens
+        block_h = next_power_of_2(max(num_q_heads, num_kv_heads))
+        block_half = next_power_of_2(head_dim // 2)
+        self.angles = (cos, sin)
+        self.slot_mapping = slot_mapping
+        self.args = (q.stride(0), q.stride(1), k.stride(0), k.stride(1), v.stride(0), v.stride(1),
+                     q_out.stride(0), q_out.stride(1), cos.stride(0), sin.stride(0),
+                     *k_cache.stride(), *v_cache.stride())
+        self.launch = KernelLaunch(_rotary_write_kv_kernel, (num_tokens,), dict(
+            NUM_Q_HEADS=num_q_heads, NUM_KV_HEADS=num_kv_heads, HALF=head_dim // 2, PAGE=k_cache.shape[1],
+            BLOCK_H=block_h, BLOCK_HALF=block_half, SATURATE_AT=saturate_at(k_cache.dtype),
+            num_warps=_num_warps(device, block_h, block_half),
+        ))
+
+    def __call__(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, k_cache: torch.Tensor,
+                 v_cache: torch.Tensor, q_out: torch.Tensor) -> None:
+        """Rotate ``q`` into ``q_out`` and write the rotated ``k`` and ``v`` into the caches:
+        tensors like the examples this was prepared with, unchecked."""
+        if self.num_tokens:
+            self.launch(q, k, v, q_out, *self.angles, k_cache, v_cache, self.slot_mapping, *self.args)
+
+
 def rotary_write_kv_cache(
     q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
     k_cache: torch.Tensor, v_cache: torch.Tensor, slot_mapping: torch.Tensor,
@@ -173,26 +226,6 @@ def rotary_write_kv_cache(
         ValueError: shapes that do not fit together.
         RuntimeError: CPU tensors without ``TRITON_INTERPRET=1``.
     """
-    device = check_device(q, k, v, cos, sin, k_cache, v_cache, slot_mapping)
-    check_cache(k_cache, v_cache)
-    _check_rotary(q, k, cos, sin)
-    num_tokens, num_q_heads, head_dim = q.shape
-    num_kv_heads = k.shape[1]
-    if (v.shape != k.shape or v.stride(2) != 1 or k_cache.shape[2:] != k.shape[1:]
-            or slot_mapping.shape != (num_tokens,)):
-        raise ValueError(f"k {tuple(k.shape)}, v {tuple(v.shape)}, slot_mapping {tuple(slot_mapping.shape)} "
-                         f"do not fit cache {tuple(k_cache.shape)} (v's last dimension must be contiguous)")
-    q_out = torch.empty(q.shape, dtype=q.dtype, device=device)
-    if num_tokens:
-        block_h = next_power_of_2(max(num_q_heads, num_kv_heads))
-        block_half = next_power_of_2(head_dim // 2)
-        _rotary_write_kv_kernel[(num_tokens,)](
-            q, k, v, q_out, cos, sin, k_cache, v_cache, slot_mapping,
-            q.stride(0), q.stride(1), k.stride(0), k.stride(1), v.stride(0), v.stride(1),
-            q_out.stride(0), q_out.stride(1), cos.stride(0), sin.stride(0),
-            *k_cache.stride(), *v_cache.stride(),
-            NUM_Q_HEADS=num_q_heads, NUM_KV_HEADS=num_kv_heads, HALF=head_dim // 2, PAGE=k_cache.shape[1],
-            BLOCK_H=block_h, BLOCK_HALF=block_half, SATURATE_AT=saturate_at(k_cache.dtype),
-            num_warps=_num_warps(device, block_h, block_half),
-        )
+    q_out = torch.empty(q.shape, dtype=q.dtype, device=q.device)
+    RotaryWriteKVLaunch(q, k, v, cos, sin, k_cache, v_cache, slot_mapping, q_out)(q, k, v, k_cache, v_cache, q_out)
     return q_out
