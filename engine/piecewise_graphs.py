@@ -13,9 +13,9 @@ two replays on the step's real tokens.
 
 A step of ``n`` tokens runs at the smallest captured count ``T >= n``. The graphs read and
 write fixed buffers of ``max(T)`` rows: the embedded tokens are copied into the first ``n`` rows
-of an input buffer, and each attention writes its output into those of another
-(``AttentionMetadata.attn_out``), and a piece's outputs (the next layer's
-fused QKV projection and the residual stream) land in output buffers. Rows ``n .. T`` hold
+of an input buffer, each attention writes its output into those of another
+(``AttentionMetadata.attn_out``), and a piece's outputs (the next layer's fused QKV projection
+and the residual stream) land in output buffers. Rows ``n .. T`` hold
 what an earlier step left there (zeros at first): every op of a piece is row-wise, so they
 change no real row, and they never reach the attention, which reads rows ``:n`` only. Larger
 steps run eagerly: from a few thousand tokens on, their matmuls outlast their launches anyway.
