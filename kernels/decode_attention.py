@@ -17,7 +17,10 @@ import triton.language as tl
 
 from kernels._launch import KernelLaunch, check_cache, check_device, dot_inputs, next_power_of_2, sm_count
 
-__all__ = ["PagedDecodeLaunch", "launch_paged_decode", "launch_variants", "long_tail_splits", "num_kv_splits", "paged_decode_attention"]
+__all__ = [
+    "PagedDecodeLaunch", "launch_paged_decode", "launch_variants", "long_tail_splits", "num_kv_splits",
+    "paged_decode_attention",
+]
 
 # Split heuristic: about one program per SM (each keeps two or three K/V tiles in flight), but no
 # slice shorter than MIN_SPLIT_TOKENS tokens.
@@ -247,7 +250,6 @@ class PagedDecodeLaunch:
             raise ValueError(f"out {tuple(out.shape)} must have q's shape {tuple(q.shape)}")
         out_strides = out.stride()
         self.num_seqs = num_seqs
-        self.return_lse = return_lse
         # Without return_lse the kernels never store through lse; the output stands in as its pointer.
         self.lse = torch.empty(num_seqs, num_q_heads, dtype=torch.float32, device=device) if return_lse else None
         if num_seqs == 0:
@@ -271,15 +273,14 @@ class PagedDecodeLaunch:
         self.tables = (block_tables, seq_lens)
         cache_args = (scale * _LOG2E, *q.stride(), *k_cache.stride(), *v_cache.stride(), block_tables.stride(0))
         self.part = self.part_lse = None
+        lse_strides = self.lse.stride() if return_lse else (0, 0)
         if num_splits == 1:
-            lse_strides = self.lse.stride() if return_lse else (0, 0)
             self.split_args = (*cache_args, out_strides[0], out_strides[1], 0, out_strides[2],
                                lse_strides[0], lse_strides[1], 0, 1)
             return
         self.part = torch.empty(num_seqs, num_q_heads, num_splits, head_dim, dtype=torch.float32, device=device)
         self.part_lse = torch.empty(num_seqs, num_q_heads, num_splits, dtype=torch.float32, device=device)
         self.split_args = (*cache_args, *self.part.stride(), *self.part_lse.stride(), num_splits)
-        lse_strides = self.lse.stride() if return_lse else (0, 0)
         self.merge_args = (self.part.stride(0), self.part.stride(1), self.part.stride(2),
                            self.part_lse.stride(0), self.part_lse.stride(1), *out_strides, *lse_strides, num_splits)
         self.merge = KernelLaunch(_decode_merge_kernel, (num_seqs, num_q_heads), dict(
