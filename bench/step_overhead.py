@@ -18,6 +18,7 @@ Usage: ``python bench/step_overhead.py --model llama-3-8b --load-format dummy`` 
 from __future__ import annotations
 
 import argparse
+import itertools
 import os
 import statistics
 import sys
@@ -28,26 +29,33 @@ import torch
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 from bench.common import gpu_tag, machine, release_engine_memory, write_result  # noqa: E402
+from bench.throughput import make_prompts  # noqa: E402
 from engine import LLM, SamplingParams  # noqa: E402
 
 _PROMPT_TOKENS = 64  # each running sequence's prompt
 
 
-def _timed_step(engine) -> tuple[float, float]:
-    """One step's wall seconds and the host's seconds until its device work was queued."""
+def _timed_step(engine) -> tuple[float, float, int]:
+    """One step's wall seconds, the host's seconds until its device work was queued, and the
+    tokens it computed."""
     launched: list[float] = []
     start = time.perf_counter()
-    engine.step(on_launched=lambda: launched.append(time.perf_counter()))
+    output = engine.step(on_launched=lambda: launched.append(time.perf_counter()))
     if torch.cuda.is_available():
         torch.cuda.synchronize()
     end = time.perf_counter()
-    return end - start, (launched[0] if launched else end) - start
+    return end - start, (launched[0] if launched else end) - start, output.stats.num_tokens
 
 
-def step_costs(llm: LLM, batch: int, chunk: int, repeats: int = 8) -> dict[str, float]:
+def step_costs(llm: LLM, batch: int, chunk: int, repeats: int = 8, seed: int = 0) -> dict[str, float]:
     """Median ``decode_step_ms`` / ``decode_launch_ms`` (and the least, ``decode_launch_min_ms``)
     with ``batch`` sequences decoding, and ``mixed_*`` likewise with a ``chunk``-token prompt (one
-    output token) added before each step; the batch is aborted afterwards.
+    output token) added before each step; ``*_step_tokens``, the median tokens a step computed
+    (``batch``, and ``batch + chunk``); the batch is aborted afterwards.
+
+    The prompts are random tokens drawn with ``seed`` and ``seed + 1``: give each call of one
+    engine seeds of its own, or the prefix cache serves a repeated prompt and the step computes a
+    few of its tokens only.
 
     Raises:
         ValueError: ``chunk`` above the engine's step budget (the prompt would span steps).
@@ -57,23 +65,27 @@ def step_costs(llm: LLM, batch: int, chunk: int, repeats: int = 8) -> dict[str, 
         raise ValueError(f"chunk={chunk} and batch={batch} exceed max_num_batched_tokens")
     running = SamplingParams(max_tokens=1 << 20, temperature=0, ignore_eos=True)
     one = SamplingParams(max_tokens=1, temperature=0, ignore_eos=True)
+    prompts = make_prompts(batch, engine.vocab_size, (_PROMPT_TOKENS, _PROMPT_TOKENS), seed)
+    chunks = make_prompts(repeats, engine.vocab_size, (chunk, chunk), seed + 1)
     ids = [f"run-{i}" for i in range(batch)]
-    for i, request_id in enumerate(ids):
-        engine.add_request(request_id, [(i * 31 + j) % 1000 + 10 for j in range(_PROMPT_TOKENS)], running)
+    for request_id, prompt in zip(ids, prompts):
+        engine.add_request(request_id, prompt, running)
     for _ in range(4):  # past the batch's prefill, into steady decode
         engine.step()
     metrics = {}
-    for kind, tokens in (("decode", 0), ("mixed", chunk)):
-        walls, hosts = [], []
+    for kind in ("decode", "mixed"):
+        walls, hosts, computed = [], [], []
         for r in range(repeats):
-            if tokens:
-                engine.add_request(f"chunk-{r}", [(r * 17 + j) % 1000 + 10 for j in range(tokens)], one)
-            wall, host = _timed_step(engine)
+            if kind == "mixed":
+                engine.add_request(f"chunk-{r}", chunks[r], one)
+            wall, host, num_tokens = _timed_step(engine)
             walls.append(wall)
             hosts.append(host)
+            computed.append(num_tokens)
         metrics[f"{kind}_step_ms"] = round(1e3 * statistics.median(walls), 3)
         metrics[f"{kind}_launch_ms"] = round(1e3 * statistics.median(hosts), 3)
         metrics[f"{kind}_launch_min_ms"] = round(1e3 * min(hosts), 3)
+        metrics[f"{kind}_step_tokens"] = statistics.median(computed)
     for request_id in ids:
         engine.abort_request(request_id)
     while engine.has_unfinished_requests:
@@ -96,10 +108,9 @@ def step_overhead(model: str, load_format: str, batches: tuple[int, ...], chunks
     metrics = {}
     for setup in SETUPS if torch.cuda.is_available() else ("eager",):
         llm = LLM(model, load_format=load_format, max_num_batched_tokens=max_num_batched_tokens, **SETUPS[setup])
-        for batch in batches:
-            for chunk in chunks:
-                prefix = f"{setup}_b{batch}_c{chunk}_"
-                metrics |= {prefix + k: v for k, v in step_costs(llm, batch, chunk, repeats).items()}
+        for i, (batch, chunk) in enumerate(itertools.product(batches, chunks)):
+            prefix = f"{setup}_b{batch}_c{chunk}_"
+            metrics |= {prefix + k: v for k, v in step_costs(llm, batch, chunk, repeats, seed=2 * i).items()}
         del llm
         release_engine_memory()
     return metrics
