@@ -171,8 +171,8 @@ class WorkerSettings(TandemSettings):
         None, description="CUDA: decode batch sizes captured as graphs; unset: 1, 2, 4, then every multiple of 8 up to max_num_seqs")
     cuda_graph_token_sizes: Annotated[list[int] | None, NoDecode] = Field(
         None, description="CUDA: token counts at which the pieces between attentions of other steps (prompt chunks) "
-                          "are captured as graphs; unset: 16, 32, ..., 256, then every multiple of 256 up to "
-                          "min(max_num_batched_tokens, 2048); empty: none")
+                          "are captured as graphs; unset: 16, 32, 64, 128, then eight counts per doubling (144, "
+                          "160, ..., 256, 288, ...) up to min(max_num_batched_tokens, 2048); empty: none")
     device: str = Field("auto", description="auto (CUDA when available), cpu or cuda[:N]; with tensor parallelism, "
                                             "rank 0's GPU (rank r runs on the GPU r after it)")
     tensor_parallel_size: int = Field(1, ge=1, description="ranks the model is sharded over (Megatron-LM tensor "

@@ -53,9 +53,10 @@ class EngineConfig:
         cuda_graph_token_sizes: on CUDA, the token counts at which the pieces between
             attentions are captured as CUDA graphs for the other steps (prompt chunks; a step is
             padded to the next captured count, its attentions run eagerly; larger ones run
-            wholly eagerly, :mod:`engine.piecewise_graphs`); ``None``: 16, 32, ..., 256, then every
-            multiple of 256 up to ``min(max_num_batched_tokens, 2048)``; empty: none (only decode
-            graphs). Each must be in ``[1, max_num_batched_tokens]``. Ignored on CPU.
+            wholly eagerly, :mod:`engine.piecewise_graphs`); ``None``: 16, 32, 64, 128, then eight
+            counts per doubling (144, 160, ..., 256, 288, ..., 512, ...) up to
+            ``min(max_num_batched_tokens, 2048)``; empty: none (only decode graphs). Each must be
+            in ``[1, max_num_batched_tokens]``. Ignored on CPU.
         enforce_eager: on CUDA, capture no graphs and run every step eagerly.
         tensor_parallel_size: ranks the model is sharded over (Megatron-LM tensor parallelism,
             :mod:`engine.tensor_parallel`), one process each; on CUDA rank ``r`` runs on the GPU

@@ -45,11 +45,14 @@ def test_kv_cache_dtype_is_auto_or_fp8_e4m3_and_a_bad_one_names_the_field():
         EngineConfig(kv_cache_dtype="fp8_e5m2")
 
 
-def test_piecewise_ladder_doubles_to_256_then_steps_by_256_up_to_the_step_bound():
-    assert piecewise_token_sizes(EngineConfig(), CUDA) == [16, 32, 64, 128, 256, 512, 768, 1024, 1280, 1536,
-                                                            1792, 2048]
-    assert piecewise_token_sizes(EngineConfig(max_num_batched_tokens=8192), CUDA)[-1] == 2048  # then eager
-    assert piecewise_token_sizes(EngineConfig(max_num_batched_tokens=600), CUDA) == [16, 32, 64, 128, 256, 512, 600]
+def test_piecewise_ladder_doubles_to_128_then_takes_eight_counts_per_doubling_up_to_the_step_bound():
+    sizes = piecewise_token_sizes(EngineConfig(), CUDA)
+    assert sizes[:6] == [16, 32, 64, 128, 144, 160]
+    assert sizes[-3:] == [1792, 1920, 2048]
+    assert len(sizes) == 4 + 4 * 8
+    assert all((after - before) * 8 <= before for before, after in zip(sizes[3:], sizes[4:]))  # padding < 1/8
+    assert piecewise_token_sizes(EngineConfig(max_num_batched_tokens=8192), CUDA) == sizes  # then eager
+    assert piecewise_token_sizes(EngineConfig(max_num_batched_tokens=600), CUDA)[-5:] == [448, 480, 512, 576, 600]
     assert piecewise_token_sizes(EngineConfig(max_num_batched_tokens=100), CUDA) == [16, 32, 64, 100]
     assert piecewise_token_sizes(EngineConfig(max_num_batched_tokens=8), CUDA) == [8]
     config = EngineConfig(cuda_graph_token_sizes=[512, 64, 64])
