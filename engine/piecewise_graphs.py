@@ -52,7 +52,7 @@ def piecewise_token_sizes(config: EngineConfig, device: torch.device) -> list[in
     Past a few hundred tokens a step's matmuls are bound by arithmetic, and its padded rows cost
     their share of its time while an eager step's launches hide behind its device work: on an
     H200 (Llama-3-8B shape) 64 decodes and a 512-token chunk, 576 tokens, took 20.1-20.3 ms at
-    768 (multiples of 256), 16.7 ms at 640 (this ladder) and 16.3 ms eagerly. Sixteen counts per
+    768 (multiples of 256), 16.7 ms at 576 (a count of this ladder) and 16.3 ms eagerly. Sixteen counts per
     doubling gained nothing measurable over eight and doubled the capture time, 3.1 to 6.4 s
     (``bench/results/step_overhead-h200-ladder{,16}-{old,new}-*.json``)."""
     if device.type != "cuda" or config.enforce_eager:
