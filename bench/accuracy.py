@@ -16,8 +16,8 @@ from bench.agreement import agreement, greedy_rows
 from bench.common import machine, write_result
 from bench.offline_cpu import TOPICS
 from engine import LLM, SamplingParams
-from engine.attention import AttentionMetadata
-from engine.kv_cache import KVCache
+from engine.runner.attention import AttentionMetadata
+from engine.runner.kv_cache import KVCache
 from engine.model_source import default_gguf_path
 
 TEXT = Path(__file__).resolve().parent / "data" / "perplexity.txt"

@@ -7,7 +7,7 @@ ways, alternated in this one process so their ratio holds on a busy machine:
 
 - ``engine``: the engine hashes the prompt's blocks itself, in each call (as before
   ``AsyncEngine`` handed the hashes over);
-- ``handed``: the caller hashes them (``LLMEngine.block_hashes``, timed apart: ``AsyncEngine``
+- ``handed``: the caller hashes them (``EngineCore.block_hashes``, timed apart: ``AsyncEngine``
   does it on its event loop, while a step runs) and hands them to both calls.
 
 Workload: 4000-token prompts of random ids (seeded), 16-token blocks, each admitted, joined with
@@ -29,12 +29,12 @@ import time
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 from bench.common import machine, write_result  # noqa: E402
-from engine import EngineConfig, LLMEngine, SamplingParams  # noqa: E402
+from engine import EngineConfig, EngineCore, SamplingParams  # noqa: E402
 
 WARMUP = 20
 
 
-def admit(engine: LLMEngine, request_id: str, prompt: list[int], handed: bool) -> tuple[float, float, float]:
+def admit(engine: EngineCore, request_id: str, prompt: list[int], handed: bool) -> tuple[float, float, float]:
     """Reserve, join and abort one prompt; seconds spent hashing (caller), reserving, joining."""
     start = time.perf_counter()
     hashes = engine.block_hashes(prompt) if handed else None
@@ -53,7 +53,7 @@ def main() -> None:
     parser.add_argument("--requests", type=int, default=200)
     args = parser.parse_args()
     num_blocks = 2 * (args.prompt_tokens // 16 + 1)  # one request at a time, in 16-token blocks
-    engine = LLMEngine("smollm2-135m", EngineConfig(num_blocks=num_blocks, max_model_len=args.prompt_tokens + 64),
+    engine = EngineCore("smollm2-135m", EngineConfig(num_blocks=num_blocks, max_model_len=args.prompt_tokens + 64),
                        load_format="dummy")
     rng = random.Random(0)
     times: dict[str, list[tuple[float, float, float]]] = {"engine": [], "handed": []}

@@ -1,5 +1,5 @@
 """What an fp8 KV cache costs in accuracy: ``kv_cache_dtype="fp8_e4m3"`` (K and V stored in
-float8 e4m3, scale 1.0, saturated to ±448: engine/kv_cache.py) against ``"auto"`` (the float32
+float8 e4m3, scale 1.0, saturated to ±448: engine/runner/kv_cache.py) against ``"auto"`` (the float32
 cache of a float32 model), on the real SmolLM2-135M-Instruct (the default model, dequantized:
 ``quantization="none"``, float32 weights and activations), the CPU path.
 

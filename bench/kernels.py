@@ -22,7 +22,7 @@ host time per call (launches queued back to back, no sync inside) and device tim
 and writes ``<out-dir>/kernels_rope_kv-<gpu>-<date>.json``.
 ``--long-tail`` times decode batches with and without a long tail (one 3500-token context among
 400-token ones) at the two split counts a CUDA graph of their size may have
-(``engine/cuda_graphs.py``) and writes ``<out-dir>/kernels_long_tail-<gpu>-<date>.json``.
+(``engine/runner/cuda_graphs.py``) and writes ``<out-dir>/kernels_long_tail-<gpu>-<date>.json``.
 
 Usage: python bench/kernels.py [--sweep [focus | NxCTX ...] | --long-tail | --rope-kv] [--out-dir DIR]
 """

@@ -27,7 +27,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 from bench.common import gpu_tag, release_engine_memory, write_result  # noqa: E402
 from bench.throughput import full_batch_decodes, make_prompts, run_tandem  # noqa: E402
 from engine import LLM  # noqa: E402
-from engine.kv_cache import KVCache  # noqa: E402
+from engine.runner.kv_cache import KVCache  # noqa: E402
 
 MODEL = "llama-3-8b"
 DTYPES = {"bf16": "auto", "fp8": "fp8_e4m3"}
@@ -68,7 +68,7 @@ def main() -> None:
     args = parser.parse_args()
     if not torch.cuda.is_available():
         sys.exit("needs a CUDA GPU")
-    from engine.presets import PRESETS
+    from engine.loading.presets import PRESETS
 
     prompts = make_prompts(args.requests, PRESETS[MODEL]["vocab_size"], (args.prompt_len, args.prompt_len))
     results = {name: measure(dtype, prompts, args.new_tokens, args.gpu_memory_utilization)

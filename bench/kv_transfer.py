@@ -48,11 +48,11 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 from bench.common import machine, write_result  # noqa: E402
 from engine.config import KV_CACHE_DTYPES  # noqa: E402
-from engine.devices import resolve_kv_cache_dtype  # noqa: E402
-from engine.kv_cache import KVCache  # noqa: E402
-from engine.model_config import ModelConfig  # noqa: E402
-from engine.presets import PRESETS  # noqa: E402
-from engine.tensor_parallel import shard_config  # noqa: E402
+from engine.runner.devices import resolve_kv_cache_dtype  # noqa: E402
+from engine.runner.kv_cache import KVCache  # noqa: E402
+from engine.loading.model_config import ModelConfig  # noqa: E402
+from engine.loading.presets import PRESETS  # noqa: E402
+from engine.parallel.tensor_parallel import shard_config  # noqa: E402
 from kvtransfer import (  # noqa: E402
     GRPC_MESSAGE_OPTIONS, GrpcKVReceiver, GrpcKVSender, KVDestination, KVPool, KVReceiver, ReservationTable,
 )

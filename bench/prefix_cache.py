@@ -3,7 +3,7 @@
 Workload: llama-3-8b (random bfloat16 weights, ``load_format="dummy"``), 256 requests, each a
 1024-token system prompt shared by all followed by a unique 32-96-token question (random token
 ids, seeded 0), 128 output tokens, greedy, EOS ignored. Every request is added at t=0 and the
-benchmark drives ``LLMEngine.step()`` itself: a request's TTFT is the time from t=0 to the end
+benchmark drives ``EngineCore.step()`` itself: a request's TTFT is the time from t=0 to the end
 of the step that produced its first token. One engine runs both cases, prefix caching off
 first (``KVCacheManager.enable_prefix_caching``), so that the cached run starts from an empty
 cache and pays for the system prompt once.
@@ -28,7 +28,7 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from bench.common import gpu_tag, write_result  # noqa: E402
-from engine import EngineConfig, LLMEngine, SamplingParams  # noqa: E402
+from engine import EngineConfig, EngineCore, SamplingParams  # noqa: E402
 
 MODEL = "llama-3-8b"
 NUM_REQUESTS = 256
@@ -50,7 +50,7 @@ def percentile(values: list[float], q: float) -> float:
     return statistics.quantiles(values, n=1000, method="inclusive")[round(q * 1000) - 1]
 
 
-def run(engine: LLMEngine, prompts: list[list[int]], new_tokens: int, tag: str) -> dict[str, float]:
+def run(engine: EngineCore, prompts: list[list[int]], new_tokens: int, tag: str) -> dict[str, float]:
     """Add every prompt at t=0, step until all finish; returns throughput and TTFT percentiles."""
     params = SamplingParams(max_tokens=new_tokens, temperature=0, ignore_eos=True)
     kv = engine.kv_manager
@@ -84,7 +84,7 @@ def main() -> None:
     if not torch.cuda.is_available():
         raise SystemExit("bench/prefix_cache.py needs a CUDA GPU")
     count, new_tokens = (32, 16) if args.quick else (NUM_REQUESTS, NEW_TOKENS)
-    engine = LLMEngine(MODEL, EngineConfig(dtype="bfloat16", device="cuda"), load_format="dummy")
+    engine = EngineCore(MODEL, EngineConfig(dtype="bfloat16", device="cuda"), load_format="dummy")
     prompts = make_prompts(count, engine.vocab_size, SYSTEM_TOKENS)
 
     engine.kv_manager.enable_prefix_caching = False

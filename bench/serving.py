@@ -583,7 +583,7 @@ def main() -> None:
     args.rates = [float(r) for r in args.rates.split(",") if r]
     if not args.concurrency and not args.rates:
         args.concurrency = [32]
-    from engine.presets import PRESETS
+    from engine.loading.presets import PRESETS
 
     vocab = args.vocab_size or PRESETS.get(args.model, {}).get("vocab_size", 32000)
     gpu = None

@@ -1,7 +1,7 @@
 """Offline throughput on a CUDA GPU: Tandem's ``LLM.generate`` against transformers' ``generate``
 (static padded batches) and ``generate_batch`` (continuous batching), and the decode roofline.
 
-Workload (issue 10): random-weight bfloat16 models of the presets in ``engine/presets.py``
+Workload (issue 10): random-weight bfloat16 models of the presets in ``engine/loading/presets.py``
 (``load_format="dummy"``; transformers builds the same config directly on the GPU), prompts of
 256-768 random token ids (seeded 0), 128 output tokens each, EOS ignored, greedy; 128 requests
 for llama-3-8b, 256 for smollm2-135m. Tandem runs twice on one engine with prefix caching off
@@ -41,9 +41,9 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from bench.common import copy_bandwidth_tbps, gpu_tag, write_result  # noqa: E402
 from engine import LLM, SamplingParams  # noqa: E402
-from engine.kv_cache import KVCache  # noqa: E402
+from engine.runner.kv_cache import KVCache  # noqa: E402
 from engine.outputs import StepStats  # noqa: E402
-from engine.presets import PRESETS  # noqa: E402
+from engine.loading.presets import PRESETS  # noqa: E402
 
 NUM_REQUESTS = {"llama-3-8b": 128, "smollm2-135m": 256}
 NEW_TOKENS = 128
@@ -203,7 +203,7 @@ def bench_model(name: str, args, copy_tbps: float, gpu: str) -> None:
     if name == "llama-3-8b":
         roof, roof_workload = roofline(llm, stats, copy_tbps, args.quick)
         write_result("decode_roofline", roof, {**roof_workload, "prompt_lens": PROMPT_LENS,
-                     "new_tokens": ROOFLINE_NEW_TOKENS, "step_time": "LLMEngine.step wall time (StepStats.step_s)",
+                     "new_tokens": ROOFLINE_NEW_TOKENS, "step_time": "EngineCore.step wall time (StepStats.step_s)",
                      "steps": "every running sequence decoding, first 2 dropped"},
                      tag=f"{name}-{gpu_tag(gpu)}", model=name, gpu=gpu)
     metrics["peak_gpu_memory_gib"] = torch.cuda.max_memory_reserved() / GIB

@@ -47,10 +47,10 @@ def offline_chat(
 ) -> None:
     """Answer one chat message with the in-process engine, streaming the reply."""
     _setup_logging(verbose)
-    from engine import LLMEngine, SamplingParams
+    from engine import EngineCore, SamplingParams
     from engine.output_processor import OutputProcessor
 
-    engine = LLMEngine(model)
+    engine = EngineCore(model)
     if engine.tokenizer is None:
         err_console.print(f"[red]error:[/red] model {engine.model_id} has no tokenizer")
         raise typer.Exit(2)

@@ -269,7 +269,7 @@ class LocalCluster:
 
     def _prepare_model(self) -> None:
         """Resolve the processes' model once, here: on a machine's first run a GGUF's config and
-        tokenizer are converted now (:mod:`engine.gguf`), and the processes find them ready
+        tokenizer are converted now (:mod:`engine.loading.gguf`), and the processes find them ready
         instead of queueing on the conversion's lock."""
         model = self.model or {**os.environ, **self.env}.get("TANDEM_MODEL") or None
         try:

@@ -12,13 +12,13 @@ from typing import Protocol
 from cluster.periodic import PeriodicTask
 from cluster.prefix_index import PrefixIndex
 from cluster.registry import REDIS_ERRORS, WorkerInfo, WorkerLoad, WorkerRegistry
-from engine.block_pool import BlockEvents
+from engine.core.block_pool import BlockEvents
 
 logger = logging.getLogger(__name__)
 
 
 class BlockEventSource(Protocol):
-    """What :class:`Heartbeat` reads from a worker's prefix cache (``engine.block_pool.BlockPool``)."""
+    """What :class:`Heartbeat` reads from a worker's prefix cache (``engine.core.block_pool.BlockPool``)."""
 
     def drain_events(self) -> BlockEvents: ...
 

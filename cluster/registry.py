@@ -130,7 +130,7 @@ class WorkerConfig:
         max_num_batched_tokens: tokens one engine step computes at most (its prefill chunk):
             bounds how much a prefill on the worker stretches the step of its running sequences;
             ``0``: not published.
-        device_ids: the GPUs the worker's ranks run on (``engine.devices.device_ids``; none on a
+        device_ids: the GPUs the worker's ranks run on (``engine.runner.devices.device_ids``; none on a
             CPU or where not published): a prefill worker that shares one with a decode worker
             shares its compute too (``gateway.placement``).
     """

@@ -41,8 +41,8 @@ from cluster.settings import WorkerSettings, advertised_address, setting_name
 from cluster.shutdown import exit_if_shutdown_hangs, shutdown_step
 from cluster.tls import ClientCredentials, PeerRoleInterceptor, server_credentials
 from engine.async_engine import AsyncEngine, EngineDeadError, EngineError
-from engine.devices import device_ids, resolve_device, use_device
-from engine.llm_engine import LLMEngine
+from engine.runner.devices import device_ids, resolve_device, use_device
+from engine.core.engine_core import EngineCore
 from kvtransfer import GRPC_MESSAGE_OPTIONS, KVPool
 from kvtransfer.nixl import NixlAgent
 from protos.status import StatusError
@@ -85,7 +85,7 @@ def worker_tls(settings: WorkerSettings, role: Role) -> ClientCredentials | None
         raise StartupError(str(exc)) from None
 
 
-def published_config(llm: LLMEngine, kv_transports: list[str]) -> WorkerConfig:
+def published_config(llm: EngineCore, kv_transports: list[str]) -> WorkerConfig:
     """The cache settings a worker owns, as it publishes them (registry entry, ``GetStats``), with
     the KV transports it moves blocks with and the GPUs its ranks' KV pools lie on."""
     return WorkerConfig(llm.model_id, llm.config.block_size, llm.max_model_len, llm.kv_cache_dtype,
@@ -324,7 +324,7 @@ def run_worker(settings: WorkerSettings, role: Role,
             # On a thread that ends with the load (and its OpenMP team with it: see below).
             with concurrent.futures.ThreadPoolExecutor(1, thread_name_prefix=f"{role}-load") as loader:
                 llm = await asyncio.get_running_loop().run_in_executor(loader, functools.partial(
-                    LLMEngine, settings.model or None, settings.engine_config(), settings.load_format))
+                    EngineCore, settings.model or None, settings.engine_config(), settings.load_format))
         except ValueError as exc:
             raise StartupError(str(exc)) from None
         engine = AsyncEngine(llm, name=f"{role}-engine", num_threads=threads)

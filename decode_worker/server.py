@@ -32,7 +32,7 @@ from cluster.translate import (
 from cluster.worker import Admission, kv_transport, published_config, request_outcome
 from engine.async_engine import AsyncEngine
 from engine.block_hash import prompt_key
-from engine.block_pool import NoFreeBlocksError
+from engine.core.block_pool import NoFreeBlocksError
 from engine.outputs import RequestOutput
 from engine.sampling_params import SamplingParams
 from kvtransfer import GrpcKVReceiver, KVPool, KVReceiver, ReservationTable

@@ -8,7 +8,7 @@ import importlib
 
 _EXPORTS = {
     "LLM": "engine.llm",
-    "LLMEngine": "engine.llm_engine",
+    "EngineCore": "engine.core.engine_core",
     "EngineConfig": "engine.config",
     "SamplingParams": "engine.sampling_params",
     "RequestOutput": "engine.outputs",

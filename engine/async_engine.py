@@ -1,4 +1,4 @@
-"""``AsyncEngine``: one ``LLMEngine`` driven by a dedicated thread, used from asyncio.
+"""``AsyncEngine``: one ``EngineCore`` driven by a dedicated thread, used from asyncio.
 
 The engine is not thread-safe, so exactly one thread (the engine thread) touches it: it runs
 the step loop and executes every command (add, abort, reserve, free, release, ...) that the
@@ -7,7 +7,7 @@ one queue per request, a whole step's in one ``loop.call_soon_threadsafe``. When
 nothing to step the thread sleeps on a condition variable (no busy spin) until a command arrives.
 
 On a GPU a step's outputs are handed over while the next step runs on the device
-(``LLMEngine.step``'s ``on_launched``), not between the two steps: the event loop's work on
+(``EngineCore.step``'s ``on_launched``), not between the two steps: the event loop's work on
 them (a gRPC message per stream) and the engine thread's copies then overlap the device's time
 instead of delaying the next step's launch. Both threads share the GIL, and every PyTorch call
 of the engine thread releases and retakes it: measured on one H200 (Llama-3-8B shape, one
@@ -34,10 +34,10 @@ from typing import TypeVar
 
 import torch
 
-from engine.block_pool import BlockEvents
-from engine.devices import use_device
-from engine.distributed import RankFailedError
-from engine.llm_engine import LLMEngine
+from engine.core.block_pool import BlockEvents
+from engine.runner.devices import use_device
+from engine.parallel.distributed import RankFailedError
+from engine.core.engine_core import EngineCore
 from engine.outputs import CompletionOutput, EngineStats, RequestOutput, StepOutput
 from engine.sampling_params import SamplingParams
 
@@ -161,7 +161,7 @@ class AsyncEngine:
     Call :meth:`start` before use and ``await`` :meth:`shutdown` at the end.
     """
 
-    def __init__(self, engine: LLMEngine, name: str = "engine", num_threads: int | None = None,
+    def __init__(self, engine: EngineCore, name: str = "engine", num_threads: int | None = None,
                  overlap_outputs: bool | None = None) -> None:
         self.engine = engine
         self.num_threads = num_threads
@@ -188,7 +188,7 @@ class AsyncEngine:
 
     async def shutdown(self) -> None:
         """Abort every request (their streams end with ``finish_reason="abort"``), release pinned
-        blocks, stop the thread, and shut the engine down (``LLMEngine.shutdown``)."""
+        blocks, stop the thread, and shut the engine down (``EngineCore.shutdown``)."""
         if not self._thread.is_alive():
             return
         await self.abort_all()
@@ -210,7 +210,7 @@ class AsyncEngine:
         cancelling the iterator early aborts the request (blocks freed at the engine's next
         iteration), pinned blocks included; after a normal finish, pinned blocks stay until
         :meth:`release`. ``release_blocks`` (a reservation the request replaces) are freed as
-        the request is queued, whatever happens (see ``LLMEngine.add_request``, also for
+        the request is queued, whatever happens (see ``EngineCore.add_request``, also for
         ``cache_salt``).
 
         Raises:
@@ -233,7 +233,7 @@ class AsyncEngine:
                             params: SamplingParams, block_ids: list[int],
                             cache_salt: str = "") -> AsyncIterator[RequestOutput]:
         """Join a request whose prompt KV fills ``block_ids`` to the running batch (see
-        ``LLMEngine.add_prefilled_request``); yields its output so far first, then as for
+        ``EngineCore.add_prefilled_request``); yields its output so far first, then as for
         :meth:`generate`.
 
         Takes ownership of ``block_ids`` whatever happens: if the engine refuses the request
@@ -336,7 +336,7 @@ class AsyncEngine:
             stream.put(_snapshot(out))
 
     def _block_hashes(self, prompt_ids: list[int], cache_salt: str) -> list[bytes] | None:
-        """The prompt's block hashes (``LLMEngine.block_hashes``), computed on the caller's thread,
+        """The prompt's block hashes (``EngineCore.block_hashes``), computed on the caller's thread,
         the event loop, while the engine thread runs a step, rather than on the engine thread
         between two steps, where a long prompt's would delay every running stream's next token;
         ``None`` for a prompt the engine refuses (it raises the error naming the field)."""
@@ -352,7 +352,7 @@ class AsyncEngine:
         return self._submit(lambda: self.engine.release(request_id))
 
     async def reserve_blocks(self, prompt_ids: list[int], cache_salt: str = "") -> tuple[list[int], int]:
-        """Reserve a prompt's blocks for incoming KV (``LLMEngine.reserve_blocks``: cached leading
+        """Reserve a prompt's blocks for incoming KV (``EngineCore.reserve_blocks``: cached leading
         blocks reused, headroom for the running batch kept free); ``(block_ids, num_cached)``.
 
         Raises:
@@ -378,7 +378,7 @@ class AsyncEngine:
 
     @property
     def kv_pools(self) -> list:
-        """Every rank's KV cache tensor (``LLMEngine.kv_pools``). Only read or write blocks that
+        """Every rank's KV cache tensor (``EngineCore.kv_pools``). Only read or write blocks that
         no request of the engine uses (pinned or reserved ones)."""
         return self.engine.kv_pools
 

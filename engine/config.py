@@ -10,11 +10,11 @@ SUPPORTED_BLOCK_SIZES = (8, 16, 32, 64, 128)
 # service, and NCCL, PyTorch's symmetric memory and NVSHMEM would each try it on their own. A
 # value already in the environment wins.
 NVLINK_MULTICAST_OFF = {"NCCL_NVLS_ENABLE": "0", "TORCH_SYMM_MEM_DISABLE_MULTICAST": "1", "NVSHMEM_DISABLE_NVLS": "1"}
-# Model / KV cache dtypes by name (``engine.devices.DTYPES`` maps them to torch dtypes).
+# Model / KV cache dtypes by name (``engine.runner.devices.DTYPES`` maps them to torch dtypes).
 DTYPE_NAMES = ("float32", "bfloat16", "float16")
-# How a quantized checkpoint's weights are held (``engine.quantized_loader``).
+# How a quantized checkpoint's weights are held (``engine.loading.quantized_loader``).
 QUANTIZATIONS = ("auto", "gguf", "none")
-# KV cache dtypes (vLLM's names): "auto" is the model's dtype (``engine.devices.resolve_kv_cache_dtype``).
+# KV cache dtypes (vLLM's names): "auto" is the model's dtype (``engine.runner.devices.resolve_kv_cache_dtype``).
 KV_CACHE_DTYPES = ("auto", "fp8_e4m3")
 
 
@@ -42,7 +42,7 @@ class EngineConfig:
         kv_cache_dtype: ``"auto"``: the KV cache holds K and V in the model's ``dtype``;
             ``"fp8_e4m3"``: in float8 e4m3 (``torch.float8_e4m3fn``), half a bfloat16 cache's bytes
             per block, so twice the blocks in the same memory; values are saturated to ±448 with
-            a fixed scale of 1.0 (:mod:`engine.kv_cache`). On CUDA it needs a GPU with float8
+            a fixed scale of 1.0 (:mod:`engine.runner.kv_cache`). On CUDA it needs a GPU with float8
             support in Triton (compute capability 8.9 or later; refused at start-up otherwise).
         device: ``"auto"`` (CUDA when available), ``"cpu"`` or ``"cuda[:N]"``.
         seed: seed of the generator of the per-step seeds of requests without their own seed.
@@ -53,13 +53,13 @@ class EngineConfig:
         cuda_graph_token_sizes: on CUDA, the token counts at which the pieces between
             attentions are captured as CUDA graphs for the other steps (prompt chunks; a step is
             padded to the next captured count, its attentions run eagerly; larger ones run
-            wholly eagerly, :mod:`engine.piecewise_graphs`); ``None``: 16, 32, 64, 128, then eight
+            wholly eagerly, :mod:`engine.runner.piecewise_graphs`); ``None``: 16, 32, 64, 128, then eight
             counts per doubling (144, 160, ..., 256, 288, ..., 512, ...) up to
             ``min(max_num_batched_tokens, 2048)``; empty: none (only decode graphs). Each must be
             in ``[1, max_num_batched_tokens]``. Ignored on CPU.
         enforce_eager: on CUDA, capture no graphs and run every step eagerly.
         tensor_parallel_size: ranks the model is sharded over (Megatron-LM tensor parallelism,
-            :mod:`engine.tensor_parallel`), one process each; on CUDA rank ``r`` runs on the GPU
+            :mod:`engine.parallel.tensor_parallel`), one process each; on CUDA rank ``r`` runs on the GPU
             ``device``'s index + ``r``. It must divide the model's attention and KV head counts.
 
     Raises:

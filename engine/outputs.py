@@ -48,7 +48,7 @@ class RequestOutput:
         pinned_block_ids: for a request added with ``pin_prompt_blocks``, the prompt blocks
             pinned so far for the caller, in position order (block ``i`` holds prompt tokens
             ``[i * block_size, (i + 1) * block_size)``); they stay allocated until
-            ``LLMEngine.release``.
+            ``EngineCore.release``.
     """
 
     request_id: str
@@ -70,9 +70,9 @@ class StepStats:
         num_tokens: tokens computed (prefill chunks plus decodes).
         cuda_graph_size: the captured batch size the step replayed, ``None`` when it ran eagerly.
         cuda_graph_splits: the decode kernel's split count in the replayed graph (more than
-            the batch size's own for a long-tail batch, ``engine.cuda_graphs``), ``None`` when eager.
+            the batch size's own for a long-tail batch, ``engine.runner.cuda_graphs``), ``None`` when eager.
         piecewise_graph_tokens: the padded token count whose piecewise graphs ran the step
-            (``engine.piecewise_graphs``), ``None`` when it replayed a decode graph or ran eagerly.
+            (``engine.runner.piecewise_graphs``), ``None`` when it replayed a decode graph or ran eagerly.
         prepare_s: host-side preparation: input tensors, their copies, sampling settings.
         execute_s: the model runner's whole step, the wait for the sampled tokens included.
         step_s: the engine's whole step (scheduling and output bookkeeping included; under an

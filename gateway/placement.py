@@ -40,7 +40,7 @@ was 128 or 1024 tokens, against a 6 ms decode step from a graph
 local prefills carried that fixed part: under a 20 ms ITL objective no long prompt was placed on
 a decode worker even with 256-token steps (no ``local_predicted`` placement in
 ``serving-h200x2-net256-adaptive-interference-*-20261128T205848Z.json``). They replay piecewise
-CUDA graphs now (:mod:`engine.piecewise_graphs`: 7-30 ms for a 128-1024-token chunk beside 1-64
+CUDA graphs now (:mod:`engine.runner.piecewise_graphs`: 7-30 ms for a 128-1024-token chunk beside 1-64
 decodes, ``step_overhead-h200-ladder-new-20261129T104758Z.json``); the measured pace follows by
 itself.
 

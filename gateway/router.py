@@ -50,7 +50,7 @@ from typing import Protocol
 from cluster.registry import (
     REDIS_ERRORS, ClusterNamespace, Role, WorkerConfig, WorkerInfo, WorkerLoad, kv_pairing_problem, shares_device,
 )
-from engine.block_pool import cdiv
+from engine.core.block_pool import cdiv
 from gateway import metrics
 from gateway.outlier import OutlierDetector
 

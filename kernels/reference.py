@@ -26,7 +26,7 @@ FP8_E4M3_MAX = float(torch.finfo(torch.float8_e4m3fn).max)  # 448.0
 
 def to_cache_dtype(x: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
     """``x`` cast to a KV cache's ``dtype``; to float8 e4m3 saturating: clamped to
-    ``±FP8_E4M3_MAX`` in float32 first (the scale is a fixed 1.0: ``engine.kv_cache``), so an
+    ``±FP8_E4M3_MAX`` in float32 first (the scale is a fixed 1.0: ``engine.runner.kv_cache``), so an
     outlier is stored as ±448 rather than NaN, the same bits as the Triton write kernel's."""
     if dtype == torch.float8_e4m3fn:
         return x.float().clamp(-FP8_E4M3_MAX, FP8_E4M3_MAX).to(dtype)

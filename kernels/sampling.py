@@ -119,7 +119,7 @@ def sample_tokens(
         logits: ``[n, vocab]`` float32 (last dimension contiguous).
         temperature: ``[n]`` float32; rows with 0 take the argmax.
         thresholds: ``[n]`` float32; a random row draws only among tokens whose logit is at least
-            its threshold (``-inf``: no filter; see ``engine.sampler.filter_thresholds``).
+            its threshold (``-inf``: no filter; see ``engine.runner.sampler.filter_thresholds``).
         seeds: ``[n]`` int64 request seed in ``[0, 2^63)``, or -1 for an unseeded row.
         sample_indices: ``[n]`` int64, which of its request's samples each row is.
         positions: ``[n]`` int64 position (in its sequence) of the token being sampled.

@@ -1,7 +1,7 @@
 """KV blocks moved by NIXL: GPU to GPU (CUDA IPC / NVLink on one host), shared memory or RDMA.
 
 Every worker registers its whole KV pool (every tensor-parallel rank's part, all allocated by
-the worker's process: :mod:`engine.shared_memory`) with its NIXL agent once (:class:`NixlAgent`).
+the worker's process: :mod:`engine.parallel.shared_memory`) with its NIXL agent once (:class:`NixlAgent`).
 The **decode worker reads**: the prefill worker announces, on the ``TransferKV`` stream, which of
 its blocks hold which positions of the request (``KVChunk.source_block_ids``; its ranks' pool
 addresses and head ranges, and its agent metadata, in the stream's opening message), and the

@@ -3,7 +3,7 @@
 A block's layout on the wire is the model's, whatever the worker's tensor-parallel size:
 ``[num_kv_heads, num_layers, 2, block_size, head_dim]``. Rank ``r`` of a worker holds KV heads
 ``[first_head_r, first_head_r + heads_r)`` of every block, in a tensor
-``[num_blocks, heads_r, num_layers, 2, block_size, head_dim]`` (``engine.kv_cache``); the ranks
+``[num_blocks, heads_r, num_layers, 2, block_size, head_dim]`` (``engine.runner.kv_cache``); the ranks
 share block ids. Heads are the block's outermost dimension, so a rank's part of a block is one
 contiguous span of bytes, and so is any head range of it: what one rank of another worker
 (another tensor-parallel size) owns of it. The gRPC transport moves whole blocks

@@ -46,7 +46,7 @@ class PackedLinear(nn.Module):
 def replace_module(model: nn.Module, name: str, module: nn.Module) -> None:
     """Put ``module`` at ``name`` (``model.layers.0.mlp.down_proj``) in ``model``, keeping the
     forward hooks of the module it replaces (tensor parallelism's all-reduce after a row-parallel
-    projection, :func:`engine.tensor_parallel.parallelize`)."""
+    projection, :func:`engine.parallel.tensor_parallel.parallelize`)."""
     parent_name, _, child = name.rpartition(".")
     parent = model.get_submodule(parent_name) if parent_name else model
     module._forward_hooks.update(getattr(parent, child)._forward_hooks)

@@ -15,13 +15,13 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from engine.attention import AttentionMetadata, PagedAttentionBackend
-from engine.kv_cache import KVCache
+from engine.runner.attention import AttentionMetadata, PagedAttentionBackend
+from engine.runner.kv_cache import KVCache
 from engine.layers.activation import silu_and_mul
 from engine.layers.linear import pack_linears
 from engine.layers.norm import RMSNorm
 from engine.layers.rotary import RotaryEmbedding, apply_rotary_emb
-from engine.model_config import ModelConfig
+from engine.loading.model_config import ModelConfig
 
 # Our fused projection -> the HF projections stacked in it, in row order (see `shard_sizes`).
 FUSED_PARAMS = {
@@ -178,7 +178,7 @@ class LlamaModel(nn.Module):
                             tuple[torch.Tensor, torch.Tensor | None]] | None = None,
     ) -> torch.Tensor:
         """Embed, then run each :meth:`piece` through ``run_piece`` (default: the method itself;
-        :mod:`engine.piecewise_graphs` replays CUDA graphs of them) with each layer's attention
+        :mod:`engine.runner.piecewise_graphs` replays CUDA graphs of them) with each layer's attention
         between two pieces."""
         hidden = self.embed_tokens(input_ids)  # [T, hidden_size]
         rope = self.rotary_emb(positions, hidden.dtype)

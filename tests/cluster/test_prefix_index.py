@@ -8,7 +8,7 @@ from hypothesis import given
 from hypothesis import strategies as st
 
 from engine.block_hash import hash_blocks, hash_seed
-from engine.block_pool import BlockPool
+from engine.core.block_pool import BlockPool
 from tests.worker_config import CONFIG
 from cluster.prefix_index import PrefixIndex, leading_run, net_events
 from cluster.heartbeat import Heartbeat

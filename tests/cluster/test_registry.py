@@ -8,7 +8,7 @@ import random
 
 import pytest
 
-from engine.block_pool import BlockPool
+from engine.core.block_pool import BlockPool
 from tests.worker_config import CONFIG
 from cluster.prefix_index import PrefixIndex
 from cluster.heartbeat import Heartbeat

@@ -3,10 +3,10 @@
 
 from __future__ import annotations
 
-from engine import LLMEngine, RequestOutput, SamplingParams
+from engine import EngineCore, RequestOutput, SamplingParams
 
 
-def run_until_finished(engine: LLMEngine, request_id: str) -> RequestOutput:
+def run_until_finished(engine: EngineCore, request_id: str) -> RequestOutput:
     """Step ``engine`` until request ``request_id`` finishes; return its last output."""
     while True:
         for out in engine.step().outputs:
@@ -14,7 +14,7 @@ def run_until_finished(engine: LLMEngine, request_id: str) -> RequestOutput:
                 return out
 
 
-def prefill_then_decode(prefill: LLMEngine, decode: LLMEngine, request_id: str, prompt: str | list[int],
+def prefill_then_decode(prefill: EngineCore, decode: EngineCore, request_id: str, prompt: str | list[int],
                         params: SamplingParams) -> RequestOutput:
     """Run one request disaggregated: ``prefill`` computes the prompt's KV and the first token,
     its blocks are copied byte for byte into blocks ``decode`` reserved, and ``decode`` goes on

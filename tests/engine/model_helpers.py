@@ -6,8 +6,8 @@ from __future__ import annotations
 import torch
 import transformers
 
-from engine.attention import AttentionMetadata
-from engine.kv_cache import KVCache
+from engine.runner.attention import AttentionMetadata
+from engine.runner.kv_cache import KVCache
 
 ATOL = 1e-4
 TINY = dict(

@@ -8,7 +8,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from engine.block_hash import hash_blocks, hash_seed
-from engine.block_pool import BlockPool, NoFreeBlocksError
+from engine.core.block_pool import BlockPool, NoFreeBlocksError
 
 NUM_BLOCKS = 12
 

@@ -4,8 +4,8 @@ import pytest
 import torch
 
 from engine.config import EngineConfig
-from engine.cuda_graphs import cuda_graph_sizes
-from engine.piecewise_graphs import piecewise_token_sizes
+from engine.runner.cuda_graphs import cuda_graph_sizes
+from engine.runner.piecewise_graphs import piecewise_token_sizes
 
 CUDA, CPU = torch.device("cuda"), torch.device("cpu")
 

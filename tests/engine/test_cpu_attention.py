@@ -9,7 +9,7 @@ import torch
 
 import kernels
 import kernels.reference
-from engine.attention import AttentionMetadata, CpuPagedAttentionBackend, PagedAttentionBackend
+from engine.runner.attention import AttentionMetadata, CpuPagedAttentionBackend, PagedAttentionBackend
 from engine.layers.ops import cpu_kernels
 
 BLOCK_SIZE, KV_HEADS, Q_HEADS, HEAD_DIM, NUM_BLOCKS, LAYERS = 4, 2, 6, 16, 24, 3

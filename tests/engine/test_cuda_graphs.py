@@ -10,9 +10,9 @@ import pytest
 import torch
 import transformers
 
-from engine import EngineConfig, LLMEngine, SamplingParams
-from engine.cuda_graphs import CUDAGraphRunner, is_long_tail, round_up_table
-from engine.piecewise_graphs import PiecewiseCUDAGraphs
+from engine import EngineConfig, EngineCore, SamplingParams
+from engine.runner.cuda_graphs import CUDAGraphRunner, is_long_tail, round_up_table
+from engine.runner.piecewise_graphs import PiecewiseCUDAGraphs
 from tests.engine.model_helpers import make_hf_model
 
 
@@ -23,7 +23,7 @@ def tiny_dir(tmp_path_factory):
     return path
 
 
-def _decode_batch(engine: LLMEngine, num_seqs: int):
+def _decode_batch(engine: EngineCore, num_seqs: int):
     """Prefill ``num_seqs`` greedy requests, then return the scheduler's next (decode-only) step."""
     for i in range(num_seqs):
         engine.add_request(f"r{i}", [(7 * i + j) % 90 + 2 for j in range(5 + 3 * i)],
@@ -37,7 +37,7 @@ def _decode_batch(engine: LLMEngine, num_seqs: int):
 
 @torch.inference_mode()  # as ModelRunner.execute runs (on CUDA the step's buffers are inference tensors)
 def test_padded_rows_neither_write_the_cache_nor_change_real_rows(tiny_dir):
-    engine = LLMEngine(str(tiny_dir), EngineConfig(block_size=8, num_blocks=64))
+    engine = EngineCore(str(tiny_dir), EngineConfig(block_size=8, num_blocks=64))
     step = _decode_batch(engine, 3)
     runner = engine.runner
     eager = runner.buffers.prepare(step)
@@ -59,7 +59,7 @@ def test_padded_rows_neither_write_the_cache_nor_change_real_rows(tiny_dir):
 
 
 def test_batch_size_for_pads_up_and_falls_back_to_eager(tiny_dir):
-    engine = LLMEngine(str(tiny_dir), EngineConfig(block_size=8, num_blocks=64))
+    engine = EngineCore(str(tiny_dir), EngineConfig(block_size=8, num_blocks=64))
     graphs = CUDAGraphRunner(engine.model, engine.kv_cache, [1, 2, 4], engine.runner.max_blocks_per_seq,
                              engine.max_model_len)
     step = _decode_batch(engine, 3)
@@ -71,7 +71,7 @@ def test_batch_size_for_pads_up_and_falls_back_to_eager(tiny_dir):
     assert graphs.batch_size_for(step) is None
 
 
-def _mixed_step(engine: LLMEngine):
+def _mixed_step(engine: EngineCore):
     """Two sequences past their prompts and a 20-token prompt: the scheduler's next step holds
     2 decodes and the prompt's chunk (22 tokens)."""
     greedy = SamplingParams(max_tokens=4, temperature=0, ignore_eos=True)
@@ -93,7 +93,7 @@ def test_round_up_table_gives_the_smallest_ladder_size_at_least_n(ladder):
 
 @torch.inference_mode()
 def test_pieces_padded_over_stale_rows_equal_the_model_and_write_only_the_step(tiny_dir):
-    engine = LLMEngine(str(tiny_dir), EngineConfig(block_size=8, num_blocks=64))
+    engine = EngineCore(str(tiny_dir), EngineConfig(block_size=8, num_blocks=64))
     step = _mixed_step(engine)
     inputs = engine.runner.buffers.prepare(step)
     cache_before = engine.kv_cache.tensor.clone()
@@ -119,8 +119,8 @@ def test_the_runner_runs_steps_within_the_ladder_as_pieces_and_the_rest_eagerly(
     prompts = [[(3 * i + j) % 90 + 2 for j in range(40 if i == 0 else 6 + 5 * i)] for i in range(4)]
     params = [SamplingParams(max_tokens=6, temperature=0, ignore_eos=True),
               SamplingParams(max_tokens=6, temperature=0.8, top_p=0.9, seed=3, ignore_eos=True, logprobs=2)]
-    expected = _generate(LLMEngine(str(tiny_dir), config), prompts, params)
-    engine = LLMEngine(str(tiny_dir), config)
+    expected = _generate(EngineCore(str(tiny_dir), config), prompts, params)
+    engine = EngineCore(str(tiny_dir), config)
     ladder = [8, 16, 32]  # steps of 40, 40, 40, 12 tokens, then decodes
     engine.runner.pieces = PiecewiseCUDAGraphs(engine.model, ladder, engine.runner.device)  # eager pieces
     stats = []
@@ -138,8 +138,8 @@ def triton_ops(monkeypatch):
     """Run the engine's layers, attention and sampler through the Triton kernels (on the CPU under
     TRITON_INTERPRET=1) instead of the references."""
     import kernels
-    from engine import model_shard, sampler
-    from engine.attention import PagedAttentionBackend
+    from engine.runner import model_shard, sampler
+    from engine.runner.attention import PagedAttentionBackend
     from engine.layers import activation, norm, rotary
 
     for module in (activation, norm, rotary, sampler):
@@ -154,14 +154,14 @@ def test_triton_kernels_in_the_engine_match_the_references(tiny_dir, triton_ops)
     params = [SamplingParams(max_tokens=6, temperature=0, ignore_eos=True),
               SamplingParams(max_tokens=6, temperature=0.8, top_p=0.9, seed=3, ignore_eos=True, logprobs=2)]
     config = EngineConfig(block_size=8, num_blocks=64, max_num_batched_tokens=16)
-    triton_engine = LLMEngine(str(tiny_dir), config)
-    from engine.warmup import warm_up
+    triton_engine = EngineCore(str(tiny_dir), config)
+    from engine.runner.warmup import warm_up
 
     warm_up(triton_engine.runner, config.max_num_batched_tokens, config.max_num_seqs)  # dummy steps on block 0
     assert triton_engine.num_free_blocks == 64
     got = _generate(triton_engine, prompts, params)
     triton_ops.undo()  # the references from here on
-    torch_engine = LLMEngine(str(tiny_dir), config)
+    torch_engine = EngineCore(str(tiny_dir), config)
     assert got == _generate(torch_engine, prompts, params)
 
 
@@ -196,7 +196,7 @@ def test_a_long_tail_batch_replays_its_graph_with_more_splits(tmp_path):
     # One KV head: on the CPU (4 SMs to the kernels) a batch of 4 gets 1 split, its long-tail graph 2.
     model = make_hf_model(transformers.LlamaConfig, dict(max_position_embeddings=2048, num_key_value_heads=1))
     model.save_pretrained(tmp_path)
-    engine = LLMEngine(str(tmp_path), EngineConfig(block_size=16, num_blocks=160, max_num_batched_tokens=2048))
+    engine = EngineCore(str(tmp_path), EngineConfig(block_size=16, num_blocks=160, max_num_batched_tokens=2048))
     params = SamplingParams(max_tokens=4, temperature=0, ignore_eos=True)
     engine.add_request("long", [(3 * j) % 90 + 2 for j in range(1100)], params)
     for i in range(3):
@@ -216,6 +216,6 @@ def test_a_long_tail_batch_replays_its_graph_with_more_splits(tmp_path):
     assert graphs.splits_for(4) == 2
     torch.testing.assert_close(graphs.forward(4, 2), expected, rtol=1e-5, atol=1e-5)
 
-    short = _decode_batch(LLMEngine(str(tmp_path), EngineConfig(block_size=16, num_blocks=160)), 3)
+    short = _decode_batch(EngineCore(str(tmp_path), EngineConfig(block_size=16, num_blocks=160)), 3)
     graphs.prepare(short, 4)
     assert graphs.splits_for(4) == 1

@@ -2,8 +2,8 @@
 
 import pytest
 
-from engine import EngineConfig, LLMEngine, SamplingParams
-from engine.block_pool import NoFreeBlocksError
+from engine import EngineConfig, EngineCore, SamplingParams
+from engine.core.block_pool import NoFreeBlocksError
 from tests.engine.engine_helpers import prefill_then_decode, run_until_finished
 
 pytestmark = pytest.mark.slow
@@ -12,7 +12,7 @@ PROMPTS = ["The history of the printing press began", "List three prime numbers 
 
 @pytest.fixture(scope="module")
 def engines():
-    return LLMEngine(None, EngineConfig(num_blocks=64)), LLMEngine(None, EngineConfig(num_blocks=64))
+    return EngineCore(None, EngineConfig(num_blocks=64)), EngineCore(None, EngineConfig(num_blocks=64))
 
 
 @pytest.mark.parametrize(

@@ -2,7 +2,7 @@
 
 import pytest
 
-from engine import EngineConfig, LLMEngine, SamplingParams
+from engine import EngineConfig, EngineCore, SamplingParams
 
 TINY = {"model_type": "llama", "vocab_size": 256, "hidden_size": 64, "intermediate_size": 128,
         "num_hidden_layers": 2, "num_attention_heads": 4, "num_key_value_heads": 2,
@@ -11,7 +11,7 @@ TINY = {"model_type": "llama", "vocab_size": 256, "hidden_size": 64, "intermedia
 
 @pytest.fixture(scope="module")
 def engine():
-    return LLMEngine(TINY, EngineConfig(block_size=8, num_blocks=64), load_format="dummy")
+    return EngineCore(TINY, EngineConfig(block_size=8, num_blocks=64), load_format="dummy")
 
 
 def _run(engine, request_id):
@@ -38,7 +38,7 @@ def test_step_reports_what_it_ran(engine):
 def test_step_totals_count_each_kind_of_step():
     """A prefill, a step that prefills one prompt beside another's decode, then decodes: the
     engine's totals count each kind and its tokens, and grow by exactly what each step ran."""
-    engine = LLMEngine(TINY, EngineConfig(block_size=8, num_blocks=64), load_format="dummy")
+    engine = EngineCore(TINY, EngineConfig(block_size=8, num_blocks=64), load_format="dummy")
     assert engine.stats().step_totals == {}
     engine.add_request("a", list(range(2, 22)), SamplingParams(max_tokens=6, temperature=0, ignore_eos=True))
     steps = [engine.step().stats]
@@ -65,7 +65,7 @@ def test_startup_is_timed(engine):
 
 def test_seeded_request_continued_on_another_engine_matches(engine):
     """Prefill + first token on one engine, the rest on another: the same tokens as one engine."""
-    other = LLMEngine(TINY, EngineConfig(block_size=8, num_blocks=64, seed=99), load_format="dummy")
+    other = EngineCore(TINY, EngineConfig(block_size=8, num_blocks=64, seed=99), load_format="dummy")
     prompt = list(range(3, 30))
     params = SamplingParams(max_tokens=12, temperature=1.5, seed=5, n=2, ignore_eos=True)
     engine.add_request("whole", prompt, params)

@@ -6,8 +6,8 @@ import math
 import pytest
 import torch
 
-from engine import EngineConfig, LLMEngine, SamplingParams
-from engine.devices import check_kv_cache_dtype
+from engine import EngineConfig, EngineCore, SamplingParams
+from engine.runner.devices import check_kv_cache_dtype
 from tests.engine.engine_helpers import prefill_then_decode, run_until_finished
 from tests.engine.model_helpers import save_tiny_llama, tokens
 
@@ -27,12 +27,12 @@ def device(request) -> str:
     return request.param
 
 
-def _engine(model: str, kv_cache_dtype: str, device: str, **config) -> LLMEngine:
+def _engine(model: str, kv_cache_dtype: str, device: str, **config) -> EngineCore:
     """A bfloat16 engine of ``model`` on ``device`` with a 1 MiB KV budget (on CUDA, whose budget
     is a share of the GPU's memory, 256 blocks) unless ``config`` says otherwise."""
     settings = dict(device=device, dtype="bfloat16", kv_cache_memory_bytes=1 << 20, kv_cache_dtype=kv_cache_dtype,
                     **({"num_blocks": 256} if device == "cuda" else {}))
-    return LLMEngine(model, EngineConfig(**{**settings, **config}))
+    return EngineCore(model, EngineConfig(**{**settings, **config}))
 
 
 def test_fp8_cache_holds_twice_the_blocks_of_bfloat16_in_the_same_memory_and_names_itself(tiny_llama):

@@ -13,7 +13,7 @@ import pytest
 import torch
 
 from engine import LLM, SamplingParams
-from engine.kv_cache import KVCache
+from engine.runner.kv_cache import KVCache
 
 pytestmark = [pytest.mark.gpu, pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")]
 GREEDY = SamplingParams(max_tokens=24, temperature=0, ignore_eos=True)

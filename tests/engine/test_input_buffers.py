@@ -4,10 +4,10 @@ import numpy as np
 import pytest
 import torch
 
-from engine.input_buffers import InputBuffers
+from engine.runner.input_buffers import InputBuffers
 from engine.sampling_params import SamplingParams
-from engine.scheduler import ScheduledSequence, SchedulerOutput
-from engine.sequence import Sequence
+from engine.core.scheduler import ScheduledSequence, SchedulerOutput
+from engine.core.sequence import Sequence
 
 BS = 4
 

@@ -1,6 +1,6 @@
-"""How much of the GPU the KV cache takes (engine/profiling.py's arithmetic, CUDA-free)."""
+"""How much of the GPU the KV cache takes (engine/runner/profiling.py's arithmetic, CUDA-free)."""
 
-from engine.profiling import NON_TORCH_BYTES, kv_cache_room
+from engine.runner.profiling import NON_TORCH_BYTES, kv_cache_room
 
 GIB = 2**30
 

@@ -13,14 +13,14 @@ import torch
 import transformers
 from safetensors.torch import load_file, save_file
 
-import engine.gguf
+import engine.loading.gguf
 import engine.model_source
-from engine.attention import PagedAttentionBackend
-from engine.kv_cache import KVCache
-from engine.loader import load_model
-from engine.model_config import ModelConfig
+from engine.runner.attention import PagedAttentionBackend
+from engine.runner.kv_cache import KVCache
+from engine.loading.loader import load_model
+from engine.loading.model_config import ModelConfig
 from engine.models.llama import LlamaForCausalLM
-from engine.presets import PRESETS
+from engine.loading.presets import PRESETS
 from tests.engine.conftest import hf_greedy
 from tests.engine.model_helpers import ATOL, TINY, PagedRunner, hf_logits, make_hf_model, tokens
 
@@ -141,11 +141,11 @@ def test_gguf_conversion_is_cached_and_race_safe(tmp_path, monkeypatch):
         final.mkdir()
         (final / "config.json").write_text('{"winner": true}')
 
-    monkeypatch.setattr(engine.gguf, "_write_hf_dir", convert_while_another_process_wins)
-    assert engine.gguf.convert(gguf) == final
+    monkeypatch.setattr(engine.loading.gguf, "_write_hf_dir", convert_while_another_process_wins)
+    assert engine.loading.gguf.convert(gguf) == final
     assert json.loads((final / "config.json").read_text()) == {"winner": True}
     assert sorted(os.listdir(tmp_path / "cache")) == [final.name, f"{final.name}.lock"]  # our temp copy is gone
-    assert engine.gguf.convert(gguf) == final and len(calls) == 1  # cache hit
+    assert engine.loading.gguf.convert(gguf) == final and len(calls) == 1  # cache hit
 
 
 def test_processes_missing_the_cache_at_once_convert_a_gguf_once(tmp_path, monkeypatch):
@@ -159,9 +159,9 @@ def test_processes_missing_the_cache_at_once_convert_a_gguf_once(tmp_path, monke
         time.sleep(0.5)  # the others arrive while this one converts
         (out / "config.json").write_text("{}")
 
-    monkeypatch.setattr(engine.gguf, "_write_hf_dir", slow_convert)
+    monkeypatch.setattr(engine.loading.gguf, "_write_hf_dir", slow_convert)
     with ThreadPoolExecutor(3) as pool:  # each call its own lock file handle, as separate processes have
-        targets = list(pool.map(lambda _: engine.gguf.convert(gguf), range(3)))
+        targets = list(pool.map(lambda _: engine.loading.gguf.convert(gguf), range(3)))
     assert len(set(targets)) == 1 and (targets[0] / "config.json").is_file()
     assert len(calls) == 1
 

@@ -13,8 +13,8 @@ import transformers
 
 from engine.layers.linear import PackedLinear, pack_linears, packed_linear_available
 from engine.layers.rotary import RotaryEmbedding
-from engine.loader import load_model
-from engine.model_config import ModelConfig
+from engine.loading.loader import load_model
+from engine.loading.model_config import ModelConfig
 from tests.engine.model_helpers import (
     ATOL, LLAMA3_ROPE, TINY, PagedRunner, hf_logits, make_hf_model, tokens,
 )

@@ -8,9 +8,9 @@ import torch
 from gguf import GGMLQuantizationType
 from gguf.quants import dequantize, quantize
 
-from engine import EngineConfig, LLMEngine
+from engine import EngineConfig, EngineCore
 from engine.block_hash import hash_seed
-from engine.gguf_tensors import decode, read_gguf, tensor_table
+from engine.loading.gguf_tensors import decode, read_gguf, tensor_table
 from engine.layers.quantized import GroupQuantized, Int4Linear, QuantizedEmbedding, QuantizedLogitsHead, RowInt8Linear
 from engine.model_source import default_gguf_path, resolve_model
 
@@ -126,7 +126,7 @@ def test_an_unknown_quantization_or_gguf_without_a_gguf_model_is_refused_by_name
     with pytest.raises(ValueError, match="quantization"):
         EngineConfig(quantization="awq")
     with pytest.raises(ValueError, match="quantization='gguf' needs a .gguf model"):
-        LLMEngine("smollm2-135m", EngineConfig(num_blocks=8, quantization="gguf"), load_format="dummy")
+        EngineCore("smollm2-135m", EngineConfig(num_blocks=8, quantization="gguf"), load_format="dummy")
 
 
 @pytest.mark.slow
@@ -134,7 +134,7 @@ def test_the_default_model_runs_quantized_on_the_cpu_and_its_kv_is_another_model
     """On the CPU a GGUF loads quantized by default: the projections and the tied logits head
     are int4 layers holding about a seventh of the float32 bytes, and the prefix cache's seed
     differs from the dequantized model's (their KV differs)."""
-    engine = LLMEngine(None, EngineConfig(num_blocks=64))
+    engine = EngineCore(None, EngineConfig(num_blocks=64))
     layers = dict(engine.model.named_modules())
     assert engine.quantization == "gguf" and engine.kv_cache_dtype == "float32"
     assert isinstance(layers["model.layers.0.self_attn.qkv_proj"], Int4Linear)

@@ -4,9 +4,9 @@ import math
 
 import torch
 
-from engine.sampler import SamplingBatch, filter_thresholds, sample
+from engine.runner.sampler import SamplingBatch, filter_thresholds, sample
 from engine.sampling_params import SamplingParams
-from engine.sequence import Sequence
+from engine.core.sequence import Sequence
 
 
 def _batch(params: list[SamplingParams], positions: list[int], indices: list[int] | None = None) -> SamplingBatch:

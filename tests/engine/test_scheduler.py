@@ -4,11 +4,11 @@ preemption, copy-on-write of a shared partial block, and pins that outlive their
 from __future__ import annotations
 
 from engine.block_hash import hash_seed
-from engine.block_pool import BlockPool
-from engine.kv_cache_manager import KVCacheManager
+from engine.core.block_pool import BlockPool
+from engine.core.kv_cache_manager import KVCacheManager
 from engine.sampling_params import SamplingParams
-from engine.scheduler import Scheduler
-from engine.sequence import Sequence, SequenceStatus
+from engine.core.scheduler import Scheduler
+from engine.core.sequence import Sequence, SequenceStatus
 
 BS = 4
 

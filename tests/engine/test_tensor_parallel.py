@@ -12,8 +12,8 @@ import time
 import pytest
 import torch
 
-from engine import LLM, EngineConfig, LLMEngine, SamplingParams
-from engine.distributed import RankFailedError
+from engine import LLM, EngineConfig, EngineCore, SamplingParams
+from engine.parallel.distributed import RankFailedError
 
 from tests.engine.model_helpers import save_tiny_llama
 
@@ -55,11 +55,11 @@ def test_tp2_tokens_and_logprobs_equal_tp1(tiny_llama: str, kv_cache_dtype: str)
 
 def test_size_that_does_not_divide_the_heads_is_refused(tiny_llama: str) -> None:
     with pytest.raises(ValueError, match=r"tensor_parallel_size=3 must divide .*num_attention_heads=4"):
-        LLMEngine(tiny_llama, EngineConfig(num_blocks=8, tensor_parallel_size=3))
+        EngineCore(tiny_llama, EngineConfig(num_blocks=8, tensor_parallel_size=3))
 
 
 def test_a_dead_rank_fails_the_next_step_and_never_hangs(tiny_llama: str) -> None:
-    engine = LLMEngine(tiny_llama, EngineConfig(block_size=8, num_blocks=16, tensor_parallel_size=2))
+    engine = EngineCore(tiny_llama, EngineConfig(block_size=8, num_blocks=16, tensor_parallel_size=2))
     try:
         engine.add_request("r", list(range(1, 30)), SamplingParams(max_tokens=50, temperature=0, ignore_eos=True))
         engine.step()

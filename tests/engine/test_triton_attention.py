@@ -9,7 +9,7 @@ import torch
 
 import kernels
 import kernels.reference
-from engine.attention import AttentionMetadata, PagedAttentionBackend, TritonPagedAttentionBackend
+from engine.runner.attention import AttentionMetadata, PagedAttentionBackend, TritonPagedAttentionBackend
 
 DEVICE = torch.device("cuda" if torch.cuda.is_available() else "cpu")
 BLOCK_SIZE, KV_HEADS, Q_HEADS, HEAD_DIM, NUM_BLOCKS, LAYERS = 4, 2, 6, 16, 24, 3

@@ -13,7 +13,7 @@ from hypothesis import assume, given
 from hypothesis import strategies as st
 
 from engine.block_hash import hash_blocks
-from engine.block_pool import BlockPool
+from engine.core.block_pool import BlockPool
 from tests.worker_config import BLOCK_SIZE, CONFIG
 from cluster.prefix_index import PrefixIndex
 from cluster.heartbeat import Heartbeat

@@ -34,7 +34,7 @@ def layer_views(
     head_dim: int, dtype: torch.dtype, generator: torch.Generator,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """Random block-major pool ``[num_blocks, num_layers, 2, block_size, num_kv_heads, head_dim]``
-    and layer ``layer``'s strided (k_cache, v_cache) views, as engine/kv_cache.py builds them."""
+    and layer ``layer``'s strided (k_cache, v_cache) views, as engine/runner/kv_cache.py builds them."""
     pool = torch.randn(
         num_blocks, num_layers, 2, block_size, num_kv_heads, head_dim, generator=generator,
     ).to(dtype=dtype, device=DEVICE)

@@ -10,8 +10,8 @@ import pytest
 import torch
 
 import kernels.reference as ref
-from engine.kv_cache import KVCache
-from engine.model_config import ModelConfig
+from engine.runner.kv_cache import KVCache
+from engine.loading.model_config import ModelConfig
 from kernels.cpu_ops import load
 from tests.kernels.paged_inputs import rel_err, shuffled_block_tables
 
@@ -25,7 +25,7 @@ def kernel(tmp_path_factory):
 
 
 def _inputs(seq_lens, num_q_heads, num_kv_heads, head_dim, block_size, generator):
-    """A real block-major pool (engine.kv_cache.KVCache, layer 1 of 3), random contents, and a
+    """A real block-major pool (engine.runner.kv_cache.KVCache, layer 1 of 3), random contents, and a
     decode step of one token per sequence (its slot the last position of its context)."""
     config = ModelConfig(vocab_size=8, intermediate_size=8, num_hidden_layers=3, num_attention_heads=num_q_heads,
                          num_key_value_heads=num_kv_heads, head_dim=head_dim, hidden_size=num_q_heads * head_dim)

@@ -13,9 +13,9 @@ import numpy as np
 import pytest
 import torch
 
-from engine.kv_cache import KVCache
-from engine.model_config import ModelConfig
-from engine.tensor_parallel import shard_config
+from engine.runner.kv_cache import KVCache
+from engine.loading.model_config import ModelConfig
+from engine.parallel.tensor_parallel import shard_config
 from kvtransfer import (
     DEFAULT_MAX_CHUNK_BYTES, GRPC_MESSAGE_OPTIONS, GrpcKVReceiver, GrpcKVSender, GrpcKVTransfer, KVDestination,
     KVPool, KVReceiver, ReservationTable, decode_chunk, encode_chunk,

@@ -11,7 +11,7 @@ import grpc
 import pytest
 
 from decode_worker.server import DecodeServicer
-from engine import EngineConfig, LLMEngine
+from engine import EngineConfig, EngineCore
 from cluster.settings import WorkerSettings
 from engine.async_engine import AsyncEngine
 from gateway.server import Gateway, load_served_model
@@ -24,11 +24,11 @@ from prefill_worker.server import PrefillServicer
 from protos.tandem.v1 import worker_pb2_grpc
 
 @pytest.fixture(scope="session")
-def engines() -> tuple[LLMEngine, LLMEngine]:
+def engines() -> tuple[EngineCore, EngineCore]:
     """(prefill, decode) engines on the real SmolLM2-135M-Instruct. The prefill engine's small
     token budget makes a long prompt take many steps (so a test can abort it mid-prefill)."""
-    prefill = LLMEngine(None, EngineConfig(num_blocks=96, block_size=16, max_num_batched_tokens=128))
-    decode = LLMEngine(None, EngineConfig(num_blocks=64, block_size=16))
+    prefill = EngineCore(None, EngineConfig(num_blocks=96, block_size=16, max_num_batched_tokens=128))
+    decode = EngineCore(None, EngineConfig(num_blocks=64, block_size=16))
     return prefill, decode
 
 
@@ -56,7 +56,7 @@ def settings(**overrides) -> WorkerSettings:
 
 
 @contextlib.asynccontextmanager
-async def worker(llm: LLMEngine, role: Role, **overrides) -> AsyncIterator[Worker]:
+async def worker(llm: EngineCore, role: Role, **overrides) -> AsyncIterator[Worker]:
     engine = AsyncEngine(llm, name=f"{role}-engine")
     engine.start()
     s = settings(**overrides)

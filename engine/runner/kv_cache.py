@@ -30,7 +30,7 @@ from __future__ import annotations
 
 import torch
 
-from engine.model_config import ModelConfig
+from engine.loading.model_config import ModelConfig
 
 
 class KVCache:
@@ -43,7 +43,7 @@ class KVCache:
         dtype: cache dtype: the model's, or ``torch.float8_e4m3fn`` (scale 1.0, see above).
         device: where the cache lives.
         tensor: memory to use instead of allocating it, of :meth:`shape` and ``dtype`` on
-            ``device`` (a pool another process allocated and shares, :mod:`engine.shared_memory`).
+            ``device`` (a pool another process allocated and shares, :mod:`engine.parallel.shared_memory`).
 
     A tensor allocated here is zero-filled so that never-written slots hold finite values (masked
     attention multiplies them by zero, and 0 * NaN would poison the output); a given one must be

@@ -9,7 +9,7 @@ them) and sequence length 0 (the paged decode kernel returns 0 for them), so the
 the KV cache nor change a real row (every op is row-wise). The decode kernel is given the fixed
 bound ``max_model_len`` instead of the step's longest context, so its grid, and hence the
 graph, serves every length. Steps with prefill chunks, fork children, or more sequences than
-the largest graph do not replay these (:mod:`engine.piecewise_graphs` runs them). The logits
+the largest graph do not replay these (:mod:`engine.runner.piecewise_graphs` runs them). The logits
 head runs eagerly on the graph's output rows, so only the sampled rows are computed.
 
 A graph fixes the decode kernel's split count too: :func:`~kernels.decode_attention.num_kv_splits`
@@ -30,11 +30,11 @@ import logging
 import numpy as np
 import torch
 
-from engine.attention import AttentionMetadata
+from engine.runner.attention import AttentionMetadata
 from engine.config import EngineConfig
-from engine.input_buffers import InputBuffers, StepInputs
-from engine.kv_cache import KVCache
-from engine.scheduler import SchedulerOutput
+from engine.runner.input_buffers import InputBuffers, StepInputs
+from engine.runner.kv_cache import KVCache
+from engine.core.scheduler import SchedulerOutput
 
 logger = logging.getLogger(__name__)
 

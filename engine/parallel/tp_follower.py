@@ -1,8 +1,8 @@
-"""``python -m engine.tp_follower SPEC``: rank 1..T-1 of a tensor-parallel engine.
+"""``python -m engine.parallel.tp_follower SPEC``: rank 1..T-1 of a tensor-parallel engine.
 
-Started by rank 0 (:class:`engine.tp_ranks.FollowerRanks`) with a JSON ``SPEC`` (the model, the
+Started by rank 0 (:class:`engine.parallel.tp_ranks.FollowerRanks`) with a JSON ``SPEC`` (the model, the
 engine's settings, this rank and its device, the rendezvous store's port). It builds its shard
-in lockstep with the other ranks (:func:`engine.model_shard.build_shard`), then runs every step
+in lockstep with the other ranks (:func:`engine.runner.model_shard.build_shard`), then runs every step
 rank 0 broadcasts until rank 0 says to stop (exit 0) or goes away (exit 1): it never outlives
 the engine.
 """
@@ -23,12 +23,12 @@ import torch
 import torch.distributed as dist
 
 from engine.config import EngineConfig
-from engine.devices import resolve_dtype, use_device
-from engine.distributed import TPGroup
-from engine.model_shard import build_shard
-from engine.tp_ranks import JOIN_TIMEOUT_S
+from engine.runner.devices import resolve_dtype, use_device
+from engine.parallel.distributed import TPGroup
+from engine.runner.model_shard import build_shard
+from engine.parallel.tp_ranks import JOIN_TIMEOUT_S
 
-logger = logging.getLogger("engine.tp_follower")
+logger = logging.getLogger("engine.parallel.tp_follower")
 
 PARENT_POLL_S = 0.5
 

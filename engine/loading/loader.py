@@ -3,7 +3,7 @@ finds (an HF directory, sharded or not; a GGUF file, read directly, quantized we
 or dequantized; a hub repository; a preset or a config dict). ``load_format="dummy"`` gives
 random weights of the real shapes (also for a directory or file).
 
-Under tensor parallelism each rank builds its shard (:mod:`engine.tensor_parallel`) and reads
+Under tensor parallelism each rank builds its shard (:mod:`engine.parallel.tensor_parallel`) and reads
 only its slice of each checkpoint tensor (safetensors' sliced reads). Random weights are drawn
 per checkpoint tensor, whole, from a seed of its name, and then sliced the same way: a dummy
 model computes the same function at every tensor-parallel size.
@@ -23,16 +23,16 @@ import torch
 from safetensors import safe_open
 from tqdm.auto import tqdm
 
-from engine.attention import PagedAttentionBackend, get_attention_backend
-from engine.devices import DTYPES
-from engine.distributed import TPGroup
-from engine.model_config import ModelConfig
+from engine.runner.attention import PagedAttentionBackend, get_attention_backend
+from engine.runner.devices import DTYPES
+from engine.parallel.distributed import TPGroup
+from engine.loading.model_config import ModelConfig
 from engine.model_source import ModelSource, merge_eos_token_ids, resolve_model
 from engine.models.llama import FUSED_PARAMS, LlamaForCausalLM
-from engine.gguf_tensors import read_gguf
+from engine.loading.gguf_tensors import read_gguf
 from engine.layers.quantized import GroupQuantized
-from engine.quantized_loader import load_gguf_quantized
-from engine.tensor_parallel import checkpoint_rows, parallelize, shard_config, shard_dim
+from engine.loading.quantized_loader import load_gguf_quantized
+from engine.parallel.tensor_parallel import checkpoint_rows, parallelize, shard_config, shard_dim
 from engine.tokenizer import Tokenizer
 
 LOAD_FORMATS = ("auto", "dummy")
@@ -75,12 +75,12 @@ def load_model(
         model: see :func:`engine.model_source.resolve_model`.
         dtype: parameter dtype, or its name (``"float32"``, ``"bfloat16"``, ``"float16"``).
         device: where the parameters live.
-        attn_backend: defaults to :func:`engine.attention.get_attention_backend` for ``device``.
+        attn_backend: defaults to :func:`engine.runner.attention.get_attention_backend` for ``device``.
         load_format: ``"auto"`` (read the checkpoint) or ``"dummy"`` (random normal weights,
             std 0.02, norms at 1).
         tp: this process's rank of a tensor-parallel engine (``None``: the whole model).
         quantization: ``"gguf"`` keeps a GGUF model's quantized weights quantized
-            (:mod:`engine.quantized_loader`); ``"none"`` reads the dequantized checkpoint.
+            (:mod:`engine.loading.quantized_loader`); ``"none"`` reads the dequantized checkpoint.
 
     Raises:
         ValueError: unknown preset, missing path, unreachable hub repository or a checkpoint

@@ -18,7 +18,7 @@ import numpy as np
 import torch
 
 from engine.layers.ops import ops_for
-from engine.sequence import Sequence
+from engine.core.sequence import Sequence
 
 # Seeds are hashed as two 32-bit words of an int64; larger ones are taken modulo 2^63.
 _SEED_MODULUS = 1 << 63
@@ -57,7 +57,7 @@ class SamplingBatch:
     def from_sequences(cls, seqs: list[Sequence], positions: torch.Tensor) -> SamplingBatch:
         """Gather the settings of ``seqs`` (one row each) into one host array and copy it to
         ``positions``' device at once (every copy is a call that gives up the GIL and has to win
-        it back; see :mod:`engine.input_buffers`).
+        it back; see :mod:`engine.runner.input_buffers`).
 
         Args:
             seqs: the sampled sequences, in row order.

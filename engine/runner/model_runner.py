@@ -1,11 +1,11 @@
 """Turns a scheduler step into tensors, runs the model, and samples.
 
 Per step the batch's input ids, positions, slot mapping, block tables, sequence lengths and
-query offsets are built on the host in persistent buffers (:mod:`engine.input_buffers`) and
+query offsets are built on the host in persistent buffers (:mod:`engine.runner.input_buffers`) and
 copied to the device once each. A decode-only step replays a CUDA graph captured for the
-smallest batch size that holds it (:mod:`engine.cuda_graphs`); another step replays graphs of
+smallest batch size that holds it (:mod:`engine.runner.cuda_graphs`); another step replays graphs of
 the pieces between its attentions, captured for the smallest token count that holds it
-(:mod:`engine.piecewise_graphs`), and runs its attentions eagerly; a step past both ladders
+(:mod:`engine.runner.piecewise_graphs`), and runs its attentions eagerly; a step past both ladders
 runs eagerly.
 Sampling works on the whole batch at once, and the step's one host sync is a single
 device-to-host copy of the sampled tokens with their log-probabilities.
@@ -20,15 +20,15 @@ from dataclasses import dataclass
 import numpy as np
 import torch
 
-from engine.block_pool import cdiv
-from engine.cuda_graphs import CUDAGraphRunner
-from engine.input_buffers import InputBuffers, StepInputs
-from engine.kv_cache import KVCache
+from engine.core.block_pool import cdiv
+from engine.runner.cuda_graphs import CUDAGraphRunner
+from engine.runner.input_buffers import InputBuffers, StepInputs
+from engine.runner.kv_cache import KVCache
 from engine.outputs import StepStats
-from engine.piecewise_graphs import PiecewiseCUDAGraphs
-from engine.sampler import SamplerOutput, SamplingBatch, sample
-from engine.scheduler import SchedulerOutput
-from engine.sequence import Sequence
+from engine.runner.piecewise_graphs import PiecewiseCUDAGraphs
+from engine.runner.sampler import SamplerOutput, SamplingBatch, sample
+from engine.core.scheduler import SchedulerOutput
+from engine.core.sequence import Sequence
 
 
 @dataclass
@@ -76,7 +76,7 @@ class ModelRunner:
         self._rng = np.random.default_rng(seed)
         self._sampling: tuple[list[Sequence], SamplingBatch] | None = None
         # Rank 0 of a tensor-parallel engine: sends each step's inputs to the other ranks
-        # (engine.distributed.TPGroup.broadcast_step), set once start-up is over.
+        # (engine.parallel.distributed.TPGroup.broadcast_step), set once start-up is over.
         self.broadcast: Callable[[np.ndarray], object] | None = None
 
     def capture_cuda_graphs(self, batch_sizes: list[int]) -> None:

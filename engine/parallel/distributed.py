@@ -138,7 +138,7 @@ class TPGroup:
     def destroy(self) -> None:
         """Leave the group, on every rank at once (rank 0 right after it broadcast the shutdown):
         an NCCL communicator's teardown waits for its peers, and for the CUDA graphs that captured
-        its collectives to be gone (:meth:`engine.model_runner.ModelRunner.release_cuda_graphs`
+        its collectives to be gone (:meth:`engine.runner.model_runner.ModelRunner.release_cuda_graphs`
         first: with them alive it had not ended after 20 s on two H200s). Bounded by ``DESTROY_TIMEOUT_S``:
         a teardown that does not end is left behind (logged; this process cannot start another
         tensor-parallel engine then)."""

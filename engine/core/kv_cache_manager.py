@@ -3,8 +3,8 @@
 from __future__ import annotations
 
 from engine.block_hash import hash_blocks, salted_seed
-from engine.block_pool import BlockPool, NoFreeBlocksError, cdiv
-from engine.sequence import Sequence
+from engine.core.block_pool import BlockPool, NoFreeBlocksError, cdiv
+from engine.core.sequence import Sequence
 
 
 class KVCacheManager:

@@ -13,8 +13,8 @@ from __future__ import annotations
 from collections import deque
 from dataclasses import dataclass, field
 
-from engine.kv_cache_manager import KVCacheManager
-from engine.sequence import Sequence, SequenceStatus
+from engine.core.kv_cache_manager import KVCacheManager
+from engine.core.sequence import Sequence, SequenceStatus
 
 
 @dataclass

@@ -4,10 +4,10 @@ transformers reads a GGUF file's metadata into an HF config and its vocabulary i
 tokenizer with the chat template (~6 s); we pay that once per file and keep the result as an
 HF directory without weights (``config.json``, ``generation_config.json``, tokenizer files,
 and the file's tensor table, :data:`TENSOR_TABLE`). The weights are read from the GGUF file
-itself at every load (:mod:`engine.gguf_tensors`), kept quantized or dequantized: no float32
+itself at every load (:mod:`engine.loading.gguf_tensors`), kept quantized or dequantized: no float32
 copy is written.
 :func:`engine.model_source.gguf_hf_dir` runs this module as a child process
-(``python -m engine.gguf PATH``) when the cache misses.
+(``python -m engine.loading.gguf PATH``) when the cache misses.
 """
 
 from __future__ import annotations
@@ -22,7 +22,7 @@ from pathlib import Path
 
 from filelock import FileLock, Timeout
 
-from engine.gguf_tensors import tensor_table
+from engine.loading.gguf_tensors import tensor_table
 from engine.model_source import TENSOR_TABLE, gguf_cache_dir
 
 logger = logging.getLogger(__name__)

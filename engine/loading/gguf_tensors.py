@@ -18,7 +18,7 @@ transformers' GGUF loader does.
 ``GGUFReader`` parses every metadata value, the tokenizer's vocabulary and merges included (3 s
 of the 4.5 s a SmolLM2 load takes on 2 cores, in each worker): :func:`tensor_table` keeps what
 a load needs (the architecture, head counts and each tensor's place in the file), written once
-beside the converted config (:mod:`engine.gguf`), and :func:`read_gguf` maps the tensors from
+beside the converted config (:mod:`engine.loading.gguf`), and :func:`read_gguf` maps the tensors from
 it without parsing the metadata again.
 """
 

@@ -4,7 +4,7 @@ under tensor parallelism), the KV cache sized from memory, the model runner, war
 Under tensor parallelism the ranks run this in lockstep, each in its own process: the memory
 profile's and the warm-up's dummy steps run the model's collectives on every rank alike, the
 KV cache gets the block count every rank has room for (the smallest), and rank 0 allocates each
-rank's KV pool (:mod:`engine.shared_memory`), so that it can move any rank's blocks to and from
+rank's KV pool (:mod:`engine.parallel.shared_memory`), so that it can move any rank's blocks to and from
 other workers.
 """
 
@@ -18,20 +18,20 @@ from dataclasses import dataclass
 import torch
 import torch.distributed as dist
 
-from engine.attention import get_attention_backend
+from engine.runner.attention import get_attention_backend
 from engine.config import EngineConfig
-from engine.cuda_graphs import cuda_graph_sizes
-from engine.devices import check_kv_cache_dtype, rank_device, resolve_kv_cache_dtype
-from engine.distributed import TPGroup
-from engine.kv_cache import KVCache
+from engine.runner.cuda_graphs import cuda_graph_sizes
+from engine.runner.devices import check_kv_cache_dtype, rank_device, resolve_kv_cache_dtype
+from engine.parallel.distributed import TPGroup
+from engine.runner.kv_cache import KVCache
 from engine.layers.linear import packed_linear_available
-from engine.loader import LoadedModel, load_model
-from engine.model_runner import ModelRunner
+from engine.loading.loader import LoadedModel, load_model
+from engine.runner.model_runner import ModelRunner
 from engine.outputs import StartupStats
-from engine.piecewise_graphs import piecewise_token_sizes
-from engine.profiling import MemoryProfile, device_used_bytes, profile_memory
-from engine.shared_memory import allocate_shared, open_shared, release_handle
-from engine.warmup import start_up
+from engine.runner.piecewise_graphs import piecewise_token_sizes
+from engine.runner.profiling import MemoryProfile, device_used_bytes, profile_memory
+from engine.parallel.shared_memory import allocate_shared, open_shared, release_handle
+from engine.runner.warmup import start_up
 
 logger = logging.getLogger(__name__)
 
@@ -70,14 +70,14 @@ def build_shard(model: str | dict | None, config: EngineConfig, load_format: str
     but ``device``).
 
     Args:
-        model, load_format: as :func:`engine.loader.load_model`.
+        model, load_format: as :func:`engine.loading.loader.load_model`.
         config: the engine's settings.
         device, dtype: this rank's device and the model's dtype (the KV cache's is
-            ``config.kv_cache_dtype``'s: :func:`engine.devices.resolve_kv_cache_dtype`).
+            ``config.kv_cache_dtype``'s: :func:`engine.runner.devices.resolve_kv_cache_dtype`).
         tp: this process's rank of a tensor-parallel engine (``None``: the whole model).
         store: with ``tp``, the ranks' rendezvous store (KV pool handles go through it).
         started: the ``time.perf_counter()`` the engine's start-up began at (default: now).
-        quantization: ``"gguf"`` or ``"none"`` (resolved: :func:`engine.quantized_loader.resolve_quantization`).
+        quantization: ``"gguf"`` or ``"none"`` (resolved: :func:`engine.loading.quantized_loader.resolve_quantization`).
 
     Raises:
         ValueError: a bad model or setting (from the loader), a KV cache dtype the device cannot

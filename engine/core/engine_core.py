@@ -1,6 +1,6 @@
 """The engine core: requests in, one step at a time, token outputs out.
 
-``LLMEngine.step`` runs scheduler → model runner → sampled tokens → scheduler, and decides when a
+``EngineCore.step`` runs scheduler → model runner → sampled tokens → scheduler, and decides when a
 sample is finished from its tokens alone (EOS, stop token ids, ``max_tokens``, ``max_model_len``).
 Text and stop strings are the front end's (:mod:`engine.output_processor` offline, the gateway
 when serving), as in vLLM's core / front-end split. Both workers and the offline
@@ -20,19 +20,19 @@ from dataclasses import dataclass, field
 import torch
 
 from engine.block_hash import hash_seed
-from engine.block_pool import BlockPool, cdiv
+from engine.core.block_pool import BlockPool, cdiv
 from engine.config import EngineConfig
-from engine.devices import resolve_device, resolve_dtype, resolve_kv_cache_dtype, use_device
-from engine.distributed import RankFailedError
-from engine.kv_cache_manager import KVCacheManager
-from engine.model_shard import build_shard
+from engine.runner.devices import resolve_device, resolve_dtype, resolve_kv_cache_dtype, use_device
+from engine.parallel.distributed import RankFailedError
+from engine.core.kv_cache_manager import KVCacheManager
+from engine.runner.model_shard import build_shard
 from engine.model_source import gguf_file
 from engine.outputs import CompletionOutput, EngineStats, RequestOutput, StepOutput, StepTotals
-from engine.quantized_loader import resolve_quantization
+from engine.loading.quantized_loader import resolve_quantization
 from engine.sampling_params import SamplingParams
-from engine.scheduler import Scheduler
-from engine.sequence import Sequence
-from engine.tp_ranks import FollowerRanks
+from engine.core.scheduler import Scheduler
+from engine.core.sequence import Sequence
+from engine.parallel.tp_ranks import FollowerRanks
 from engine.validation import check_prompt
 
 logger = logging.getLogger(__name__)
@@ -59,7 +59,7 @@ class _Request:
                              self.finished, list(self.pinned))
 
 
-class LLMEngine:
+class EngineCore:
     """A paged-KV, continuously batched engine over one model.
 
     Args:
@@ -70,7 +70,7 @@ class LLMEngine:
         load_format: ``"auto"`` or ``"dummy"`` (random weights of the model's real shapes).
 
     With ``config.tensor_parallel_size`` > 1 this process is rank 0: it starts the other ranks
-    (:mod:`engine.tp_ranks`), schedules, broadcasts each step to them and samples; call
+    (:mod:`engine.parallel.tp_ranks`), schedules, broadcasts each step to them and samples; call
     :meth:`shutdown` when done (it also runs when the engine is garbage-collected, or at exit).
 
     Attributes:
@@ -88,7 +88,7 @@ class LLMEngine:
             ``r`` holding KV heads ``[r * kv_heads_per_rank, (r + 1) * kv_heads_per_rank)``.
         hash_seed: the seed of the prefix cache's chained block hashes (``engine.block_hash``).
         memory_profile: on CUDA with the KV cache sized from memory, the measured
-            :class:`engine.profiling.MemoryProfile` (rank 0's); else ``None``.
+            :class:`engine.runner.profiling.MemoryProfile` (rank 0's); else ``None``.
         startup: how long start-up took, by phase (:class:`engine.outputs.StartupStats`).
         ranks: rank 0's handle on the other ranks (``None`` without tensor parallelism).
 
@@ -339,7 +339,7 @@ class LLMEngine:
             already holding their KV.
 
         Raises:
-            engine.block_pool.NoFreeBlocksError: the pool cannot hold them now.
+            engine.core.block_pool.NoFreeBlocksError: the pool cannot hold them now.
             ValueError: ``block_hashes`` not one per full block.
         """
         self._check_block_hashes(prompt_token_ids, block_hashes)
@@ -360,7 +360,7 @@ class LLMEngine:
         prefill worker. The request takes ownership of ``block_ids``; its samples share them.
 
         A seeded sample's noise is a function of its seed, index and position
-        (:mod:`engine.sampler`), so its tokens equal those of the same request run on one engine.
+        (:mod:`engine.runner.sampler`), so its tokens equal those of the same request run on one engine.
 
         ``cache_salt`` must be the one the blocks were reserved under (their full blocks join the
         prefix cache under it, keyed by ``block_hashes``, the prompt's :meth:`block_hashes` when

@@ -1,6 +1,6 @@
 """Steps with prompt chunks run as CUDA graphs of the pieces between their attentions.
 
-A decode-only step replays one graph of the whole forward (:mod:`engine.cuda_graphs`), but a
+A decode-only step replays one graph of the whole forward (:mod:`engine.runner.cuda_graphs`), but a
 step that carries a prompt chunk cannot: its attention's grid depends on how the step's tokens
 fall into sequences. Run eagerly, such a step launches about ten kernels a layer, and on the
 host that is the step's time: a mixed step of Llama-3-8B took 15-33 ms of host launches on an
@@ -28,10 +28,10 @@ import logging
 
 import torch
 
-from engine.attention import AttentionMetadata
+from engine.runner.attention import AttentionMetadata
 from engine.config import EngineConfig
-from engine.cuda_graphs import round_up_table
-from engine.kv_cache import KVCache
+from engine.runner.cuda_graphs import round_up_table
+from engine.runner.kv_cache import KVCache
 
 logger = logging.getLogger(__name__)
 
@@ -80,7 +80,7 @@ class PiecewiseCUDAGraphs:
 
     Use: :meth:`capture` once at start-up (CUDA), then per step :meth:`size_for` and
     :meth:`forward`. Until captured, :meth:`forward` runs the pieces eagerly on the same buffers
-    (how they are warmed up, and measured by :mod:`engine.profiling`).
+    (how they are warmed up, and measured by :mod:`engine.runner.profiling`).
     """
 
     def __init__(self, model: torch.nn.Module, token_sizes: list[int], device: torch.device) -> None:

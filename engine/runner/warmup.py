@@ -3,12 +3,12 @@ request, so that the first batch runs as fast as the later ones (before this, th
 ``generate`` was 1.5-2.5x slower: Triton compiled inside it).
 
 Triton compiles one binary per combination of constexprs and argument specializations. The
-engine's buffers keep strides and alignments fixed (:mod:`engine.input_buffers`), the kernels
+engine's buffers keep strides and alignments fixed (:mod:`engine.runner.input_buffers`), the kernels
 do not specialize on what moves (split counts, slices of step buffers), so what remains is: the
 prefill chunk sizes' matmuls and kernels, mixed decode + prefill steps, both sampler variants
 (greedy only; random with filters and top-N logprobs), every decode-kernel variant an eager step
 can hit (:func:`kernels.decode_attention.launch_variants`), and, captured afterwards, the decode
-graphs (:mod:`engine.cuda_graphs`) and the pieces of the other steps (:mod:`engine.piecewise_graphs`).
+graphs (:mod:`engine.runner.cuda_graphs`) and the pieces of the other steps (:mod:`engine.runner.piecewise_graphs`).
 Every dummy step writes only to block 0, before any request
 owns it.
 """
@@ -21,9 +21,9 @@ import time
 import torch
 
 from engine.config import EngineConfig
-from engine.model_runner import ModelRunner
+from engine.runner.model_runner import ModelRunner
 from engine.outputs import StartupStats
-from engine.profiling import FILTERED_SAMPLING, dummy_step, largest_step
+from engine.runner.profiling import FILTERED_SAMPLING, dummy_step, largest_step
 from engine.sampling_params import SamplingParams
 
 logger = logging.getLogger(__name__)

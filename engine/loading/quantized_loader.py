@@ -18,7 +18,7 @@ import torch
 from torch import nn
 
 from engine.config import QUANTIZATIONS
-from engine.gguf_tensors import read_gguf
+from engine.loading.gguf_tensors import read_gguf
 from engine.layers.linear import replace_module
 from engine.layers.quantized import GroupQuantized, Int4Linear, QuantizedEmbedding, QuantizedLogitsHead
 from engine.models.llama import FUSED_PARAMS, LlamaForCausalLM
@@ -49,7 +49,7 @@ def resolve_quantization(name: str, gguf: Path | None, device: torch.device, ten
 def load_gguf_quantized(net: LlamaForCausalLM, path: Path, model: object,
                         table: dict[str, Any] | None = None) -> None:
     """Fill ``net`` (materialized, in its compute dtype) from GGUF file ``path`` (whose
-    :func:`engine.gguf_tensors.tensor_table` is ``table``, when known).
+    :func:`engine.loading.gguf_tensors.tensor_table` is ``table``, when known).
 
     Raises:
         ValueError: naming ``model``, for a tensor with no place in the model, a shape mismatch

@@ -22,7 +22,7 @@ import uuid
 
 import torch
 
-from engine.devices import KV_POOL_DTYPES
+from engine.runner.devices import KV_POOL_DTYPES
 
 _SHM_DIR = "/dev/shm"
 

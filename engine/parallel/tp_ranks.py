@@ -1,5 +1,5 @@
 """Rank 0's side of a tensor-parallel engine: it starts ranks 1..T-1 as child processes
-(``python -m engine.tp_follower``), joins them in one :class:`engine.distributed.TPGroup`, and
+(``python -m engine.parallel.tp_follower``), joins them in one :class:`engine.parallel.distributed.TPGroup`, and
 watches them.
 
 Rank 0 is the engine's own process (the worker process, or the offline ``LLM``'s): it runs the
@@ -28,11 +28,11 @@ import torch
 import torch.distributed as dist
 
 from engine.config import NVLINK_MULTICAST_OFF, EngineConfig
-from engine.devices import rank_device
-from engine.distributed import DESTROY_TIMEOUT_S, TPGroup
-from engine.model_config import ModelConfig
+from engine.runner.devices import rank_device
+from engine.parallel.distributed import DESTROY_TIMEOUT_S, TPGroup
+from engine.loading.model_config import ModelConfig
 from engine.model_source import resolve_model
-from engine.tensor_parallel import shard_config
+from engine.parallel.tensor_parallel import shard_config
 
 logger = logging.getLogger(__name__)
 
@@ -40,15 +40,15 @@ logger = logging.getLogger(__name__)
 JOIN_TIMEOUT_S = 300.0
 # How long the ranks get to exit after rank 0 sent them the shutdown, before they are killed.
 EXIT_TIMEOUT_S = 10.0
-_PROJECT_ROOT = str(Path(__file__).resolve().parents[1])
+_PROJECT_ROOT = str(Path(__file__).resolve().parents[2])
 
 
 class FollowerRanks:
     """Start ranks ``1 .. config.tensor_parallel_size - 1`` and join them as rank 0.
 
     Args:
-        model, config, load_format: what every rank loads (as ``LLMEngine``'s).
-        device: rank 0's device; rank ``r`` runs on :func:`engine.devices.rank_device` ``(device, r)``.
+        model, config, load_format: what every rank loads (as ``EngineCore``'s).
+        device: rank 0's device; rank ``r`` runs on :func:`engine.runner.devices.rank_device` ``(device, r)``.
 
     Attributes:
         group: rank 0's place in the group.
@@ -83,7 +83,7 @@ class FollowerRanks:
         self._callbacks: list[Callable[[str], None]] = []
         self._stopping = False
         self._procs = [subprocess.Popen(
-            [sys.executable, "-m", "engine.tp_follower", json.dumps({**spec, "rank": rank, "device": str(devices[rank])})],
+            [sys.executable, "-m", "engine.parallel.tp_follower", json.dumps({**spec, "rank": rank, "device": str(devices[rank])})],
             env=env, stdin=subprocess.DEVNULL) for rank in range(1, world_size)]
         try:
             self._wait_joined()

@@ -25,9 +25,9 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from engine.block_pool import cdiv
-from engine.distributed import TPGroup
-from engine.model_config import ModelConfig
+from engine.core.block_pool import cdiv
+from engine.parallel.distributed import TPGroup
+from engine.loading.model_config import ModelConfig
 from engine.models.llama import LlamaForCausalLM
 
 # Parameter (module) name -> the checkpoint dimension its rank slices are cut along.

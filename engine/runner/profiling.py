@@ -18,15 +18,15 @@ from dataclasses import dataclass
 
 import torch
 
-from engine.block_pool import cdiv
+from engine.core.block_pool import cdiv
 from engine.config import EngineConfig
-from engine.cuda_graphs import CUDAGraphRunner
-from engine.kv_cache import KVCache
-from engine.model_runner import ModelRunner
-from engine.piecewise_graphs import PiecewiseCUDAGraphs
+from engine.runner.cuda_graphs import CUDAGraphRunner
+from engine.runner.kv_cache import KVCache
+from engine.runner.model_runner import ModelRunner
+from engine.runner.piecewise_graphs import PiecewiseCUDAGraphs
 from engine.sampling_params import SamplingParams
-from engine.scheduler import ScheduledSequence, SchedulerOutput
-from engine.sequence import Sequence
+from engine.core.scheduler import ScheduledSequence, SchedulerOutput
+from engine.core.sequence import Sequence
 
 logger = logging.getLogger(__name__)
 

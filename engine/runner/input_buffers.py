@@ -25,10 +25,10 @@ from dataclasses import dataclass
 import numpy as np
 import torch
 
-from engine.attention import AttentionMetadata
-from engine.block_pool import cdiv
-from engine.scheduler import SchedulerOutput
-from engine.sequence import Sequence
+from engine.runner.attention import AttentionMetadata
+from engine.core.block_pool import cdiv
+from engine.core.scheduler import SchedulerOutput
+from engine.core.sequence import Sequence
 
 
 @dataclass
