@@ -6,8 +6,8 @@ stream's next token: under long prefills it shows in the decode-heavy requests' 
 ways, alternated in this one process so their ratio holds on a busy machine:
 
 - ``engine``: the engine hashes the prompt's blocks itself, in each call (as before
-  ``AsyncEngine`` handed the hashes over);
-- ``handed``: the caller hashes them (``EngineCore.block_hashes``, timed apart: ``AsyncEngine``
+  the engine core's client handed the hashes over);
+- ``handed``: the caller hashes them (``EngineCore.block_hashes``, timed apart: the client
   does it on its event loop, while a step runs) and hands them to both calls.
 
 Workload: 4000-token prompts of random ids (seeded), 16-token blocks, each admitted, joined with

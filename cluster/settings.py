@@ -199,6 +199,10 @@ class WorkerSettings(TandemSettings):
                             "have it)")
     kv_verify_checksums: bool = Field(False, description="debug: check a CRC-32 of every block moved by NIXL "
                                                          "(copies each block to the host on both sides)")
+    engine_hang_timeout_s: float = Field(60.0, gt=0, description="seconds one iteration of the engine core's loop "
+                                                                 "(a step) may take before the engine is declared "
+                                                                 "hung: the worker then fails its requests "
+                                                                 "(UNAVAILABLE) and exits")
     stream_interval: int = Field(1, ge=1, description="decode: new tokens a stream message waits for (the last one "
                                                       "of a sample goes whatever it holds); more: fewer messages per "
                                                       "token for the worker's event loop, coarser streaming "

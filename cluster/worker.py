@@ -1,12 +1,13 @@
-"""The worker process, shared by the prefill and decode workers: the engine thread, the gRPC
-server (:class:`cluster.server.ServerScaffold`), metrics, registration with the settings the
-worker publishes, and the graceful drain on SIGTERM.
+"""The worker process, shared by the prefill and decode workers: its engine core (a process of
+its own, :class:`engine.core.core_client.EngineCoreClient`), the gRPC server
+(:class:`cluster.server.ServerScaffold`), metrics, registration with the settings the worker
+publishes, and the graceful drain on SIGTERM.
 
 Shutdown order (:meth:`WorkerServer.shutdown`): health goes NOT_SERVING and new work is refused
 with UNAVAILABLE; the worker leaves the Redis registry at once (so routers stop picking it while
 it drains); in-flight requests get up to ``drain_timeout_s`` to finish, then whatever is left is
 aborted, its streams ending UNAVAILABLE (the gateway retries or resumes them on another worker);
-the server stops and the engine thread ends.
+the server stops and the engine core exits.
 Each close is bounded and a watchdog ends the process if the whole shutdown overruns
 (:mod:`cluster.shutdown`).
 """
@@ -14,9 +15,7 @@ Each close is bounded and a watchdog ends the process if the whole shutdown over
 from __future__ import annotations
 
 import asyncio
-import concurrent.futures
 import contextlib
-import functools
 import logging
 import os
 import signal
@@ -40,9 +39,8 @@ from cluster.server import Admission, BindError, ServerScaffold, StartupError
 from cluster.settings import WorkerSettings, advertised_address, setting_name
 from cluster.shutdown import exit_if_shutdown_hangs, shutdown_step
 from cluster.tls import ClientCredentials, PeerRoleInterceptor, server_credentials
-from engine.async_engine import AsyncEngine, EngineDeadError, EngineError
+from engine.core.core_client import EngineCoreClient, EngineDeadError, EngineError
 from engine.runner.devices import device_ids, resolve_device, use_device
-from engine.core.engine_core import EngineCore
 from kvtransfer import GRPC_MESSAGE_OPTIONS, KVPool
 from kvtransfer.nixl import NixlAgent
 from protos.status import StatusError
@@ -85,12 +83,13 @@ def worker_tls(settings: WorkerSettings, role: Role) -> ClientCredentials | None
         raise StartupError(str(exc)) from None
 
 
-def published_config(llm: EngineCore, kv_transports: list[str]) -> WorkerConfig:
+def published_config(engine: EngineCoreClient, kv_transports: list[str]) -> WorkerConfig:
     """The cache settings a worker owns, as it publishes them (registry entry, ``GetStats``), with
     the KV transports it moves blocks with and the GPUs its ranks' KV pools lie on."""
-    return WorkerConfig(llm.model_id, llm.config.block_size, llm.max_model_len, llm.kv_cache_dtype,
-                        llm.hash_seed, llm.vocab_size, llm.config.tensor_parallel_size, tuple(kv_transports),
-                        llm.quantization, llm.config.max_num_batched_tokens, device_ids(llm.kv_pools))
+    info = engine.info
+    return WorkerConfig(info.model_id, info.block_size, info.max_model_len, info.kv_cache_dtype, info.hash_seed,
+                        info.vocab_size, info.tensor_parallel_size, tuple(kv_transports), info.quantization,
+                        info.max_num_batched_tokens, device_ids(engine.kv_pools))
 
 
 @contextlib.asynccontextmanager
@@ -147,7 +146,7 @@ class WorkerServicer(Protocol):
 
 # ------------------------------------------------------------------------- server
 class WorkerServer:
-    """One worker process's server around an :class:`AsyncEngine` and a servicer.
+    """One worker process's server around an :class:`EngineCoreClient` and a servicer.
 
     Args:
         settings: the worker's settings (listen address, Redis, metrics port, drain timeout).
@@ -161,7 +160,7 @@ class WorkerServer:
     holds the previous answer.
     """
 
-    def __init__(self, settings: WorkerSettings, role: Role, engine: AsyncEngine, servicer: WorkerServicer,
+    def __init__(self, settings: WorkerSettings, role: Role, engine: EngineCoreClient, servicer: WorkerServicer,
                  metrics: WorkerMetrics) -> None:
         self.settings = settings
         self.role = role
@@ -258,10 +257,10 @@ class WorkerServer:
             self._shutdown_task = asyncio.get_running_loop().create_task(self.shutdown())
 
     def fail(self, reason: str) -> None:
-        """The engine is gone (a tensor-parallel rank died, ``reason``): stop at once, without
-        draining (nothing can finish), and exit with status 1. Requests in flight have failed
-        with UNAVAILABLE, which the gateway retries or resumes elsewhere; the watchdog ends the
-        process if a close hangs on the dead rank."""
+        """The engine is gone (its process died or hung, or a tensor-parallel rank died,
+        ``reason``): stop at once, without draining (nothing can finish), and exit with status 1.
+        Requests in flight have failed with UNAVAILABLE, which the gateway retries or resumes
+        elsewhere; the watchdog ends the process if a close hangs."""
         if self.exit_code:
             return
         logger.error("%s: stopping the worker", reason)
@@ -288,7 +287,7 @@ class WorkerServer:
             await shutdown_step("leaving the registry", self._heartbeat.stop())
         drained = await self.servicer.admission.wait_idle(self.settings.drain_timeout_s if self._drain else 0.0,
                                                           self.servicer.pending)
-        if not drained:
+        if not drained and self.engine.is_running:
             aborted = await self.engine.abort_all("the worker stopped: its drain ran out of time")
             logger.warning("drain timed out; failed %d requests (UNAVAILABLE: retried or resumed elsewhere)", aborted)
             await self.servicer.admission.wait_idle(2.0, self.servicer.pending)
@@ -309,32 +308,24 @@ class WorkerServer:
 
 # ----------------------------------------------------------------------- process
 def run_worker(settings: WorkerSettings, role: Role,
-               make: Callable[[AsyncEngine, WorkerSettings, WorkerMetrics], WorkerServicer]) -> int:
-    """Load the engine, serve until SIGTERM/SIGINT, drain; returns the exit code (0; 1 when an
-    address cannot be bound or a setting cannot work here, after one line on stderr naming it,
-    or when a tensor-parallel rank died)."""
+               make: Callable[[EngineCoreClient, WorkerSettings, WorkerMetrics], WorkerServicer]) -> int:
+    """Start the engine core, serve until SIGTERM/SIGINT, drain; returns the exit code (0; 1 when
+    an address cannot be bound or a setting cannot work here, after one line on stderr naming
+    it, or when the engine core died)."""
     configure_logging(settings.log_level)
     if tracing.configure(f"tandem-{role}"):  # before the channels and the server are built
         logger.info("OpenTelemetry tracing on (OTLP)")
 
     async def main() -> int:
         use_device(resolve_device(settings.device))  # this thread's GPU work (KV transfers) is on the worker's GPU
-        threads = torch.get_num_threads()
+        # The engine core is the process's heavy PyTorch user, in a process of its own; this one
+        # only copies KV blocks.
+        torch.set_num_threads(1)
         try:
-            # On a thread that ends with the load (and its OpenMP team with it: see below).
-            with concurrent.futures.ThreadPoolExecutor(1, thread_name_prefix=f"{role}-load") as loader:
-                llm = await asyncio.get_running_loop().run_in_executor(loader, functools.partial(
-                    EngineCore, settings.model or None, settings.engine_config(), settings.load_format))
+            engine = await EngineCoreClient.spawn(settings.model or None, settings.engine_config(),
+                                                  settings.load_format, hang_timeout_s=settings.engine_hang_timeout_s)
         except ValueError as exc:
             raise StartupError(str(exc)) from None
-        engine = AsyncEngine(llm, name=f"{role}-engine", num_threads=threads)
-        engine.start()
-        # The engine thread's OpenMP team is the process's only one. libgomp counts the threads of
-        # every live team, and once they outnumber the cores its threads stop spin-waiting and
-        # sleep between parallel regions: a second live team (a loader thread kept by an executor,
-        # or this thread's KV copies) made the engine's int4 matmuls 2.4x slower on 2 cores (27 ->
-        # 66 us a 3072x576 matmul; probe, torch 2.13).
-        torch.set_num_threads(1)  # this thread, and threads started from now on
         metrics = WorkerMetrics(str(role), engine.stats)
         try:
             server = WorkerServer(settings, role, engine, make(engine, settings, metrics), metrics)
@@ -343,9 +334,7 @@ def run_worker(settings: WorkerSettings, role: Role,
             await engine.shutdown()
             raise
         server.install_signal_handlers()
-        if llm.ranks is not None:
-            loop = asyncio.get_running_loop()
-            llm.ranks.on_failure(lambda reason: loop.call_soon_threadsafe(server.fail, reason))
+        engine.on_death(server.fail)
         await server.wait()
         return server.exit_code
 
@@ -356,7 +345,7 @@ def run_worker(settings: WorkerSettings, role: Role,
         return 1
     finally:
         tracing.shutdown()
-    if code:  # the engine died (a tensor-parallel rank): its process group's threads and
-        logging.shutdown()  # communicators are in no state for the interpreter's teardown
+    if code:  # the engine died: leave without the interpreter's teardown of what talked to it
+        logging.shutdown()
         os._exit(code)
     return code

@@ -30,7 +30,7 @@ from cluster.translate import (
     token_logprobs, worker_config_to_proto,
 )
 from cluster.worker import Admission, kv_transport, published_config, request_outcome
-from engine.async_engine import AsyncEngine
+from engine.core.core_client import EngineCoreClient
 from engine.block_hash import prompt_key
 from engine.core.block_pool import NoFreeBlocksError
 from engine.outputs import RequestOutput
@@ -62,7 +62,7 @@ class DecodeServicer(worker_pb2_grpc.DecodeWorkerServicer):
     peer_roles = {"Admit": ("gateway",), "TransferKV": ("prefill",), "Decode": ("gateway",),
                   "Abort": ("gateway",), "GetStats": ("gateway", "prefill", "decode")}
 
-    def __init__(self, engine: AsyncEngine, settings: WorkerSettings, metrics: WorkerMetrics) -> None:
+    def __init__(self, engine: EngineCoreClient, settings: WorkerSettings, metrics: WorkerMetrics) -> None:
         self.engine = engine
         self.metrics = metrics
         self.limits = settings.limits()
@@ -73,7 +73,7 @@ class DecodeServicer(worker_pb2_grpc.DecodeWorkerServicer):
         self.kv_receiver = GrpcKVReceiver(KVReceiver(pool, self.table, nixl=self.nixl,
                                                      verify_checksums=settings.kv_verify_checksums))
         self.layout = pool.layout
-        self.config = published_config(engine.engine, self.kv_receiver.receiver.transports)
+        self.config = published_config(engine, self.kv_receiver.receiver.transports)
         self.admission = Admission()
         self._decoding: set[str] = set()
         self._expiry: asyncio.Task[None] | None = None
@@ -166,7 +166,7 @@ class DecodeServicer(worker_pb2_grpc.DecodeWorkerServicer):
             await context.abort(exc.code, exc.message)
         request_id_var.set(request.request_id)
         reserved = self.table.release_request(request.request_id, f"aborted: {request.reason or 'no reason'}")
-        running = await asyncio.wrap_future(self.engine.abort(request.request_id))
+        running = await self.engine.abort(request.request_id)
         if reserved or running:
             logger.info("aborted: %s", request.reason or "no reason given")
         return worker_pb2.AbortResponse(found=reserved or running)

@@ -61,6 +61,10 @@ class EngineConfig:
         tensor_parallel_size: ranks the model is sharded over (Megatron-LM tensor parallelism,
             :mod:`engine.parallel.tensor_parallel`), one process each; on CUDA rank ``r`` runs on the GPU
             ``device``'s index + ``r``. It must divide the model's attention and KV head counts.
+        async_scheduling: schedule and launch each step while the one before it runs on the
+            device, its sampled tokens fed to the next step there (``EngineCore.step``);
+            ``None``: on CUDA only (on the CPU a step has run by the time it is launched, so
+            overlapping would only delay each token by a step).
 
     Raises:
         ValueError: a field is out of range; the message names it.
@@ -83,6 +87,7 @@ class EngineConfig:
     cuda_graph_token_sizes: list[int] | None = None
     enforce_eager: bool = False
     tensor_parallel_size: int = 1
+    async_scheduling: bool | None = None
 
     def __post_init__(self) -> None:
         for name in ("cuda_graph_batch_sizes", "cuda_graph_token_sizes"):
@@ -109,3 +114,8 @@ class EngineConfig:
         for name, ok, message in checks:
             if not ok:
                 raise ValueError(f"{name} {message}, got {getattr(self, name)!r}")
+
+    def resolved_async_scheduling(self, device_type: str) -> bool:
+        """Whether an engine on a device of ``device_type`` (``"cuda"``, ``"cpu"``) schedules
+        asynchronously (``async_scheduling``, resolved)."""
+        return device_type == "cuda" if self.async_scheduling is None else self.async_scheduling

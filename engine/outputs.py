@@ -75,9 +75,8 @@ class StepStats:
             (``engine.runner.piecewise_graphs``), ``None`` when it replayed a decode graph or ran eagerly.
         prepare_s: host-side preparation: input tensors, their copies, sampling settings.
         execute_s: the model runner's whole step, the wait for the sampled tokens included.
-        step_s: the engine's whole step (scheduling and output bookkeeping included; under an
-            ``AsyncEngine`` on a GPU also the hand-over of the previous step's outputs, which
-            overlaps this step's device time).
+        step_s: the engine's whole step, from its scheduling to its outputs (under async
+            scheduling the next step's launch included, which overlaps this step's device time).
         num_kv_slots_used: tokens in the scheduled sequences' KV cache after the step.
         num_kv_slots_allocated: slots of the blocks those sequences hold (``block_size`` each);
             ``1 - used / allocated`` is the step's reservation waste.

@@ -37,7 +37,8 @@ from cluster.translate import (
 )
 from cluster.tls import role_name
 from cluster.worker import Admission, kv_transport, published_config, request_outcome, worker_tls
-from engine.async_engine import AsyncEngine
+from engine.core.core_client import EngineCoreClient
+from engine.core.stop import check_stop
 from engine.sampling_params import SamplingParams
 from kvtransfer import GRPC_MESSAGE_OPTIONS, BlockLayout, GrpcKVSender, KVDestination, KVPool, KVSender
 from protos.status import StatusError
@@ -66,7 +67,7 @@ class PrefillServicer(worker_pb2_grpc.PrefillWorkerServicer):
     service_name = "tandem.v1.PrefillWorker"
     peer_roles = {"Prefill": ("gateway",), "Abort": ("gateway",), "GetStats": ("gateway", "prefill", "decode")}
 
-    def __init__(self, engine: AsyncEngine, settings: WorkerSettings, metrics: WorkerMetrics,
+    def __init__(self, engine: EngineCoreClient, settings: WorkerSettings, metrics: WorkerMetrics,
                  sender: KVSender | None = None) -> None:
         self.engine = engine
         self.limits = settings.limits()
@@ -90,7 +91,7 @@ class PrefillServicer(worker_pb2_grpc.PrefillWorkerServicer):
         self.sender = sender or GrpcKVSender(self.channels.get, transports=transports, nixl=self.nixl,
                                              verify_checksums=settings.kv_verify_checksums)
         self.layout = self.pool.layout
-        self.config = published_config(engine.engine, transports)
+        self.config = published_config(engine, transports)
         self.admission = Admission()
         self._tasks: dict[str, asyncio.Task[worker_pb2.PrefillResponse]] = {}
 
@@ -140,7 +141,7 @@ class PrefillServicer(worker_pb2_grpc.PrefillWorkerServicer):
             await context.abort(exc.code, exc.message)
         request_id_var.set(request.request_id)
         task = self._tasks.get(request.request_id)
-        known = await asyncio.wrap_future(self.engine.abort(request.request_id))
+        known = await self.engine.abort(request.request_id)
         if task is not None:
             task.cancel()
         if task is not None or known:
@@ -252,8 +253,9 @@ class PrefillServicer(worker_pb2_grpc.PrefillWorkerServicer):
             raise
         finally:
             self.engine.release(request_id)  # no-op unless pinned; safe while being cancelled
-        check_stop = self.engine.engine.check_stop  # reads only settings
-        reasons = [check_stop(params, c.token_ids[0], 1, len(prompt) + 1) for c in final.outputs]
+        info = self.engine.info
+        reasons = [check_stop(params, c.token_ids[0], 1, len(prompt) + 1, info.eos_token_ids, info.max_model_len)
+                   for c in final.outputs]
         return worker_pb2.PrefillResponse(
             first_tokens=[token_logprobs(c.token_ids[0], c.logprobs[0], params.logprobs) for c in final.outputs],
             finish_reasons=[finish_reason_to_proto(r) for r in reasons], num_cached_tokens=final.num_cached_tokens,

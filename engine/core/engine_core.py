@@ -14,28 +14,34 @@ import itertools
 import logging
 import time
 import weakref
+from collections import deque
 from collections.abc import Callable
 from dataclasses import dataclass, field
+from typing import TypeVar
 
 import torch
 
 from engine.block_hash import hash_seed
-from engine.core.block_pool import BlockPool, cdiv
 from engine.config import EngineConfig
-from engine.runner.devices import resolve_device, resolve_dtype, resolve_kv_cache_dtype, use_device
-from engine.parallel.distributed import RankFailedError
+from engine.core.block_pool import BlockPool, cdiv
 from engine.core.kv_cache_manager import KVCacheManager
-from engine.runner.model_shard import build_shard
+from engine.core.scheduler import Scheduler, SchedulerOutput
+from engine.core.sequence import Sequence
+from engine.core.stop import check_stop
+from engine.loading.quantized_loader import resolve_quantization
 from engine.model_source import gguf_file
 from engine.outputs import CompletionOutput, EngineStats, RequestOutput, StepOutput, StepTotals
-from engine.loading.quantized_loader import resolve_quantization
-from engine.sampling_params import SamplingParams
-from engine.core.scheduler import Scheduler
-from engine.core.sequence import Sequence
+from engine.parallel.distributed import RankFailedError
 from engine.parallel.tp_ranks import FollowerRanks
+from engine.runner.devices import resolve_device, resolve_dtype, resolve_kv_cache_dtype, use_device
+from engine.runner.model_runner import PendingStep
+from engine.runner.model_shard import PoolAllocator, build_shard
+from engine.sampling_params import SamplingParams
 from engine.validation import check_prompt
 
 logger = logging.getLogger(__name__)
+
+T = TypeVar("T")
 
 
 @dataclass
@@ -68,6 +74,11 @@ class EngineCore:
             :func:`engine.model_source.resolve_model`).
         config: cache and scheduler settings.
         load_format: ``"auto"`` or ``"dummy"`` (random weights of the model's real shapes).
+        allocate_pools: where the KV pools come from when another process holds them (the
+            worker, which moves their blocks to and from other workers): called once with the
+            pool's shape, dtype and every rank's device, it returns a
+            :func:`engine.parallel.shared_memory.allocate_shared` handle per rank; ``None``:
+            this process allocates them.
 
     With ``config.tensor_parallel_size`` > 1 this process is rank 0: it starts the other ranks
     (:mod:`engine.parallel.tp_ranks`), schedules, broadcasts each step to them and samples; call
@@ -85,7 +96,8 @@ class EngineCore:
             (:class:`engine.config.EngineConfig`).
         kv_pools: every rank's KV cache tensor, in rank order (one without tensor parallelism):
             ``[num_blocks, kv_heads_per_rank, num_layers, 2, block_size, head_dim]`` each, rank
-            ``r`` holding KV heads ``[r * kv_heads_per_rank, (r + 1) * kv_heads_per_rank)``.
+            ``r`` holding KV heads ``[r * kv_heads_per_rank, (r + 1) * kv_heads_per_rank)``;
+            with ``allocate_pools``, rank 0's alone.
         hash_seed: the seed of the prefix cache's chained block hashes (``engine.block_hash``).
         memory_profile: on CUDA with the KV cache sized from memory, the measured
             :class:`engine.runner.profiling.MemoryProfile` (rank 0's); else ``None``.
@@ -99,7 +111,7 @@ class EngineCore:
     """
 
     def __init__(self, model: str | dict | None = None, config: EngineConfig | None = None,
-                 load_format: str = "auto") -> None:
+                 load_format: str = "auto", allocate_pools: PoolAllocator | None = None) -> None:
         started = time.perf_counter()
         self.config = config = config or EngineConfig()
         self.device = resolve_device(config.device)
@@ -112,7 +124,7 @@ class EngineCore:
         try:
             shard = build_shard(model, config, load_format, self.device, self.dtype,
                                 self.ranks.group if self.ranks else None, self.ranks.store if self.ranks else None,
-                                started, self.quantization)
+                                started, self.quantization, allocate_pools)
         except BaseException:
             if self.ranks is not None:
                 self.ranks.close()
@@ -137,8 +149,13 @@ class EngineCore:
         self.pinned: dict[str, list[int]] = {}  # finished requests whose pinned blocks await release
         self._arrivals = itertools.count()
         self._step_totals: dict[str, StepTotals] = {}
+        # Steps launched and not completed yet, oldest first: at most two with async scheduling.
+        self._in_flight: deque[tuple[SchedulerOutput, PendingStep, float]] = deque()
+        self._depth = 2 if config.resolved_async_scheduling(self.device.type) else 1
         if self.ranks is not None:
             self.runner.broadcast = self.ranks.group.broadcast_step
+            if self._depth == 2:
+                self.runner.share_sampled = self.ranks.group.broadcast_tensor
             self._close_ranks = weakref.finalize(self, self.ranks.close)
         num_graphs = len(self.runner.graphs.graphs) if self.runner.graphs is not None else 0
         logger.info("engine ready: %s on %s (%s, KV cache %s), %d KV blocks of %d tokens (%d tokens), "
@@ -243,26 +260,6 @@ class EngineCore:
                        seqs, [CompletionOutput(i) for i in range(params.n)])
         self.requests[request_id] = req
         return req
-
-    def check_stop(self, params: SamplingParams, token_id: int, num_output_tokens: int,
-                   num_tokens: int) -> str | None:
-        """Whether a sample that just produced ``token_id`` is finished, from its tokens alone.
-
-        Args:
-            params: the request's sampling parameters.
-            token_id: the newest token.
-            num_output_tokens: generated tokens so far, ``token_id`` included.
-            num_tokens: prompt plus generated tokens.
-
-        Returns:
-            ``"stop"`` (a stop token id, or EOS unless ``ignore_eos``), ``"length"``
-            (``max_tokens`` or ``max_model_len`` reached), or ``None``.
-        """
-        if token_id in params.stop_token_ids or (not params.ignore_eos and token_id in self.eos_token_ids):
-            return "stop"
-        if num_output_tokens >= params.max_tokens or num_tokens >= self.max_model_len:
-            return "length"
-        return None
 
     def stop_sample(self, request_id: str, index: int, stop_reason: str) -> None:
         """End sample ``index`` of a request with ``finish_reason="stop"`` because the front end
@@ -390,31 +387,48 @@ class EngineCore:
         return req.to_output()
 
     # ------------------------------------------------------------------- steps
-    def step(self, on_launched: Callable[[], None] | None = None) -> StepOutput:
-        """Run one iteration over the running batch.
+    def step(self) -> StepOutput:
+        """Run one iteration: launch the next step, if one can be scheduled, and complete the
+        oldest step in flight.
 
-        Args:
-            on_launched: called once the step's device work is queued, before the engine waits
-                for it (``ModelRunner.execute``); not called when nothing could be scheduled.
+        With async scheduling (``EngineConfig.async_scheduling``, on CUDA by default) two steps
+        are in flight at once: step N+1 is scheduled and launched while step N runs on the
+        device, and step N's results are processed after that launch, so the device never
+        waits for the host between them; a call then returns the outputs of the step launched
+        by the call before. Without it each call launches a step and completes it.
 
         Returns:
             The outputs of every request that gained tokens, finished, or pinned more prompt
-            blocks in this step (cumulative: each ``CompletionOutput`` holds all tokens so far),
-            and whether the model ran. Finished requests leave the engine and their blocks are
-            freed (pinned ones stay until :meth:`release`).
+            blocks in the completed step (cumulative: each ``CompletionOutput`` holds all tokens
+            so far), and whether a step was launched or completed. Finished requests leave the
+            engine and their blocks are freed (pinned ones stay until :meth:`release`).
 
         Raises:
             RankFailedError: a tensor-parallel rank died or a step's collective failed: this and
                 every later step fail (abort the requests and shut the engine down).
         """
-        started = time.perf_counter()
         if self.ranks is not None and self.ranks.failure is not None:
             raise RankFailedError(self.ranks.failure)
-        step = self.scheduler.schedule()
-        if step.is_empty:
-            return StepOutput([], False)
+        launched = False
+        if len(self._in_flight) < self._depth:
+            started = time.perf_counter()
+            step = self.scheduler.schedule()
+            if not step.is_empty:
+                self._in_flight.append((step, self._guard(self.runner.launch, step), started))
+                launched = True
+        if self._in_flight and (len(self._in_flight) == self._depth or not launched):
+            return self._complete(*self._in_flight.popleft())
+        return StepOutput([], launched)
+
+    @property
+    def has_steps_in_flight(self) -> bool:
+        """Whether a launched step has not completed yet (:meth:`step` completes it)."""
+        return bool(self._in_flight)
+
+    def _guard(self, fn: Callable[..., T], *args) -> T:
+        """``fn(*args)``, a failure of a tensor-parallel step turned into ``RankFailedError``."""
         try:
-            result = self.runner.execute(step, on_launched)
+            result = fn(*args)
         except Exception as exc:
             if self.ranks is None:
                 raise
@@ -423,21 +437,28 @@ class EngineCore:
         if self.ranks is not None and self.ranks.failure is not None:
             # A rank died during the step: its aborted collectives returned, with garbage.
             raise RankFailedError(self.ranks.failure)
+        return result
+
+    def _complete(self, step: SchedulerOutput, pending: PendingStep, started: float) -> StepOutput:
+        """Wait for a launched step's results and account for them: computed blocks join the
+        prefix cache, prompt blocks are pinned, fork children join, sampled tokens are appended
+        and stop conditions checked. A sequence that ended (or was preempted) while the step
+        was in flight keeps nothing of it but, when preempted, its sampled token."""
+        result = self._guard(pending.result)
         touched: dict[str, _Request] = {}
         for s in step.scheduled:
-            s.seq.num_computed_tokens += s.num_new_tokens
-            self.kv_manager.cache_computed_blocks(s.seq)
+            if s.stale:
+                continue
+            self.kv_manager.cache_computed_blocks(s.seq, s.num_computed_after)
             req = self.requests[s.seq.request_id]
-            if req.pin_prompt_blocks and self._pin_computed_prompt_blocks(req, s.seq):
+            if req.pin_prompt_blocks and self._pin_computed_prompt_blocks(req, s.seq, s.num_computed_after):
                 touched[req.request_id] = req
-        if touched and self.device.type == "cuda":
-            # Pinned blocks are read by another worker as soon as the caller hears of them:
-            # their KV must be written, not just queued on the stream.
-            torch.cuda.current_stream(self.device).synchronize()
-        self.scheduler.complete_forks(step)
-
+        self.scheduler.complete(step)
         for seq, token_id, logprobs in zip(result.sequences, result.token_ids, result.logprobs):
-            req = self.requests[seq.request_id]
+            seq.num_output_placeholders -= 1
+            req = self.requests.get(seq.request_id)
+            if seq.is_finished or req is None or req.seqs[seq.index] is not seq:
+                continue  # ended while the step was in flight: the token is past its end
             self._append_token(req, seq, token_id, logprobs)
             touched[req.request_id] = req
         outputs = []
@@ -449,9 +470,10 @@ class EngineCore:
         self._step_totals[stats.kind] = self._step_totals.get(stats.kind, StepTotals()).add(stats)
         return StepOutput(outputs, True, stats)
 
-    def _pin_computed_prompt_blocks(self, req: _Request, seq: Sequence) -> bool:
-        """Pin the prompt blocks of ``seq`` (sample 0) whose KV is now complete; True if any."""
-        computed = min(seq.num_computed_tokens, seq.num_prompt_tokens)
+    def _pin_computed_prompt_blocks(self, req: _Request, seq: Sequence, num_computed: int) -> bool:
+        """Pin the prompt blocks of ``seq`` (sample 0) whose KV a completed step wrote (its first
+        ``num_computed`` tokens); True if any."""
+        computed = min(num_computed, seq.num_prompt_tokens)
         bs = self.config.block_size
         done = cdiv(computed, bs) if computed == seq.num_prompt_tokens else computed // bs
         new = seq.block_table[len(req.pinned):done]
@@ -470,7 +492,8 @@ class EngineCore:
         seq.token_ids.append(token_id)
         out.token_ids.append(token_id)
         out.logprobs.append(logprobs)
-        finish = self.check_stop(req.params, token_id, seq.num_output_tokens, seq.num_tokens)
+        finish = check_stop(req.params, token_id, seq.num_output_tokens, seq.num_tokens, self.eos_token_ids,
+                            self.max_model_len)
         if finish is not None:
             out.finish_reason = finish
             out.stop_reason = token_id if token_id in req.params.stop_token_ids else None

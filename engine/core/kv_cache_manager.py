@@ -16,6 +16,9 @@ class KVCacheManager:
         hash_seed: ``engine.block_hash.hash_seed(...)`` of the served model.
         enable_prefix_caching: reuse cached full blocks across sequences.
 
+    A sequence's block table is replaced by a new list whenever one of its entries changes;
+    otherwise it only grows in place.
+
     Copy-on-write: sequences forked for ``n > 1`` share every block, the partially filled last
     one included; the first write into a shared partial block gives the writer a private copy,
     recorded in :attr:`pending_copies` as ``(src, dst)`` for the model runner to copy before
@@ -30,6 +33,7 @@ class KVCacheManager:
         self.hash_seed = hash_seed
         self.enable_prefix_caching = enable_prefix_caching
         self.pending_copies: list[tuple[int, int]] = []
+        self._deferred: list[tuple[int, list[int]]] = []  # (step id, blocks freed once it completes)
         self._num_registered: dict[tuple[str, int], int] = {}
         self.prefix_queries = 0  # prompt tokens looked up in the prefix cache
         self.prefix_hits = 0  # of those, tokens found
@@ -98,7 +102,9 @@ class KVCacheManager:
             (copy,) = self.pool.allocate(1)
             self.pending_copies.append((seq.block_table[index], copy))
             self.pool.free([seq.block_table[index]])
-            seq.block_table[index] = copy
+            # A new list: a table changes only by growing in place (what the model runner's
+            # input buffers rely on to rewrite a row's new blocks only).
+            seq.block_table = [*seq.block_table[:index], copy, *seq.block_table[index + 1:]]
         seq.block_table.extend(self.pool.allocate(num_new_blocks))
         return True
 
@@ -108,11 +114,14 @@ class KVCacheManager:
         self.prefix_queries += seq.num_prompt_tokens
         self.prefix_hits += seq.num_computed_tokens
 
-    def cache_computed_blocks(self, seq: Sequence) -> None:
-        """Publish ``seq``'s newly completed full blocks to the prefix cache."""
+    def cache_computed_blocks(self, seq: Sequence, num_computed: int | None = None) -> None:
+        """Publish ``seq``'s newly completed full blocks to the prefix cache: those within its
+        first ``num_computed`` tokens (default: ``seq.num_computed_tokens``), whose KV a
+        completed step wrote and whose token ids are on the host."""
         if not self.enable_prefix_caching:
             return
-        num_full = seq.num_computed_tokens // self.block_size
+        num_computed = seq.num_computed_tokens if num_computed is None else num_computed
+        num_full = min(num_computed, seq.num_tokens) // self.block_size
         done = self._num_registered.get(seq.key, 0)
         if num_full <= done:
             return
@@ -180,18 +189,39 @@ class KVCacheManager:
         """Drop one reference from each block: pins, or a reservation that never became a request."""
         self.pool.free(list(block_ids)[::-1])
 
-    def fork(self, parent: Sequence, child: Sequence) -> None:
-        """Make ``child`` share every block of ``parent`` (one more reference each)."""
-        self.pool.acquire(parent.block_table)
-        child.block_table = list(parent.block_table)
-        child.block_hashes = list(parent.block_hashes)
-        child.num_computed_tokens = parent.num_computed_tokens
-        self._num_registered[child.key] = self._num_registered.get(parent.key, 0)
+    def fork(self, parent: Sequence, child: Sequence, num_computed: int) -> None:
+        """Make ``child`` share the blocks of ``parent``'s first ``num_computed`` tokens (one more
+        reference each): the parent's table may already hold a block for a token of a step
+        still in flight, which is the parent's alone."""
+        bs = self.block_size
+        shared = parent.block_table[:cdiv(num_computed, bs)]
+        self.pool.acquire(shared)
+        child.block_table = list(shared)
+        child.block_hashes = parent.block_hashes[:num_computed // bs]
+        child.num_computed_tokens = num_computed
+        self._num_registered[child.key] = min(self._num_registered.get(parent.key, 0), num_computed // bs)
 
-    def free(self, seq: Sequence) -> None:
+    def free(self, seq: Sequence, until_step: int | None = None) -> None:
         """Release all of ``seq``'s blocks (tail first, so its prefix stays cached longest) and
-        reset it to nothing computed."""
-        self.pool.free(seq.block_table[::-1])
+        reset it to nothing computed; with ``until_step``, once :meth:`release_deferred` says
+        that step has completed (it still writes them)."""
+        blocks = seq.block_table[::-1]
+        if until_step is None:
+            self.pool.free(blocks)
+        elif blocks:
+            self._deferred.append((until_step, blocks))
         seq.block_table = []
         seq.num_computed_tokens = 0
         self._num_registered.pop(seq.key, None)
+
+    def release_deferred(self, completed_step: int) -> None:
+        """Free the blocks :meth:`free` held back for steps up to ``completed_step``."""
+        if not self._deferred:
+            return
+        keep = []
+        for step, blocks in self._deferred:
+            if step <= completed_step:
+                self.pool.free(blocks)
+            else:
+                keep.append((step, blocks))
+        self._deferred = keep

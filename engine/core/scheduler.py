@@ -6,6 +6,14 @@ still in prefill), then to waiting sequences in arrival order (FCFS) while ``max
 allows. When the block pool runs dry, the newest running sequence is preempted: its blocks are
 freed and it is recomputed later from its tokens (Orca; vLLM v1's recompute policy: see
 docs/references.md).
+
+A step is scheduled before the one ahead of it has completed (async scheduling): a sequence's
+``num_computed_tokens`` moves when it is scheduled, and a token the step samples is counted as an
+output placeholder until the engine appends it. A sequence whose in-flight tokens already reach
+``max_tokens`` or ``max_model_len`` is not scheduled again, and a waiting (preempted) sequence
+is admitted only once its placeholders have landed, since its recompute needs every token on the
+host. The blocks of a sequence that ends while a step that writes them is still in flight are
+freed when that step completes (:meth:`Scheduler.complete`).
 """
 
 from __future__ import annotations
@@ -19,18 +27,37 @@ from engine.core.sequence import Sequence, SequenceStatus
 
 @dataclass
 class ScheduledSequence:
-    """One sequence's share of a step: ``num_new_tokens`` tokens from ``num_computed_tokens``.
+    """One sequence's share of a step: ``num_new_tokens`` tokens from position ``start``.
 
-    ``samples`` is true when the step computes the sequence's last token, so its logits are
-    sampled into a new token.
+    ``start`` is the sequence's ``num_computed_tokens`` when it was scheduled (the scheduler then
+    moves it on by ``num_new_tokens``). ``samples`` is true when the step computes the sequence's
+    last token, so its logits are sampled into a new token. ``forks`` are the request's other
+    samples (``n > 1``) that sample from the same logits, when the step completes the prompt;
+    they join the running batch once it has run.
     """
 
     seq: Sequence
     num_new_tokens: int
+    start: int = field(init=False)
     samples: bool = field(init=False)
+    forks: list[Sequence] = field(init=False, default_factory=list)
+    _preemptions: int = field(init=False, repr=False)
 
     def __post_init__(self) -> None:
-        self.samples = self.seq.num_computed_tokens + self.num_new_tokens == self.seq.num_tokens
+        self.start = self.seq.num_computed_tokens
+        self.samples = self.start + self.num_new_tokens == self.seq.num_tokens_with_placeholders
+        self._preemptions = self.seq.num_preemptions
+
+    @property
+    def stale(self) -> bool:
+        """The sequence ended or was preempted since it was scheduled: what the step computed for
+        it is no longer its KV (its sampled token, drawn from correct KV, still counts)."""
+        return self.seq.is_finished or self.seq.num_preemptions != self._preemptions
+
+    @property
+    def num_computed_after(self) -> int:
+        """The sequence's computed tokens once the step has run."""
+        return self.start + self.num_new_tokens
 
 
 @dataclass
@@ -41,11 +68,13 @@ class SchedulerOutput:
         scheduled: the batch in execution order.
         num_decodes: how many leading entries are single-token decodes.
         block_copies: ``(src, dst)`` block copies to perform before the forward (copy-on-write).
+        step_id: the step's number (1, 2, ...), counted by the scheduler.
     """
 
     scheduled: list[ScheduledSequence] = field(default_factory=list)
     num_decodes: int = 0
     block_copies: list[tuple[int, int]] = field(default_factory=list)
+    step_id: int = 0
 
     @property
     def num_tokens(self) -> int:
@@ -77,6 +106,8 @@ class Scheduler:
         self.waiting: deque[Sequence] = deque()
         self.running: list[Sequence] = []
         self.num_preemptions = 0
+        self.last_step_id = 0  # the last step scheduled
+        self.completed_step_id = 0  # every step up to this one has completed
 
     def add(self, seq: Sequence) -> None:
         """Queue a new sequence (FCFS)."""
@@ -107,7 +138,10 @@ class Scheduler:
         i = 0
         while i < len(running) and budget > 0:
             seq = running[i]
-            num_new = min(seq.num_tokens - seq.num_computed_tokens, budget)
+            if self._in_flight_tokens_finish(seq):
+                i += 1
+                continue
+            num_new = min(seq.num_tokens_with_placeholders - seq.num_computed_tokens, budget)
             while not self.kv.allocate_slots(seq, num_new):
                 victim = running.pop()  # the newest sequence gives way
                 self._preempt(victim)
@@ -121,6 +155,8 @@ class Scheduler:
 
         while self.waiting and budget > 0 and len(self.running) < self.max_num_seqs:
             seq = self.waiting[0]
+            if seq.num_output_placeholders:
+                break  # a recompute needs every token on the host: next step
             cached = self.kv.find_cached_blocks(seq) if not seq.block_table else []
             num_new = min(
                 seq.num_tokens - seq.num_computed_tokens - len(cached) * self.kv.block_size, budget
@@ -140,31 +176,56 @@ class Scheduler:
         out.scheduled = decodes + prefills
         out.num_decodes = len(decodes)
         out.block_copies, self.kv.pending_copies = self.kv.pending_copies, []
+        if scheduled:
+            self.last_step_id += 1
+            out.step_id = self.last_step_id
+            for s in scheduled:
+                s.seq.num_computed_tokens = s.num_computed_after
+                s.seq.scheduled_step = out.step_id
+                if s.samples:
+                    s.forks, s.seq.forks = s.seq.forks, []
+                    for seq in (s.seq, *s.forks):
+                        seq.num_output_placeholders += 1
         return out
 
-    def complete_forks(self, step: SchedulerOutput) -> None:
-        """After ``step`` ran: each parent that computed its prompt shares its blocks with its
-        fork children, which join the running batch."""
+    def _in_flight_tokens_finish(self, seq: Sequence) -> bool:
+        """Whether the tokens ``seq`` has in flight already end it by length (``max_tokens`` or
+        ``max_model_len``), so that another step for it would be wasted."""
+        if not seq.num_output_placeholders:
+            return False
+        total = seq.num_tokens_with_placeholders
+        return total - seq.num_prompt_tokens >= seq.params.max_tokens or total >= self.max_model_len
+
+    def complete(self, step: SchedulerOutput) -> None:
+        """``step`` has run: each parent that computed its prompt in it shares the blocks of its
+        computed tokens with its fork children, which join the running batch, and the blocks of
+        sequences that ended while the step was in flight go back to the pool."""
         for s in step.scheduled:
-            if s.samples and s.seq.forks:
-                for child in s.seq.forks:
-                    self.kv.fork(s.seq, child)
+            for child in s.forks:
+                if not child.is_finished:
+                    self.kv.fork(s.seq, child, s.num_computed_after)
                     child.status = SequenceStatus.RUNNING
                     self.running.append(child)
-                s.seq.forks = []
+        self.completed_step_id = max(self.completed_step_id, step.step_id)
+        self.kv.release_deferred(self.completed_step_id)
 
     def _preempt(self, seq: Sequence) -> None:
+        # Freed at once even if a step in flight writes its blocks: the next step, which may
+        # reuse them, runs after it on the device, and no command runs before it completes.
         self.kv.free(seq)
         seq.status = SequenceStatus.WAITING
+        seq.num_preemptions += 1
         self.num_preemptions += 1
         self.waiting.appendleft(seq)
 
     def finish(self, seq: Sequence) -> None:
         """Remove a finished or aborted sequence and free its blocks (blocks pinned for a KV
-        transfer keep their extra reference)."""
+        transfer keep their extra reference); while a step that writes them is in flight, they
+        are freed when it completes, so that no other owner (a KV transfer) sees that write."""
         if seq in self.running:
             self.running.remove(seq)
         elif seq in self.waiting:
             self.waiting.remove(seq)
-        self.kv.free(seq)
+        in_flight = seq.scheduled_step > self.completed_step_id
+        self.kv.free(seq, until_step=seq.scheduled_step if in_flight else None)
         seq.status = SequenceStatus.FINISHED

@@ -18,11 +18,13 @@ class SequenceStatus(enum.Enum):
 class Sequence:
     """One sample of one request.
 
-    ``token_ids`` holds the prompt followed by the generated tokens. The scheduler only moves
-    ``num_computed_tokens`` (tokens whose K/V are in the cache) towards ``len(token_ids)``, so
-    prefill, chunked prefill, prefix-cache hits, decode and recompute after preemption are one
-    code path (vLLM v1's model). When ``num_computed_tokens`` reaches ``len(token_ids)`` at the end
-    of a step, the step's logits for this sequence are sampled into a new token.
+    ``token_ids`` holds the prompt followed by the generated tokens that have reached the host.
+    The scheduler only moves ``num_computed_tokens`` (tokens whose K/V are, or are being, written
+    to the cache) towards :attr:`num_tokens_with_placeholders`, so prefill, chunked prefill,
+    prefix-cache hits, decode and recompute after preemption are one code path (vLLM v1's model).
+    A step that computes a sequence's last token samples a new one from its logits. Under async
+    scheduling the next step is scheduled before that token reaches the host: it counts as an
+    output placeholder until it does, and the next step reads it on the device.
 
     Attributes:
         request_id: the owning request.
@@ -37,6 +39,13 @@ class Sequence:
         arrival: admission order, used for FCFS and to pick the newest for preemption.
         cache_salt: the tenant's salt of the chained block hashes (``engine.block_hash.salted_seed``;
             ``""``: none): sequences of different salts never share a cached block.
+        num_output_placeholders: tokens sampled by launched steps that have not reached the
+            host yet (at most two: the one being sampled and the one the next step reads).
+        scheduled_step: the id of the last step that computes a token of this sequence
+            (``Scheduler``'s count); its blocks are written until that step completes.
+        sample_row: the sequence's row among the sampled tokens of the last step it sampled in
+            (where the next step finds its input token on the device).
+        num_preemptions: times the sequence was preempted (its KV freed, to be recomputed).
     """
 
     request_id: str
@@ -52,10 +61,19 @@ class Sequence:
     num_cached_tokens: int = -1
     forks: list["Sequence"] = field(default_factory=list)
     cache_salt: str = ""
+    num_output_placeholders: int = 0
+    scheduled_step: int = -1
+    sample_row: int = -1
+    num_preemptions: int = 0
 
     @property
     def num_tokens(self) -> int:
         return len(self.token_ids)
+
+    @property
+    def num_tokens_with_placeholders(self) -> int:
+        """Tokens including those sampled but not yet on the host."""
+        return len(self.token_ids) + self.num_output_placeholders
 
     @property
     def num_output_tokens(self) -> int:

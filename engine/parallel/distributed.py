@@ -2,15 +2,17 @@
 
 Two groups span the ranks. The device group carries the model's collectives: the all-reduce
 after each row-parallel projection and the logits gather (NCCL on CUDA, where the all-reduces
-are captured in the decode CUDA graphs; gloo on the CPU). A gloo group carries each step's
-inputs from rank 0 to the others as host int64 arrays (:meth:`TPGroup.broadcast_step`), the
-way vLLM v1's scheduler hands every worker the same step: rank 0 alone schedules, and the other
-ranks run what it sends. Between steps the other ranks wait in that broadcast, however long the
-engine idles.
+are captured in the decode CUDA graphs; gloo on the CPU), and, under async scheduling, rank 0's
+sampled tokens of each step (which the next step reads on the device). A gloo group carries the
+start-up's few host collectives. Each step's inputs go from rank 0 to the others as host int64
+arrays through a shared-memory ring (:meth:`TPGroup.broadcast_step`,
+:mod:`engine.parallel.shm_broadcast`), the way vLLM v1's scheduler hands every worker the same
+step: rank 0 alone schedules, and the other ranks run what it sends. Between steps the other
+ranks wait on that ring, however long the engine idles.
 
-A rank that dies closes its sockets: gloo fails the operation the others are in at once (the
-step broadcast included), and :meth:`TPGroup.abort` ends NCCL operations that would otherwise
-wait for it.
+A rank that dies closes its sockets: gloo and the ring fail the operation the others are in
+(the ring when rank 0 sees the rank gone: :attr:`TPGroup.peers_alive`), and
+:meth:`TPGroup.abort` ends NCCL operations that would otherwise wait for it.
 """
 
 from __future__ import annotations
@@ -19,24 +21,20 @@ import datetime
 import logging
 import os
 import threading
+from collections.abc import Callable
 
 import numpy as np
 import torch
 import torch.distributed as dist
 
 from engine.config import NVLINK_MULTICAST_OFF
+from engine.parallel.shm_broadcast import ShmBroadcast
 
 logger = logging.getLogger(__name__)
 
 # The model's collectives complete within a step; a rank missing for this long is gone.
 COLLECTIVE_TIMEOUT = datetime.timedelta(minutes=10)
-# The step broadcast also waits while the engine idles: no bound (a dead rank 0 fails it anyway).
-IDLE_TIMEOUT = datetime.timedelta(days=365)
 DESTROY_TIMEOUT_S = 10.0
-# int64 words of a step broadcast's first message: steps this small (a few decoding sequences)
-# cross in one message, larger ones in two.
-_FIRST_MESSAGE = 512
-_SHUTDOWN = -1
 
 
 class RankFailedError(RuntimeError):
@@ -52,6 +50,10 @@ class TPGroup:
         device: this rank's device (its GPU, or the CPU).
         store: the rendezvous store (rank 0's ``TCPStore``).
 
+    Attributes:
+        peers_alive: on rank 0, whether every other rank still runs (set by its owner; a step
+            broadcast that waits for a rank fails once it says no).
+
     Blocks until every rank has joined.
     """
 
@@ -65,8 +67,16 @@ class TPGroup:
         dist.init_process_group("nccl" if cuda else "gloo", store=store, rank=rank, world_size=world_size,
                                 timeout=COLLECTIVE_TIMEOUT, device_id=device if cuda else None)
         self.device_group = dist.group.WORLD
-        self.cpu_group = dist.new_group(backend="gloo", timeout=IDLE_TIMEOUT)
-        self._first = torch.zeros(_FIRST_MESSAGE, dtype=torch.int64)
+        self.cpu_group = dist.new_group(backend="gloo", timeout=COLLECTIVE_TIMEOUT)
+        self.peers_alive: Callable[[], bool] = lambda: True
+        if self.is_driver:
+            self._steps = ShmBroadcast(world_size - 1)
+            store.set("tp_steps", self._steps.path)
+        else:
+            self._steps = ShmBroadcast(world_size - 1, store.get("tp_steps").decode(), reader=rank - 1)
+        self.barrier()
+        if self.is_driver:
+            self._steps.unlink()  # every rank has mapped it
 
     @property
     def is_driver(self) -> bool:
@@ -102,29 +112,17 @@ class TPGroup:
             The payload (on every rank), or ``None`` when rank 0 shuts the group down.
 
         Raises:
-            RuntimeError: a rank died (gloo reports the closed connection).
+            RuntimeError: rank 0 waited for a rank that is gone (:attr:`peers_alive`).
         """
-        first = self._first
         if self.is_driver:
-            size = _SHUTDOWN if payload is None else len(payload)
-            first[0] = size
-            head = min(max(size, 0), _FIRST_MESSAGE - 1)
-            if head:
-                first[1:head + 1] = torch.from_numpy(payload[:head])
-        dist.broadcast(first, 0, group=self.cpu_group)
-        size = int(first[0])
-        if size == _SHUTDOWN:
-            return None
-        head = min(size, _FIRST_MESSAGE - 1)
-        if self.is_driver:
-            rest = torch.from_numpy(payload[head:])
-        else:
-            payload = np.empty(size, dtype=np.int64)
-            payload[:head] = first[1:head + 1].numpy()
-            rest = torch.from_numpy(payload[head:])
-        if size > head:
-            dist.broadcast(rest, 0, group=self.cpu_group)
-        return payload
+            self._steps.send(payload, self.peers_alive)
+            return payload
+        return self._steps.receive()
+
+    def broadcast_tensor(self, x: torch.Tensor) -> torch.Tensor:
+        """Rank 0's ``x`` on every rank, in place, in the device's stream order; returns ``x``."""
+        dist.broadcast(x, 0, group=self.device_group)
+        return x
 
     def abort(self) -> None:
         """End the group's pending and future operations with an error (a rank is gone): a step

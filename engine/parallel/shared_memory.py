@@ -35,10 +35,10 @@ def _contiguous_strides(shape: tuple[int, ...]) -> list[int]:
     return strides[::-1]
 
 
-def _shm_path(nbytes: int) -> str:
-    """A new file name in ``/dev/shm`` if it has room, else in the temp directory."""
+def shm_path(nbytes: int, prefix: str = "tandem-kv-") -> str:
+    """A new file name in ``/dev/shm`` if it has room for ``nbytes``, else in the temp directory."""
     directory = _SHM_DIR if os.path.isdir(_SHM_DIR) and shutil.disk_usage(_SHM_DIR).free > nbytes else tempfile.gettempdir()
-    return os.path.join(directory, f"tandem-kv-{uuid.uuid4().hex}")
+    return os.path.join(directory, f"{prefix}{uuid.uuid4().hex}")
 
 
 def allocate_shared(shape: tuple[int, ...], dtype: torch.dtype, device: torch.device) -> tuple[torch.Tensor, dict]:
@@ -56,7 +56,7 @@ def allocate_shared(shape: tuple[int, ...], dtype: torch.dtype, device: torch.de
         return tensor, {"kind": "cuda", "device": index, "handle": handle.hex(), "size": size, "offset": offset,
                         "counter": counter.hex(), "counter_offset": counter_offset, "event": event.hex(),
                         "event_sync": bool(event_sync), "shape": list(shape), "dtype": str(dtype).removeprefix("torch.")}
-    path = _shm_path(numel * dtype.itemsize)
+    path = shm_path(numel * dtype.itemsize)
     with open(path, "xb") as f:
         f.truncate(numel * dtype.itemsize)  # a sparse file: reads as zeros
     tensor = torch.from_file(path, shared=True, size=numel, dtype=dtype).view(shape)

@@ -13,10 +13,7 @@ import datetime
 import json
 import logging
 import os
-import signal
 import sys
-import threading
-import time
 from collections.abc import Sequence
 
 import torch
@@ -24,38 +21,20 @@ import torch.distributed as dist
 
 from engine.config import EngineConfig
 from engine.runner.devices import resolve_dtype, use_device
+from engine.parallel.child import exit_with_parent
 from engine.parallel.distributed import TPGroup
 from engine.runner.model_shard import build_shard
 from engine.parallel.tp_ranks import JOIN_TIMEOUT_S
 
 logger = logging.getLogger("engine.parallel.tp_follower")
 
-PARENT_POLL_S = 0.5
-
-
-def _exit_with_parent() -> None:
-    """Exit at once if the parent (rank 0) dies, whatever this rank is doing: a SIGKILLed rank 0
-    cannot tell it, and a rank in a device collective would wait for it forever."""
-    parent = os.getppid()
-
-    def watch() -> None:
-        while os.getppid() == parent:
-            time.sleep(PARENT_POLL_S)
-        os._exit(1)
-
-    threading.Thread(target=watch, name="parent-watch", daemon=True).start()
-
 
 def main(argv: Sequence[str] | None = None) -> int:
-    # Rank 0 ends this process (shutdown broadcast, or its death): a Ctrl-C or SIGTERM sent to
-    # the whole process group must not take a rank away from under a draining rank 0.
-    signal.signal(signal.SIGINT, signal.SIG_IGN)
-    signal.signal(signal.SIGTERM, signal.SIG_IGN)
     spec = json.loads((sys.argv[1:] if argv is None else argv)[0])
     rank, world_size = spec["rank"], spec["world_size"]
     logging.basicConfig(level=spec["log_level"], stream=sys.stderr,
                         format=f"%(asctime)s %(levelname)s tp-rank-{rank} %(name)s: %(message)s")
-    _exit_with_parent()
+    exit_with_parent()  # rank 0 ends this process (shutdown broadcast, or its death)
     device = torch.device(spec["device"])
     use_device(device)
     config = EngineConfig(**spec["config"])
@@ -67,6 +46,8 @@ def main(argv: Sequence[str] | None = None) -> int:
     try:
         shard = build_shard(spec["model"], config, spec["load_format"], device, resolve_dtype(config.dtype, device),
                             group, store)
+        if config.resolved_async_scheduling(device.type):
+            shard.runner.share_sampled = group.broadcast_tensor
         while (packed := group.broadcast_step(None)) is not None:
             shard.runner.follow(packed)
     except Exception:  # noqa: BLE001 (logged; rank 0 sees this rank exit)

@@ -88,6 +88,7 @@ class FollowerRanks:
         try:
             self._wait_joined()
             self.group = TPGroup(0, world_size, device, self.store)
+            self.group.peers_alive = lambda: self.failure is None and all(p.poll() is None for p in self._procs)
         except BaseException:
             self._kill()
             raise

@@ -117,7 +117,7 @@ class CUDAGraphRunner:
         """The captured batch size that runs ``step``, or ``None`` when no decode graph can (it
         has prefill chunks, fork children, or too many sequences)."""
         n = len(step.scheduled)
-        if step.num_decodes != n or n > self.max_batch_size or any(s.seq.forks for s in step.scheduled):
+        if step.num_decodes != n or n > self.max_batch_size or any(s.forks for s in step.scheduled):
             return None
         return self._size_for[n]
 

@@ -12,8 +12,8 @@ The block tables come last, so a step's inputs are one prefix of the allocation 
 device in one copy: every copy is a call that gives up the GIL and has to win it back, and on a
 decode worker (two H200s, Llama-3-8B shape) one copy per input took 0.25 ms of each step's launch
 and 1.2 ms in the step a request joined in, while the event loop was busy with that request. The
-prefix carries every token input at its full size (five int64 arrays of ``max_num_tokens``): at
-most a few hundred KB, microseconds of DMA.
+prefix carries every token input at its full size (five int64 arrays of ``max_num_tokens``, two
+of ``max_num_seqs``): at most a few hundred KB, microseconds of DMA.
 """
 
 from __future__ import annotations
@@ -44,6 +44,9 @@ class StepInputs:
         sample_positions: ``[len(sampled)]`` int64 position of the token each one samples.
         num_kv_slots_used, num_kv_slots_allocated: tokens in the scheduled sequences' KV after the
             step, and the slots of their blocks (block_size per block): the reservation waste.
+        in_flight: ``(token rows, sampled rows)``, ``[k]`` int64 each: decode rows whose input
+            token the step launched before this one sampled, and its row among that step's
+            sampled tokens, read on the device (``None``: every input is on the host).
     """
 
     input_ids: torch.Tensor
@@ -54,6 +57,7 @@ class StepInputs:
     sample_positions: torch.Tensor
     num_kv_slots_used: int
     num_kv_slots_allocated: int
+    in_flight: tuple[torch.Tensor, torch.Tensor] | None = None
 
 
 @dataclass
@@ -67,6 +71,7 @@ class _StepShape:
     max_query_len: int
     max_seq_len: int
     max_decode_seq_len: int
+    num_in_flight: int  # decode inputs read from the last step's sampled tokens
 
 
 # Byte alignment of each input in the allocations (that of a CUDA allocation).
@@ -109,8 +114,8 @@ class InputBuffers:
         self.max_num_tokens, self.max_num_seqs = max_num_tokens, max_num_seqs
         t, s = max_num_tokens, max_num_seqs
         # Block tables last: a step's copy is the prefix that ends with its last row.
-        specs = [((t,), torch.int64)] * 5 + [((s,), torch.int32), ((s + 1,), torch.int32),
-                                             ((s, self.max_blocks_per_seq), torch.int32)]
+        specs = [((t,), torch.int64)] * 5 + [((s,), torch.int64)] * 2 + [
+            ((s,), torch.int32), ((s + 1,), torch.int32), ((s, self.max_blocks_per_seq), torch.int32)]
         sizes = [cdiv(math.prod(shape) * dtype.itemsize, _ALIGN) * _ALIGN for shape, dtype in specs]
         self._staging = torch.zeros(sum(sizes), dtype=torch.uint8, pin_memory=self.device.type == "cuda")
         self._device = (self._staging if self.device.type == "cpu"
@@ -125,10 +130,12 @@ class InputBuffers:
             offset += size
         self._tables_offset = offset - sizes[-1]
         (self.input_ids, self.positions, self.slot_mapping, self.logits_indices, self.sample_positions,
-         self.seq_lens, self.query_start_loc, self.block_tables) = buffers
-        # What each block-table row of the host array holds: a row whose sequence's table is
-        # unchanged since the last step (most decode rows) is not rewritten.
-        self._rows: list[list[int] | None] = [None] * max_num_seqs
+         self.in_flight_rows, self.in_flight_sampled, self.seq_lens, self.query_start_loc, self.block_tables) = buffers
+        # What each block-table row of the host array holds: ``(table, length)`` of the sequence
+        # table written there. A table is replaced whenever an entry changes and otherwise only
+        # grows (``KVCacheManager``), so a row whose sequence's table is the same list (most
+        # decode rows) gets only its new blocks written: O(1) a row, not O(its blocks).
+        self._rows: list[tuple[list[int], int] | None] = [None] * max_num_seqs
 
     def prepare(self, step: SchedulerOutput, pad_to: int | None = None,
                 max_decode_seq_len: int | None = None) -> StepInputs:
@@ -159,7 +166,7 @@ class InputBuffers:
         sample_rows: list[int] = []
         for row, s in enumerate(sched):
             if s.samples:
-                for seq in (s.seq, *s.seq.forks):
+                for seq in (s.seq, *s.forks):
                     sampled.append(seq)
                     sample_rows.append(row)
         num_sampled = len(sampled)
@@ -170,7 +177,7 @@ class InputBuffers:
             self._uploaded.synchronize()  # the previous step's copies have left the host arrays
 
         query_lens = np.fromiter((s.num_new_tokens for s in sched), np.int64, num_seqs)
-        starts = np.fromiter((s.seq.num_computed_tokens for s in sched), np.int64, num_seqs)
+        starts = np.fromiter((s.start for s in sched), np.int64, num_seqs)
         seq_lens = self.seq_lens.host[:num_rows]
         seq_lens[:num_seqs] = starts + query_lens
         seq_lens[num_seqs:] = 0
@@ -182,14 +189,27 @@ class InputBuffers:
 
         input_ids = self.input_ids.host[:num_tokens]
         block_tables = self.block_tables.host
-        input_ids[:nd] = [s.seq.token_ids[-1] for s in sched[:nd]]  # a decode's one new token is its last
+        num_in_flight = 0
+        for row, s in enumerate(sched[:nd]):  # a decode's one new token is at its start
+            tokens = s.seq.token_ids
+            if s.start < len(tokens):
+                input_ids[row] = tokens[s.start]
+            else:  # sampled by the step in flight: read on the device
+                input_ids[row] = 0
+                self.in_flight_rows.host[num_in_flight] = row
+                self.in_flight_sampled.host[num_in_flight] = s.seq.sample_row
+                num_in_flight += 1
         num_blocks = 0
         written = self._rows
         for row, s in enumerate(sched):
             table = s.seq.block_table
-            if written[row] != table:
+            held = written[row]
+            if held is None or held[0] is not table:
                 block_tables[row, :len(table)] = table
-                written[row] = list(table)
+                written[row] = (table, len(table))
+            elif held[1] != len(table):  # tables only grow in place: write the new blocks
+                block_tables[row, held[1]:len(table)] = table[held[1]:]
+                written[row] = (table, len(table))
             num_blocks += len(table)
             if row >= nd:
                 start = int(starts[row])
@@ -210,19 +230,20 @@ class InputBuffers:
             num_tokens=num_tokens, num_rows=num_rows, num_sampled=num_sampled, num_decodes=nd + num_rows - num_seqs,
             max_query_len=int(query_lens[nd:].max()) if num_seqs > nd else 0,
             max_seq_len=int(seq_lens.max()) if num_rows else 0,
-            max_decode_seq_len=max_decode_seq_len or (int(seq_lens[:nd].max()) if nd else 0))
+            max_decode_seq_len=max_decode_seq_len or (int(seq_lens[:nd].max()) if nd else 0),
+            num_in_flight=num_in_flight)
         return self._upload_all(sampled, int(seq_lens[:num_seqs].sum()), num_blocks * bs)
 
     def pack(self) -> np.ndarray:
         """The last prepared step's inputs as one int64 array, for :meth:`load` in another rank."""
         shape = self._shape
-        t, r, n = shape.num_tokens, shape.num_rows, shape.num_sampled
+        t, r, n, f = shape.num_tokens, shape.num_rows, shape.num_sampled, shape.num_in_flight
         width = cdiv(int(self.seq_lens.host[:r].max()), self.block_size) if r else 0
         return np.concatenate([
             np.array([*dataclasses.astuple(shape), width], dtype=np.int64),
             self.input_ids.host[:t], self.positions.host[:t], self.slot_mapping.host[:t],
             self.seq_lens.host[:r], self.query_start_loc.host[:r + 1], self.block_tables.host[:r, :width].ravel(),
-            self.logits_indices.host[:n],
+            self.logits_indices.host[:n], self.in_flight_rows.host[:f], self.in_flight_sampled.host[:f],
         ], dtype=np.int64)
 
     def load(self, packed: np.ndarray) -> StepInputs:
@@ -232,7 +253,7 @@ class InputBuffers:
         fields = len(dataclasses.fields(_StepShape))
         shape = _StepShape(*(int(v) for v in packed[:fields]))
         width = int(packed[fields])
-        t, r, n = shape.num_tokens, shape.num_rows, shape.num_sampled
+        t, r, n, f = shape.num_tokens, shape.num_rows, shape.num_sampled, shape.num_in_flight
         if r > self.max_num_seqs or max(t, n) > self.max_num_tokens:
             self._allocate(max(self.max_num_tokens, t, n), max(self.max_num_seqs, r))
         if self._uploaded is not None:
@@ -245,14 +266,16 @@ class InputBuffers:
             offset += count
         self.block_tables.host[:r, :width] = packed[offset:offset + r * width].reshape(r, width)
         offset += r * width
-        self.logits_indices.host[:n] = packed[offset:offset + n]
+        for buffer, count in ((self.logits_indices, n), (self.in_flight_rows, f), (self.in_flight_sampled, f)):
+            buffer.host[:count] = packed[offset:offset + count]
+            offset += count
         self._shape = shape
         return self._upload_all([], 0, 0)
 
     def _upload_all(self, sampled: list[Sequence], num_kv_slots_used: int, num_kv_slots_allocated: int) -> StepInputs:
         """Copy the host arrays of the step described by ``self._shape`` to the device."""
         shape = self._shape
-        t, r, n = shape.num_tokens, shape.num_rows, shape.num_sampled
+        t, r, n, f = shape.num_tokens, shape.num_rows, shape.num_sampled, shape.num_in_flight
         if self._device is not self._staging:
             end = self._tables_offset + r * self.max_blocks_per_seq * torch.int32.itemsize
             self._device[:end].copy_(self._staging[:end], non_blocking=True)  # pinned: an asynchronous DMA
@@ -275,6 +298,7 @@ class InputBuffers:
             sample_positions=self.sample_positions.device[:n],
             num_kv_slots_used=num_kv_slots_used,
             num_kv_slots_allocated=num_kv_slots_allocated,
+            in_flight=(self.in_flight_rows.device[:f], self.in_flight_sampled.device[:f]) if f else None,
         )
         if self.device.type == "cuda":
             self._uploaded = self._uploaded or torch.cuda.Event()

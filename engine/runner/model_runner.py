@@ -7,12 +7,16 @@ smallest batch size that holds it (:mod:`engine.runner.cuda_graphs`); another st
 the pieces between its attentions, captured for the smallest token count that holds it
 (:mod:`engine.runner.piecewise_graphs`), and runs its attentions eagerly; a step past both ladders
 runs eagerly.
-Sampling works on the whole batch at once, and the step's one host sync is a single
-device-to-host copy of the sampled tokens with their log-probabilities.
+Sampling works on the whole batch at once. The sampled tokens stay on the device, where the
+next step reads the input tokens it has in flight (a decode whose previous token has not reached
+the host yet, under async scheduling); their copy to the host, with their log-probabilities,
+runs on a side stream behind an event, and :meth:`PendingStep.result` waits for that event
+alone, so launching a step never waits for the one before it.
 """
 
 from __future__ import annotations
 
+import dataclasses
 import time
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -29,6 +33,40 @@ from engine.runner.piecewise_graphs import PiecewiseCUDAGraphs
 from engine.runner.sampler import SamplerOutput, SamplingBatch, sample
 from engine.core.scheduler import SchedulerOutput
 from engine.core.sequence import Sequence
+
+
+class PendingStep:
+    """A launched step whose results may still be on their way from the device.
+
+    Args:
+        sequences: the sequences that sample, in row order.
+        host: the results' host tensor (float64: the token ids, their log-probabilities, then
+            any top-N ids and log-probabilities), filled once ``ready`` has fired.
+        ready: a CUDA event after the step's forward, sampling and copy (``None``: the step
+            has run, as on the CPU).
+        num_logprobs: the top-N each sequence asked for.
+        top_k: the top-N width of ``host`` (0: none).
+        stats: the step's stats but for ``execute_s``.
+        started: ``time.perf_counter()`` when the step's launch began.
+        keep: device tensors the side stream's copy reads, held until the copy is done.
+    """
+
+    def __init__(self, sequences: list[Sequence], host: torch.Tensor | None, ready: torch.cuda.Event | None,
+                 num_logprobs: list[int], top_k: int, stats: StepStats, started: float,
+                 keep: tuple[torch.Tensor, ...] = ()) -> None:
+        self.sequences, self.host, self.ready = sequences, host, ready
+        self.num_logprobs, self.top_k = num_logprobs, top_k
+        self.stats, self.started, self._keep = stats, started, keep
+
+    def result(self) -> StepResult:
+        """Wait for the step and return its sampled tokens (blocks only on this step's event)."""
+        if self.ready is not None:
+            self.ready.synchronize()
+        self._keep = ()
+        token_ids, logprobs = ([], []) if self.host is None else _unpack(self.host.numpy(), len(self.sequences),
+                                                                        self.top_k, self.num_logprobs)
+        stats = dataclasses.replace(self.stats, execute_s=time.perf_counter() - self.started)
+        return StepResult(self.sequences, token_ids, logprobs, stats)
 
 
 @dataclass
@@ -78,6 +116,12 @@ class ModelRunner:
         # Rank 0 of a tensor-parallel engine: sends each step's inputs to the other ranks
         # (engine.parallel.distributed.TPGroup.broadcast_step), set once start-up is over.
         self.broadcast: Callable[[np.ndarray], object] | None = None
+        # Under async scheduling with tensor parallelism, every rank: broadcasts rank 0's
+        # sampled tokens of a step into the tensor it is given and returns it, so that every
+        # rank feeds the next step the same in-flight tokens.
+        self.share_sampled: Callable[[torch.Tensor], torch.Tensor] | None = None
+        self._sampled: torch.Tensor | None = None  # [num_sampled] int64: the last step's tokens
+        self._copy_stream = torch.cuda.Stream(self.device) if self.device.type == "cuda" else None
 
     def capture_cuda_graphs(self, batch_sizes: list[int]) -> None:
         """Capture decode-only steps at ``batch_sizes`` (CUDA only); later decode-only steps of
@@ -112,21 +156,22 @@ class ModelRunner:
         return batch
 
     @torch.inference_mode()
-    def execute(self, step: SchedulerOutput, on_launched: Callable[[], None] | None = None) -> StepResult:
-        """Run one step and sample every sequence whose last token was computed.
+    def launch(self, step: SchedulerOutput) -> PendingStep:
+        """Queue one step on the device and sample every sequence whose last token it computes.
 
         A sequence completing its prompt with unforked samples (``n > 1``) also samples one
-        token for each fork child from the same logits row. With :attr:`broadcast` set (rank 0
-        of a tensor-parallel engine), the step's inputs go to the other ranks before the forward.
+        token for each fork child from the same logits row. A decode whose input token is still
+        in flight (sampled by the step launched before this one) reads it from that step's
+        sampled tokens on the device. With :attr:`broadcast` set (rank 0 of a tensor-parallel
+        engine), the step's inputs go to the other ranks before the forward (and, under async
+        scheduling, its sampled tokens after it).
 
         Args:
             step: the scheduled batch.
-            on_launched: called once the step's forward and sampling are queued on the device,
-                before waiting for the sampled tokens: host work placed there overlaps the
-                step's GPU time (on a CPU the step has already run by then).
 
         Returns:
-            The sampled tokens, one per sequence in ``StepResult.sequences``.
+            The step in flight; :meth:`PendingStep.result` gives its sampled tokens, one per
+            sequence of ``PendingStep.sequences``.
         """
         start = time.perf_counter()
         graph_size = self.graphs.batch_size_for(step) if self.graphs is not None else None
@@ -138,6 +183,7 @@ class ModelRunner:
             buffers = self.buffers if graph_size is None else self.graphs.buffers
             copies = np.asarray(step.block_copies, dtype=np.int64).reshape(-1)
             self.broadcast(np.concatenate([[graph_size or 0, len(step.block_copies)], copies, buffers.pack()]))
+        self._feed_in_flight_tokens(inputs)
         graph = self._graph(graph_size)
         pieces_size = self._pieces_size(inputs, graph)
         prepared = time.perf_counter()
@@ -148,17 +194,54 @@ class ModelRunner:
         prepare_s = prepared - start + time.perf_counter() - sampling_start
         out = None if batch is None else sample(
             logits, batch, (int(self._rng.integers(2**31)), int(self._rng.integers(2**31))))
-        if on_launched is not None:
-            on_launched()
-        token_ids, logprobs = ([], []) if out is None else _to_host(out, [s.params.logprobs for s in seqs])
+        if out is not None:
+            self._sampled = out.token_ids
+            if self.share_sampled is not None:
+                self.share_sampled(out.token_ids)
+            for row, seq in enumerate(seqs):
+                seq.sample_row = row
         stats = StepStats(
             num_seqs=len(step.scheduled), num_decodes=step.num_decodes, num_tokens=step.num_tokens,
             cuda_graph_size=graph_size, cuda_graph_splits=None if graph is None else graph[1],
-            piecewise_graph_tokens=pieces_size,
-            prepare_s=prepare_s, execute_s=time.perf_counter() - start,
+            piecewise_graph_tokens=pieces_size, prepare_s=prepare_s, execute_s=0.0,
             num_kv_slots_used=inputs.num_kv_slots_used, num_kv_slots_allocated=inputs.num_kv_slots_allocated,
         )
-        return StepResult(seqs, token_ids, logprobs, stats)
+        return self._results_to_host(out, seqs, stats, start)
+
+    def _feed_in_flight_tokens(self, inputs: StepInputs) -> None:
+        """Write the input tokens still in flight (``inputs.in_flight``: ``(token row, sampled
+        row)``) from the last step's sampled tokens on the device."""
+        if inputs.in_flight is not None:
+            dst, src = inputs.in_flight
+            inputs.input_ids.index_copy_(0, dst, self._sampled.index_select(0, src))
+
+    def _results_to_host(self, out: SamplerOutput | None, seqs: list[Sequence], stats: StepStats,
+                         start: float) -> PendingStep:
+        """Start the copy of the sampled tokens and their log-probabilities to the host (on a
+        side stream after the step's work, on CUDA) and return the step in flight."""
+        num_logprobs = [s.params.logprobs for s in seqs]
+        if out is None:
+            ready = None
+            if self.device.type == "cuda":
+                ready = torch.cuda.Event()
+                ready.record()
+            return PendingStep(seqs, None, ready, num_logprobs, 0, stats, start)
+        parts = [out.token_ids.to(torch.float64), out.logprobs.to(torch.float64)]  # ids < 2^53: exact
+        if out.top_ids is not None:
+            parts += [out.top_ids.flatten().to(torch.float64), out.top_logprobs.flatten().to(torch.float64)]
+        packed = torch.cat(parts)
+        top_k = 0 if out.top_ids is None else out.top_ids.shape[1]
+        if self.device.type != "cuda":
+            return PendingStep(seqs, packed, None, num_logprobs, top_k, stats, start)
+        computed = torch.cuda.Event()
+        computed.record()
+        host = torch.empty(packed.shape, dtype=packed.dtype, pin_memory=True)
+        with torch.cuda.stream(self._copy_stream):
+            self._copy_stream.wait_event(computed)
+            host.copy_(packed, non_blocking=True)
+            ready = torch.cuda.Event()
+            ready.record()
+        return PendingStep(seqs, host, ready, num_logprobs, top_k, stats, start, keep=(packed,))
 
     @torch.inference_mode()
     def follow(self, packed: np.ndarray) -> None:
@@ -169,8 +252,12 @@ class ModelRunner:
         copies = packed[2:2 + 2 * num_copies].reshape(-1, 2).tolist()
         buffers = self.buffers if graph_size == 0 else self.graphs.buffers
         inputs = buffers.load(packed[2 + 2 * num_copies:])
+        self._feed_in_flight_tokens(inputs)
         graph = self._graph(graph_size or None)
         self._run(inputs, graph, self._pieces_size(inputs, graph), copies)
+        if self.share_sampled is not None and inputs.logits_indices.shape[0]:
+            self._sampled = self.share_sampled(torch.empty(inputs.logits_indices.shape[0], dtype=torch.int64,
+                                                           device=self.device))
 
     def _graph(self, graph_size: int | None) -> tuple[int, int] | None:
         """The ``(batch size, split count)`` graph that runs the prepared (or loaded) step of
@@ -206,18 +293,13 @@ class ModelRunner:
         return self.model.compute_logits(hidden.index_select(0, inputs.logits_indices))
 
 
-def _to_host(out: SamplerOutput, num_logprobs: list[int]) -> tuple[list[int], list[dict[int, float]]]:
-    """Bring the sampled tokens, their log-probabilities and any top-N to the host in one copy."""
-    parts = [out.token_ids.to(torch.float64), out.logprobs.to(torch.float64)]  # ids < 2^53: exact
-    if out.top_ids is not None:
-        parts += [out.top_ids.flatten().to(torch.float64), out.top_logprobs.flatten().to(torch.float64)]
-    host = torch.cat(parts).cpu().numpy()
-    n = out.token_ids.shape[0]
+def _unpack(host: np.ndarray, n: int, k: int, num_logprobs: list[int]) -> tuple[list[int], list[dict[int, float]]]:
+    """The sampled tokens and ``{token_id: logprob}`` of each (the sampled one, then its top-N)
+    from the host copy :meth:`ModelRunner._results_to_host` made."""
     token_ids = host[:n].astype(np.int64).tolist()
     chosen = host[n:2 * n].tolist()
     logprobs = [{token: lp} for token, lp in zip(token_ids, chosen)]
-    if out.top_ids is not None:
-        k = out.top_ids.shape[1]
+    if k:
         top_ids = host[2 * n:2 * n + n * k].astype(np.int64).reshape(n, k).tolist()
         top_lps = host[2 * n + n * k:].reshape(n, k).tolist()
         for entry, ids, lps, count in zip(logprobs, top_ids, top_lps, num_logprobs):

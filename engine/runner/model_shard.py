@@ -13,6 +13,7 @@ from __future__ import annotations
 import json
 import logging
 import time
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 
 import torch
@@ -34,6 +35,9 @@ from engine.parallel.shared_memory import allocate_shared, open_shared, release_
 from engine.runner.warmup import start_up
 
 logger = logging.getLogger(__name__)
+
+# (pool shape, dtype, every rank's device) -> a shared-memory handle per rank, in rank order.
+PoolAllocator = Callable[[tuple[int, ...], torch.dtype, Sequence[torch.device]], list[dict]]
 
 
 @dataclass
@@ -65,7 +69,8 @@ class ModelShard:
 
 def build_shard(model: str | dict | None, config: EngineConfig, load_format: str, device: torch.device,
                 dtype: torch.dtype, tp: TPGroup | None = None, store: dist.Store | None = None,
-                started: float | None = None, quantization: str = "none") -> ModelShard:
+                started: float | None = None, quantization: str = "none",
+                allocate_pools: PoolAllocator | None = None) -> ModelShard:
     """Load, size, allocate and warm up one rank (call it on every rank with the same arguments
     but ``device``).
 
@@ -78,6 +83,8 @@ def build_shard(model: str | dict | None, config: EngineConfig, load_format: str
         store: with ``tp``, the ranks' rendezvous store (KV pool handles go through it).
         started: the ``time.perf_counter()`` the engine's start-up began at (default: now).
         quantization: ``"gguf"`` or ``"none"`` (resolved: :func:`engine.loading.quantized_loader.resolve_quantization`).
+        allocate_pools: on rank 0, where every rank's KV pool comes from when another process
+            holds them (``EngineCore``'s); ``None``: rank 0 allocates them.
 
     Raises:
         ValueError: a bad model or setting (from the loader), a KV cache dtype the device cannot
@@ -113,7 +120,7 @@ def build_shard(model: str | dict | None, config: EngineConfig, load_format: str
     if config.max_model_len and max_len < config.max_model_len and (tp is None or tp.is_driver):
         logger.warning("max_model_len lowered to %d: the KV cache holds %d blocks of %d tokens", max_len, num_blocks, bs)
 
-    pools = _kv_pools(KVCache.shape(net.config, num_blocks, bs), kv_dtype, device, tp, store)
+    pools = _kv_pools(KVCache.shape(net.config, num_blocks, bs), kv_dtype, device, tp, store, allocate_pools)
     kv_cache = KVCache(net.config, num_blocks, bs, kv_dtype, device, tensor=pools[0])
     runner = ModelRunner(net, kv_cache, config.max_num_batched_tokens, config.max_num_seqs, max_len, config.seed)
     startup = start_up(runner, config, graph_sizes, token_sizes, started, load_s, profile_s)
@@ -121,22 +128,31 @@ def build_shard(model: str | dict | None, config: EngineConfig, load_format: str
 
 
 def _kv_pools(shape: tuple[int, ...], dtype: torch.dtype, device: torch.device, tp: TPGroup | None,
-              store: dist.Store | None) -> list[torch.Tensor]:
-    """This rank's KV pool first; on rank 0 of a tensor-parallel engine, every other rank's after
-    it, allocated here on its device and shared with it through ``store``."""
-    if tp is None:
-        return [torch.zeros(shape, dtype=dtype, device=device)]
-    if not tp.is_driver:
-        pool = open_shared(json.loads(store.get(f"kv_pool/{tp.rank}")))
+              store: dist.Store | None, allocate: PoolAllocator | None) -> list[torch.Tensor]:
+    """This rank's KV pool first; on rank 0 of a tensor-parallel engine that allocates them,
+    every other rank's after it, allocated here on its device and shared with it through
+    ``store``. With ``allocate`` (rank 0), every rank's pool is mapped from its handle."""
+    world_size, rank = (1, 0) if tp is None else (tp.world_size, tp.rank)
+    if rank:
+        pool = open_shared(json.loads(store.get(f"kv_pool/{rank}")))
         tp.barrier()  # mapped: rank 0 may delete what names it
         return [pool]
-    pools, handles = [torch.zeros(shape, dtype=dtype, device=device)], []
-    for rank in range(1, tp.world_size):
-        pool, handle = allocate_shared(shape, dtype, rank_device(device, rank))
-        store.set(f"kv_pool/{rank}", json.dumps(handle))
-        pools.append(pool)
-        handles.append(handle)
-    tp.barrier()
-    for handle in handles:
-        release_handle(handle)
+    if allocate is not None:
+        handles = allocate(shape, dtype, [rank_device(device, r) for r in range(world_size)])
+        pools, shared = [open_shared(handles[0])], handles[1:]
+    elif tp is None:
+        return [torch.zeros(shape, dtype=dtype, device=device)]
+    else:
+        pools, shared = [torch.zeros(shape, dtype=dtype, device=device)], []
+        for other in range(1, world_size):
+            pool, handle = allocate_shared(shape, dtype, rank_device(device, other))
+            pools.append(pool)
+            shared.append(handle)
+    for other, handle in enumerate(shared, start=1):
+        store.set(f"kv_pool/{other}", json.dumps(handle))
+    if tp is not None:
+        tp.barrier()
+    if allocate is None:
+        for handle in shared:
+            release_handle(handle)
     return pools

@@ -9,7 +9,7 @@ import pytest
 
 from cluster.metrics import WorkerMetrics
 from cluster.worker import request_outcome
-from engine.async_engine import EngineDeadError, EngineError
+from engine.core.core_client import EngineDeadError, EngineError
 from engine.outputs import EngineStats
 from protos.status import StatusError
 from protos.tandem.v1 import worker_pb2, worker_pb2_grpc

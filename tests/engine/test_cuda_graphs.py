@@ -64,9 +64,9 @@ def test_batch_size_for_pads_up_and_falls_back_to_eager(tiny_dir):
                              engine.max_model_len)
     step = _decode_batch(engine, 3)
     assert graphs.batch_size_for(step) == 4
-    step.scheduled[0].seq.forks = [step.scheduled[1].seq]  # a fork child samples from its parent's row
+    step.scheduled[0].forks = [step.scheduled[1].seq]  # a fork child samples from its parent's row
     assert graphs.batch_size_for(step) is None
-    step.scheduled[0].seq.forks = []
+    step.scheduled[0].forks = []
     step.num_decodes = 2  # a prefill chunk in the step
     assert graphs.batch_size_for(step) is None
 

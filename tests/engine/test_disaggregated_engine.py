@@ -70,7 +70,7 @@ def test_first_token_can_finish_the_request(engines):
 
 
 def test_block_hashes_handed_in_key_the_prefix_cache_as_the_engines_own(engines):
-    """A caller hashes the prompt off the engine thread (``AsyncEngine`` does, on its event loop)
+    """A caller hashes the prompt off the engine thread (the engine core's client does, on its event loop)
     and hands the hashes to ``reserve_blocks`` and ``add_prefilled_request``: the blocks join the
     prefix cache under the keys the engine computes itself; a wrong count is refused, nothing taken."""
     _, decode = engines

@@ -28,6 +28,7 @@ def _mixed_step():
     p0 = _seq("p0", range(30, 36), 0, [5, 6])
     p1 = _seq("p1", range(40, 46), 4, [9, 4], forks=2)
     sched = [ScheduledSequence(d0, 1), ScheduledSequence(d1, 1), ScheduledSequence(p0, 3), ScheduledSequence(p1, 2)]
+    sched[3].forks = p1.forks  # the scheduler moves them to the step that completes the prompt
     return SchedulerOutput(scheduled=sched, num_decodes=2), (d0, d1, p0, p1)
 
 

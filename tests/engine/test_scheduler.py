@@ -26,12 +26,12 @@ def seq(arrival: int, prompt_len: int, request_id: str | None = None, n: int = 1
 def run(sched: Scheduler, sampled_token: int = 7) -> list[tuple[str, int]]:
     """One step as the engine runs it (minus the model): advance, append a token to sampled ones."""
     step = sched.schedule()
-    sampled = [x for s in step.scheduled if s.samples for x in (s.seq, *s.seq.forks)]
+    sampled = [x for s in step.scheduled if s.samples for x in (s.seq, *s.forks)]
     for s in step.scheduled:
-        s.seq.num_computed_tokens += s.num_new_tokens
-        sched.kv.cache_computed_blocks(s.seq)
-    sched.complete_forks(step)
+        sched.kv.cache_computed_blocks(s.seq, s.num_computed_after)
+    sched.complete(step)
     for x in sampled:
+        x.num_output_placeholders -= 1
         x.token_ids.append(sampled_token)
     return [(s.seq.request_id, s.num_new_tokens) for s in step.scheduled]
 
@@ -45,7 +45,7 @@ def test_token_budget_splits_prompts_into_chunks_and_puts_decodes_first():
     # a decodes (1 token, listed first), b continues its prefill with the rest of its prompt
     assert run(sched) == [("r0", 1), ("r1", 5)]
     assert run(sched) == [("r0", 1), ("r1", 1)]
-    assert all(s.seq.num_computed_tokens == s.seq.num_tokens - 1 for s in sched.schedule().scheduled)
+    assert all(s.start == s.seq.num_tokens - 1 for s in sched.schedule().scheduled)
 
 
 def test_max_num_seqs_bounds_the_running_batch():

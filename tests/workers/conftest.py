@@ -13,7 +13,7 @@ import pytest
 from decode_worker.server import DecodeServicer
 from engine import EngineConfig, EngineCore
 from cluster.settings import WorkerSettings
-from engine.async_engine import AsyncEngine
+from engine.core.core_client import EngineCoreClient
 from gateway.server import Gateway, load_served_model
 from gateway.settings import GatewaySettings
 from cluster.metrics import WorkerMetrics
@@ -35,7 +35,7 @@ def engines() -> tuple[EngineCore, EngineCore]:
 @dataclass
 class Worker:
     server: WorkerServer
-    engine: AsyncEngine
+    engine: EngineCoreClient
     channel: grpc.aio.Channel
     stub: object
 
@@ -57,8 +57,7 @@ def settings(**overrides) -> WorkerSettings:
 
 @contextlib.asynccontextmanager
 async def worker(llm: EngineCore, role: Role, **overrides) -> AsyncIterator[Worker]:
-    engine = AsyncEngine(llm, name=f"{role}-engine")
-    engine.start()
+    engine = await EngineCoreClient.embed(llm)
     s = settings(**overrides)
     metrics = WorkerMetrics(str(role), engine.stats)
     if role is Role.PREFILL:

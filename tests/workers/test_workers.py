@@ -4,6 +4,7 @@ every failure path (capacity, lease expiry, cancel, abort, shutdown) leaves no b
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import threading
 import time
 
@@ -12,8 +13,9 @@ import pytest
 import torch
 from protos.grpc.health.v1 import health_pb2, health_pb2_grpc
 
-from engine import LLM, SamplingParams, kv_cache_manager
-from engine.async_engine import AsyncEngine, EngineError
+from engine import LLM, EngineCore, SamplingParams
+from engine.core import core_client, kv_cache_manager
+from engine.core.core_client import EngineCoreClient, EngineError
 from engine.block_hash import hash_blocks
 from cluster.prefix_index import PrefixIndex
 from cluster.registry import ClusterNamespace, Role, WorkerRegistry, redis_client
@@ -407,13 +409,12 @@ def test_shutdown_after_admission_was_closed_from_outside_drains_and_stops(engin
     asyncio.run(main())
 
 
-def test_engine_failure_fails_the_request_not_the_thread(engines, monkeypatch):
+def test_engine_failure_fails_the_request_not_the_engine_core(engines, monkeypatch):
     decode = engines[1]
     free = decode.num_free_blocks
 
     async def main():
-        engine = AsyncEngine(decode)
-        engine.start()
+        engine = await EngineCoreClient.embed(decode)
         try:
             blocks, _ = await engine.reserve_blocks(list(range(1, 21)))
             bad_token = decode.model_config.vocab_size + 5  # the engine refuses it and frees the blocks
@@ -423,21 +424,22 @@ def test_engine_failure_fails_the_request_not_the_thread(engines, monkeypatch):
                     pass
             assert await engine.num_free_blocks() == free
 
-            execute = decode.runner.execute
+            launch = decode.runner.launch
             calls = []
 
-            def fail_once(step, on_launched=None):
+            def fail_once(step):
                 calls.append(step)
                 if len(calls) == 1:
                     raise RuntimeError("injected step failure")
-                return execute(step, on_launched)
+                return launch(step)
 
-            monkeypatch.setattr(decode.runner, "execute", fail_once)
+            monkeypatch.setattr(decode.runner, "launch", fail_once)
             with pytest.raises(EngineError, match="engine step failed"):
                 async for _ in engine.generate("doomed", [4, 5, 6], SamplingParams(max_tokens=3)):
                     pass
-            outs = [o async for o in engine.generate("good", [1, 2, 3], SamplingParams(max_tokens=3, temperature=0))]
-            assert outs[-1].finished and len(outs[-1].outputs[0].token_ids) == 3
+            outs = [o.outputs[0].token_ids[:]
+                    async for o in engine.generate("good", [1, 2, 3], SamplingParams(max_tokens=3, temperature=0))]
+            assert len(outs[-1]) == 3
             assert await engine.num_free_blocks() == free
         finally:
             await engine.shutdown()
@@ -445,20 +447,18 @@ def test_engine_failure_fails_the_request_not_the_thread(engines, monkeypatch):
     asyncio.run(main())
 
 
-def test_the_engine_thread_keeps_its_thread_count_when_the_other_threads_take_one(engines):
-    """A worker gives its engine thread the process's intra-op threads and every other thread
-    one (one OpenMP team per process, see ``run_worker``). PyTorch fixes a thread's count at its
-    first query, from the process-wide default: the engine thread must take its own before the
-    event loop's thread lowers that default (without the query in ``AsyncEngine._run`` it ran
-    on one thread)."""
+def test_the_engine_core_keeps_its_thread_count_when_the_other_threads_take_one(engines):
+    """An embedded engine core's loop takes the intra-op thread count it is given, whatever the
+    other threads of the process use (one OpenMP team per process: a worker's front end keeps
+    one thread, its engine core, a process of its own, the rest). PyTorch fixes a thread's count
+    at its first query, from the process-wide default: the loop takes its own count first."""
     before = torch.get_num_threads()
 
     async def main():
-        engine = AsyncEngine(engines[1], num_threads=3)
-        engine.start()
+        engine = await EngineCoreClient.embed(engines[1], num_threads=3)
         torch.set_num_threads(1)
         try:
-            assert await engine.call(torch.get_num_threads) == 3
+            assert engine.info.num_threads == 3
             assert torch.get_num_threads() == 1
             assert await asyncio.to_thread(torch.get_num_threads) == 1  # threads started later
         finally:
@@ -471,16 +471,14 @@ def test_the_engine_thread_keeps_its_thread_count_when_the_other_threads_take_on
 
 
 def test_a_prefilled_request_streams_forward_when_the_event_loop_lags(engines, monkeypatch):
-    """The engine thread steps a just-joined request while the event loop is busy: the request's
-    outputs still come in order, each with more tokens than the last (the first output, queued
-    from the event loop, once landed behind the steps' and took the stream back a token: the
-    decode worker sent its first token twice)."""
+    """The engine core steps a just-joined request while the event loop is busy: the request's
+    outputs still come in order, each with more tokens than the last, the first tokens once."""
     decode = engines[1]
     free = decode.num_free_blocks
     prompt, max_tokens = list(range(1, 21)), 24
 
     async def main():
-        loop, engine = asyncio.get_running_loop(), AsyncEngine(decode)
+        loop = asyncio.get_running_loop()
         add = decode.add_prefilled_request
 
         def add_then_stall_the_loop(*args, **kwargs):
@@ -489,13 +487,15 @@ def test_a_prefilled_request_streams_forward_when_the_event_loop_lags(engines, m
             return out
 
         monkeypatch.setattr(decode, "add_prefilled_request", add_then_stall_the_loop)
-        engine.start()
+        engine = await EngineCoreClient.embed(decode)
         try:
             blocks, _ = await engine.reserve_blocks(prompt)
             params = SamplingParams(max_tokens=max_tokens, temperature=0, ignore_eos=True)
-            lengths = [len(out.outputs[0].token_ids)
+            outputs = [list(out.outputs[0].token_ids)
                        async for out in engine.add_prefilled("lagging", prompt, [42], params, blocks)]
+            lengths = [len(tokens) for tokens in outputs]
             assert lengths == sorted(set(lengths)) and lengths[-1] == max_tokens
+            assert outputs[-1][0] == 42  # the prefill worker's first token, once: then max_tokens in all
             assert await engine.num_free_blocks() == free
         finally:
             await engine.shutdown()
@@ -504,23 +504,25 @@ def test_a_prefilled_request_streams_forward_when_the_event_loop_lags(engines, m
 
 
 def test_prompts_are_hashed_on_the_event_loop_not_between_steps(engines, monkeypatch):
-    """``AsyncEngine`` hashes a prompt's blocks on the caller's thread, the event loop, for
-    ``reserve_blocks``, ``add_prefilled`` and ``generate``: the engine thread, whose time between
-    two steps delays every running stream's next token, hashes none of them. A bad prompt is
-    still refused naming it, and the reservation it came to replace is freed."""
+    """The engine core's client hashes a prompt's blocks on the caller's thread, the event loop,
+    for ``reserve_blocks``, ``add_prefilled`` and ``generate``: the engine core's loop, whose time
+    between two steps delays every running stream's next token, hashes none of them. A bad
+    prompt is still refused naming it, and the reservation it came to replace is freed."""
     decode = engines[1]
     free = decode.num_free_blocks
-    hashed_on, hash_blocks = [], kv_cache_manager.hash_blocks
+    hashed_on = []
 
-    def recording(*args, **kwargs):
-        hashed_on.append(threading.current_thread().name)
-        return hash_blocks(*args, **kwargs)
+    def recording(original):
+        def record(*args, **kwargs):
+            hashed_on.append(threading.current_thread().name)
+            return original(*args, **kwargs)
+        return record
 
-    monkeypatch.setattr(kv_cache_manager, "hash_blocks", recording)
+    monkeypatch.setattr(kv_cache_manager, "hash_blocks", recording(kv_cache_manager.hash_blocks))
+    monkeypatch.setattr(core_client, "hash_blocks", recording(core_client.hash_blocks))
 
     async def main():
-        engine = AsyncEngine(decode, name="engine-thread")
-        engine.start()
+        engine = await EngineCoreClient.embed(decode)
         try:
             params = SamplingParams(max_tokens=3, temperature=0, ignore_eos=True)
             prompt = prompt_ids(40, seed=9)
@@ -535,24 +537,24 @@ def test_prompts_are_hashed_on_the_event_loop_not_between_steps(engines, monkeyp
             await engine.shutdown()
 
     asyncio.run(main())
-    assert len(hashed_on) >= 4 and "engine-thread" not in hashed_on, hashed_on
+    assert len(hashed_on) >= 4 and "engine-core" not in hashed_on, hashed_on
 
 
-def test_outputs_handed_over_during_the_next_step_lose_and_reorder_nothing(engines):
-    """A GPU engine thread hands a step's outputs to the event loop while the next step runs
-    (``overlap_outputs``, forced on here on the CPU): concurrent streams get the same tokens as
-    with outputs handed over between steps, each output longer than the last and the final one
-    last; a request aborted mid-stream ends with finish reason ``abort`` after the tokens it had;
-    every block comes back."""
-    decode = engines[1]
-    free = decode.num_free_blocks
+def test_async_scheduling_loses_and_reorders_nothing(engines):
+    """With async scheduling (forced on here on the CPU: each step is launched before the last
+    one's tokens are processed, and reads the token in flight as its input) concurrent streams
+    get the same tokens as without, each output longer than the last and the final one last; a
+    request aborted mid-stream ends with finish reason ``abort`` after the tokens it had; every
+    block comes back."""
     params = SamplingParams(max_tokens=12, temperature=0, ignore_eos=True)
+    sync_engine = engines[1]
+    async_engine = EngineCore(None, dataclasses.replace(sync_engine.config, async_scheduling=True))
 
-    async def run(overlap: bool) -> dict[str, list[list[int]]]:
-        engine = AsyncEngine(decode, overlap_outputs=overlap)
-        engine.start()
+    async def run(core: EngineCore, tag: str) -> dict[int, list]:
+        free = core.num_free_blocks
+        engine = await EngineCoreClient.embed(core)
         try:
-            async def stream(request_id: str, prompt: list[int], abort_after: int | None = None) -> list[list[int]]:
+            async def stream(request_id: str, prompt: list[int], abort_after: int | None = None) -> list:
                 seen = []
                 # (the aborted one could run far past its abort point: a busy event loop must not let it finish)
                 limit = params if abort_after is None else SamplingParams(max_tokens=400, temperature=0, ignore_eos=True)
@@ -565,18 +567,17 @@ def test_outputs_handed_over_during_the_next_step_lose_and_reorder_nothing(engin
                         seen.append(out.outputs[0].finish_reason)
                 return seen
 
-            names = [f"{'overlap' if overlap else 'between'}-{i}" for i in range(4)]
-            results = await asyncio.gather(*(stream(name, prompt_ids(20 + 3 * i, seed=i), 4 if i == 3 else None)
-                                             for i, name in enumerate(names)))
+            results = await asyncio.gather(*(stream(f"{tag}-{i}", prompt_ids(20 + 3 * i, seed=i), 4 if i == 3 else None)
+                                             for i in range(4)))
             assert await engine.num_free_blocks() == free
             return dict(zip(range(4), results))
         finally:
             await engine.shutdown()
 
-    between, overlapped = asyncio.run(run(False)), asyncio.run(run(True))
+    synchronous, overlapped = asyncio.run(run(sync_engine, "sync")), asyncio.run(run(async_engine, "async"))
     for i in range(3):
         *outputs, reason = overlapped[i]
-        assert reason == "length" and outputs[-1] == between[i][-2]  # every token, the same ones
+        assert reason == "length" and outputs[-1] == synchronous[i][-2]  # every token, the same ones
         assert all(len(a) < len(b) and b[:len(a)] == a for a, b in zip(outputs, outputs[1:]))
     *outputs, reason = overlapped[3]
     assert reason == "abort" and 4 <= len(outputs[-1]) < 400
