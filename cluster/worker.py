@@ -318,13 +318,13 @@ def run_worker(settings: WorkerSettings, role: Role,
         logger.info("OpenTelemetry tracing on (OTLP)")
 
     async def main() -> int:
-        use_device(resolve_device(settings.device))  # this thread's GPU work (KV transfers) is on the worker's GPU
+        use_device(resolve_device(settings.engine.device))  # this thread's GPU work (KV transfers) is on the worker's GPU
         threads = torch.get_num_threads()
         try:
             # On a thread that ends with the load (and its OpenMP team with it: see below).
             with concurrent.futures.ThreadPoolExecutor(1, thread_name_prefix=f"{role}-load") as loader:
                 llm = await asyncio.get_running_loop().run_in_executor(loader, functools.partial(
-                    LLMEngine, settings.model or None, settings.engine_config(), settings.load_format))
+                    LLMEngine, settings.model or None, settings.engine, settings.load_format))
         except ValueError as exc:
             raise StartupError(str(exc)) from None
         engine = AsyncEngine(llm, name=f"{role}-engine", num_threads=threads)

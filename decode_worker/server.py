@@ -24,12 +24,12 @@ from cluster import tracing
 from cluster.log import request_id_var
 from cluster.metrics import WorkerMetrics
 from cluster.registry import Role
-from cluster.settings import WorkerSettings
 from cluster.translate import (
     check_cache_salt, check_prompt_ids, check_request_id, finish_reason_to_proto, sampling_params_from_proto,
     token_logprobs, worker_config_to_proto,
 )
 from cluster.worker import Admission, kv_transport, published_config, request_outcome
+from decode_worker.settings import DecodeWorkerSettings
 from engine.async_engine import AsyncEngine
 from engine.block_hash import prompt_key
 from engine.block_pool import NoFreeBlocksError
@@ -62,10 +62,10 @@ class DecodeServicer(worker_pb2_grpc.DecodeWorkerServicer):
     peer_roles = {"Admit": ("gateway",), "TransferKV": ("prefill",), "Decode": ("gateway",),
                   "Abort": ("gateway",), "GetStats": ("gateway", "prefill", "decode")}
 
-    def __init__(self, engine: AsyncEngine, settings: WorkerSettings, metrics: WorkerMetrics) -> None:
+    def __init__(self, engine: AsyncEngine, settings: DecodeWorkerSettings, metrics: WorkerMetrics) -> None:
         self.engine = engine
         self.metrics = metrics
-        self.limits = settings.limits()
+        self.limits = settings.limits
         self.stream_interval = settings.stream_interval
         self.table = ReservationTable(engine.free_blocks, lease_s=settings.lease_s)
         pool = KVPool(engine.kv_pools)

@@ -254,7 +254,7 @@ class Gateway:
         self.prober = HealthProber(self.view, clients, settings.health_probe_interval_s,
                                    settings.health_probe_timeout_s)
         self.tokenizer_pool = TokenizerPool(settings.tokenizer_threads, settings.tokenizer_queue)
-        self.servicer = GatewayServicer(self.model, self.view, self.orchestrator, settings.limits(),
+        self.servicer = GatewayServicer(self.model, self.view, self.orchestrator, settings.limits,
                                         settings.max_request_bytes, settings.max_prompt_bytes, self.tokenizer_pool)
         self._scaffold: ServerScaffold | None = None
         self._loops = [PeriodicTask(self._refresh, settings.refresh_interval_s, "refresh",

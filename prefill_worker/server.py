@@ -69,8 +69,8 @@ class PrefillServicer(worker_pb2_grpc.PrefillWorkerServicer):
     def __init__(self, engine: AsyncEngine, settings: WorkerSettings, metrics: WorkerMetrics,
                  sender: KVSender | None = None) -> None:
         self.engine = engine
-        self.limits = settings.limits()
-        self.max_waiting = settings.max_num_seqs  # queued requests at most (back-pressure)
+        self.limits = settings.limits
+        self.max_waiting = settings.engine.max_num_seqs  # queued requests at most (back-pressure)
         self.metrics = metrics
         tls = worker_tls(settings, Role.PREFILL)
         # KV goes only to a peer that proves it is a decode worker of this cluster (with TLS) and
