@@ -228,10 +228,9 @@ class Orchestrator:
     """
 
     def __init__(self, view: ClusterView, clients: WorkerClients, tokenizer: Tokenizer | None,
-                 admit_wait_s: float = 5.0, local_prefill_max_tokens: int = 0, max_retries: int = 2,
-                 hop_timeout_s: float = 60.0, decode_stall_timeout_s: float = 15.0,
-                 prefill_s_per_token: float = 0.05, slo: ServiceLevel = ServiceLevel(),
-                 adaptive_placement: bool = True) -> None:
+                 admit_wait_s: float, local_prefill_max_tokens: int, max_retries: int, hop_timeout_s: float,
+                 decode_stall_timeout_s: float, prefill_s_per_token: float, slo: ServiceLevel,
+                 adaptive_placement: bool) -> None:
         self.view = view
         self.clients = clients
         self.tokenizer = tokenizer
