@@ -35,7 +35,7 @@ from engine.block_hash import prompt_key
 from engine.block_pool import NoFreeBlocksError
 from engine.outputs import RequestOutput
 from engine.sampling_params import SamplingParams
-from kvtransfer import GrpcKVReceiver, KVPool, KVReceiver, ReservationTable
+from kvtransfer import KVTransferServicer, KVPool, KVReceiver, ReservationTable
 from protos.status import StatusError
 from protos.tandem.v1 import worker_pb2, worker_pb2_grpc
 
@@ -70,7 +70,7 @@ class DecodeServicer(worker_pb2_grpc.DecodeWorkerServicer):
         self.table = ReservationTable(engine.free_blocks, lease_s=settings.lease_s)
         pool = KVPool(engine.kv_pools)
         _, self.nixl = kv_transport(settings, settings.resolved_worker_id(str(Role.DECODE)), pool)
-        self.kv_receiver = GrpcKVReceiver(KVReceiver(pool, self.table, nixl=self.nixl,
+        self.kv_receiver = KVTransferServicer(KVReceiver(pool, self.table, nixl=self.nixl,
                                                      verify_checksums=settings.kv_verify_checksums))
         self.layout = pool.layout
         self.config = published_config(engine.engine, self.kv_receiver.receiver.transports)

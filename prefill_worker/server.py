@@ -39,7 +39,7 @@ from cluster.tls import role_name
 from cluster.worker import Admission, kv_transport, published_config, request_outcome, worker_tls
 from engine.async_engine import AsyncEngine
 from engine.sampling_params import SamplingParams
-from kvtransfer import GRPC_MESSAGE_OPTIONS, BlockLayout, GrpcKVSender, KVDestination, KVPool, KVSender
+from kvtransfer import GRPC_MESSAGE_OPTIONS, BlockLayout, KVTransferClient, KVDestination, KVPool, KVSender
 from protos.status import StatusError
 from protos.tandem.v1 import worker_pb2, worker_pb2_grpc
 
@@ -87,7 +87,7 @@ class PrefillServicer(worker_pb2_grpc.PrefillWorkerServicer):
         self._decode_read_at = -1.0
         self.pool = KVPool(engine.kv_pools)
         transports, self.nixl = kv_transport(settings, settings.resolved_worker_id(str(Role.PREFILL)), self.pool)
-        self.sender = sender or GrpcKVSender(self.channels.get, transports=transports, nixl=self.nixl,
+        self.sender = sender or KVTransferClient(self.channels.get, transports=transports, nixl=self.nixl,
                                              verify_checksums=settings.kv_verify_checksums)
         self.layout = self.pool.layout
         self.config = published_config(engine.engine, transports)
