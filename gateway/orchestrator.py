@@ -1,7 +1,7 @@
 """One Generate request across the cluster: route, Admit → Prefill → Decode (or Admit → Decode
 with a local prefill), stream, clean up.
 
-The servicer hands a checked request to :meth:`Orchestrator.generate`, an async generator of
+The servicer hands a checked request to :meth:`Orchestrator.run`, an async generator of
 ``GenerateResponse``. Errors come out as :class:`protos.status.StatusError`; whatever way the
 generator ends (finished, stop string, error, client cancellation, deadline), every worker
 that may still hold something of the request is told to ``Abort`` and the routing counts are
@@ -243,7 +243,7 @@ class Orchestrator:
         self.default_slo = slo
         self._background: set[asyncio.Task] = set()
 
-    async def generate(
+    async def run(
         self, request_id: str, prompt: list[int], sampling: gateway_pb2.SamplingParams, params: SamplingParams,
         pool: WorkerConfig, time_left: Callable[[], float | None], cache_salt: str = "",
         slo: ServiceLevel = ServiceLevel(),
