@@ -273,8 +273,8 @@ def cli_parser(settings_cls: type[S], prog: str, description: str) -> tuple[argp
 
 
 def from_args(settings_cls: type[S], argv: Sequence[str] | None, prog: str, description: str) -> S:
-    """Parse flags into settings (flags override keywords and the environment; ``argv``
-    ``None``: ``sys.argv[1:]``).
+    """Parse flags into settings (flags override the environment; ``argv`` ``None``:
+    ``sys.argv[1:]``).
 
     Raises:
         SystemExit: bad flags or a bad value: exit code 2 after one line on stderr naming the
