@@ -1,8 +1,8 @@
 """KV transfer bandwidth between two worker processes: NIXL against the gRPC stream.
 
 One request's blocks move from a "prefill" pool in this process to a reservation in a "decode"
-pool in a second process, through Tandem's own data plane (``GrpcKVSender`` →
-``DecodeWorker.TransferKV`` → ``GrpcKVReceiver``/``KVReceiver``, with NIXL reads or the bytes in
+pool in a second process, through Tandem's own data plane (``KVTransferClient`` →
+``DecodeWorker.TransferKV`` → ``KVTransferServicer``/``KVReceiver``, with NIXL reads or the bytes in
 the stream), for 16, 256 and 2048 blocks of Llama-3-8B's shape (32 layers x 8 KV heads x 128 x
 16 tokens, bf16: 2 MiB a block; ``--kv-cache-dtype fp8_e4m3``: float8 e4m3, 1 MiB a block). The
 time runs from opening the transfer to the receiver's acknowledgement; the median of several repetitions is reported. In the same run, a plain copy
@@ -54,7 +54,7 @@ from engine.loading.model_config import ModelConfig  # noqa: E402
 from engine.loading.presets import PRESETS  # noqa: E402
 from engine.parallel.tensor_parallel import shard_config  # noqa: E402
 from kvtransfer import (  # noqa: E402
-    GRPC_MESSAGE_OPTIONS, GrpcKVReceiver, GrpcKVSender, KVDestination, KVPool, KVReceiver, ReservationTable,
+    GRPC_MESSAGE_OPTIONS, KVTransferServicer, KVTransferClient, KVDestination, KVPool, KVReceiver, ReservationTable,
 )
 from kvtransfer.nixl import NixlAgent  # noqa: E402
 from protos.tandem.v1 import worker_pb2, worker_pb2_grpc  # noqa: E402
@@ -87,7 +87,7 @@ class ReceiverServicer(worker_pb2_grpc.DecodeWorkerServicer):
     def __init__(self, pool: KVPool, nixl: NixlAgent, verify_checksums: bool = False) -> None:
         self.free = list(range(pool.num_blocks))
         self.table = ReservationTable(self.free.extend)
-        self.receiver = GrpcKVReceiver(KVReceiver(pool, self.table, nixl=nixl, verify_checksums=verify_checksums))
+        self.receiver = KVTransferServicer(KVReceiver(pool, self.table, nixl=nixl, verify_checksums=verify_checksums))
 
     async def Admit(self, request, context):  # noqa: N802
         count = len(request.prompt_token_ids) // BLOCK_SIZE
@@ -142,7 +142,8 @@ async def measure(address: str, pool: KVPool, nixl: NixlAgent, repeats: int, blo
     block_nbytes = pool.layout.block_nbytes
     metrics = {}
     for transport in transports:
-        sender = GrpcKVSender(lambda _: channel, transports=[transport], nixl=nixl, verify_checksums=verify_checksums)
+        sender = KVTransferClient(lambda _: channel, transports=[transport], nixl=nixl,
+                                  verify_checksums=verify_checksums)
 
         async def one_transfer(rid: str, count: int, prefill_s: float) -> tuple[float, float, float]:
             """One transfer of ``count`` blocks whose blocks are ready ``prefill_s`` after the

@@ -56,7 +56,7 @@ class Heartbeat:
         *,
         index: PrefixIndex | None = None,
         blocks: BlockEventSource | None = None,
-        interval_s: float = 1.0,
+        interval_s: float,
     ) -> None:
         if not 0 < interval_s < registry.ns.ttl_s:
             raise ValueError(f"interval_s must be in (0, ttl_s={registry.ns.ttl_s}), got {interval_s}")

@@ -4,7 +4,7 @@ Written here rather than taken from grpcio-reflection because that package serve
 only (current clients such as grpcurl ask v1 first) and builds its file descriptors from the
 compiled stubs, which carry no comments, so ``grpcurl describe`` showed no field
 documentation. Tandem's files are served from ``protos/tandem/v1/descriptors.binpb`` (compiled
-with their source info by ``protos/generate.py``); anything else from the default descriptor
+with their source info by ``protos/compile.py``); anything else from the default descriptor
 pool.
 """
 

@@ -69,7 +69,7 @@ class ClusterNamespace:
     """
 
     key_prefix: str
-    ttl_s: float = 3.0
+    ttl_s: float
 
     def __post_init__(self) -> None:
         if not self.key_prefix:

@@ -102,7 +102,7 @@ class ServerScaffold:
         health: NOT_SERVING for everything until the owner says otherwise.
     """
 
-    def __init__(self, services: Sequence[str], options: Sequence[tuple[str, int]] = (), *, reflection: bool = True,
+    def __init__(self, services: Sequence[str], options: Sequence[tuple[str, int]] = (), *, reflection: bool,
                  interceptors: Sequence[grpc.aio.ServerInterceptor] = (), new_traces: bool = False) -> None:
         # No SO_REUSEPORT: a second server on a taken port must fail, not share it silently.
         self.server = grpc.aio.server(options=[("grpc.so_reuseport", 0), *options],

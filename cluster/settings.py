@@ -1,57 +1,130 @@
-"""Settings of Tandem's servers: one base the gateway and the workers share, flags generated
-from it the same way for every server.
+"""Settings of Tandem's servers: one class per process, holding exactly what that process reads.
 
-Every field ``foo_bar`` is read from the environment variable ``TANDEM_FOO_BAR`` and can be
-overridden by the flag ``--foo-bar`` (:func:`from_args`); flags win. Values are checked when
-the settings are built; a bad one is refused naming its field. Each setting has one owner:
-what the workers decide about their cache (block size, ``max_model_len``, KV dtype, the
-block-hash seed) they publish in the registry and in ``GetStats``, and the gateway reads it
-there instead of being told (docs/architecture.md, "Who owns what").
+``GatewaySettings`` (``gateway/settings.py``), ``WorkerSettings`` (a prefill worker) and
+``DecodeWorkerSettings`` (``decode_worker/settings.py``) share :class:`ServerSettings`. Each
+setting is declared once: the engine's in :class:`engine.config.EngineConfig`, nested whole as
+``WorkerSettings.engine`` (handed to the engine as it is); the request caps in
+:class:`RequestLimits`, nested as ``ServerSettings.limits``.
+
+Names: a setting ``foo_bar`` is the environment variable ``TANDEM_FOO_BAR``, the flag
+``--foo-bar`` (a boolean: ``--foo-bar`` / ``--no-foo-bar``) and the keyword ``foo_bar=``,
+whether it is a field of the class or of a nested model. Nested fields keep these flat names
+rather than pydantic-settings' nested ones (``TANDEM_ENGINE__BLOCK_SIZE``,
+``--engine.block-size``): operators, compose files, Kubernetes manifests and tests already use
+them, and a process has one namespace of settings (:func:`settings_fields` refuses a name two
+nested models share). One name differs: the gateway's ``listen`` is ``TANDEM_GATEWAY_ADDR``.
+
+Sources, the first that has a setting wins: flags (:func:`from_args`: pydantic-settings' CLI
+source, its flags named as above), keywords, the environment (pydantic-settings' source for the
+class's own fields, :class:`_NestedEnvironment` for the nested models'), the default. Values
+are checked when the settings are built; a bad one is refused naming its setting.
+
+Each setting has one owner: what the workers decide about their cache (block size,
+``max_model_len``, KV dtype, the block-hash seed) they publish in the registry and in
+``GetStats``, and the gateway reads it there instead of being told (docs/architecture.md, "Who
+owns what").
 """
 
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import os
 import socket
 import typing
 from collections.abc import Sequence
-from dataclasses import dataclass
-from typing import Annotated, TypeVar
+from typing import Annotated, Any, TypeVar
 
-from pydantic import Field, ValidationError, field_validator
-from pydantic_settings import BaseSettings, NoDecode, SettingsConfigDict
+from pydantic import BaseModel, Field, ValidationError, field_validator, model_validator
+from pydantic.dataclasses import dataclass
+from pydantic_settings import (
+    BaseSettings, CliSettingsSource, EnvSettingsSource, NoDecode, PydanticBaseSettingsSource, SettingsConfigDict,
+)
 
-from engine.config import DTYPE_NAMES, KV_CACHE_DTYPES, QUANTIZATIONS, SUPPORTED_BLOCK_SIZES, EngineConfig
+from engine.config import EngineConfig
 
-S = TypeVar("S", bound="TandemSettings")
+S = TypeVar("S", bound="ServerSettings")
 
 
 @dataclass(frozen=True)
 class RequestLimits:
     """Caps on one request's sampling parameters, checked by the gateway and by every worker
-    itself (the same values: they come from the same ``TANDEM_MAX_*`` settings).
+    itself (the same values: they come from the same settings)."""
 
-    Attributes:
-        max_n: samples per request at most.
-        max_logprobs: top log-probabilities per generated token at most.
-        max_stop: stop strings per request at most.
-        max_stop_len: characters per stop string at most.
-        max_stop_token_ids: stop token ids per request at most.
+    max_n: int = Field(8, ge=1, description="largest sampling.n")
+    max_logprobs: int = Field(20, ge=0, description="largest sampling.logprobs")
+    max_stop: int = Field(16, ge=0, description="stop strings per request at most")
+    max_stop_len: int = Field(256, ge=1, description="characters per stop string at most")
+    max_stop_token_ids: int = Field(64, ge=0, description="stop token ids per request at most")
+
+
+def _nested_model(annotation: object) -> bool:
+    return dataclasses.is_dataclass(annotation) or (isinstance(annotation, type) and issubclass(annotation, BaseModel))
+
+
+def settings_fields(settings_cls: type[BaseSettings]) -> dict[str, tuple[str, ...]]:
+    """Every setting of ``settings_cls`` by name, with its path: ``("listen",)`` for a field of
+    the class, ``("engine", "block_size")`` for a field of a nested model.
+
+    Raises:
+        TypeError: two settings have one name (a nested field shadows another setting).
     """
+    fields: dict[str, tuple[str, ...]] = {}
+    for name, field in settings_cls.model_fields.items():
+        inner = field.annotation
+        paths = [(name, sub) for sub in inner.__pydantic_fields__] if _nested_model(inner) else [(name,)]
+        for path in paths:
+            if path[-1] in fields:
+                raise TypeError(f"{settings_cls.__name__}: {'.'.join(path)} and {'.'.join(fields[path[-1]])} "
+                                f"are both named {path[-1]}")
+            fields[path[-1]] = path
+    return fields
 
-    max_n: int = 8
-    max_logprobs: int = 20
-    max_stop: int = 16
-    max_stop_len: int = 256
-    max_stop_token_ids: int = 64
+
+def env_name(settings_cls: type[BaseSettings], name: str) -> str:
+    """The environment variable setting ``name`` is read from (its alias where it has one)."""
+    path = settings_fields(settings_cls)[name]
+    alias = settings_cls.model_fields[name].validation_alias if len(path) == 1 else None
+    return str(alias) if alias else f"TANDEM_{name.upper()}"
 
 
-class TandemSettings(BaseSettings):
-    """What every Tandem server is configured with (subclassed per server)."""
+def setting_name(settings_cls: type[BaseSettings], name: str) -> str:
+    """How a user sets ``name``: ``--foo-bar / TANDEM_FOO_BAR`` (for error messages)."""
+    return f"--{name.replace('_', '-')} / {env_name(settings_cls, name)}"
+
+
+def _setting_at(settings_cls: type[BaseSettings], loc: Sequence[str | int]) -> str | None:
+    """The setting a validation error's ``loc`` (or an argparse ``dest``, split at dots)
+    points at: a field given by its alias is named by the field; a nested model's field by its
+    own name; ``None`` for a nested model as a whole."""
+    aliases = {str(f.validation_alias): name for name, f in settings_cls.model_fields.items() if f.validation_alias}
+    fields = settings_fields(settings_cls)
+    head = aliases.get(str(loc[0]), str(loc[0])) if loc else ""
+    if head in fields:
+        return head
+    return str(loc[1]) if len(loc) > 1 and str(loc[1]) in fields else None
+
+
+class _NestedEnvironment(EnvSettingsSource):
+    """The nested models' fields from the environment by their flat names:
+    ``TANDEM_BLOCK_SIZE`` → ``{"engine": {"block_size": "..."}}`` (module docstring)."""
+
+    def __call__(self) -> dict[str, Any]:
+        values: dict[str, dict[str, str | None]] = {}
+        for name, path in settings_fields(self.settings_cls).items():
+            key = env_name(self.settings_cls, name)
+            key = key if self.case_sensitive else key.lower()
+            if len(path) == 2 and key in self.env_vars:
+                values.setdefault(path[0], {})[name] = self.env_vars[key]
+        return values
+
+
+class ServerSettings(BaseSettings):
+    """What every Tandem server reads (subclassed per process)."""
 
     model_config = SettingsConfigDict(env_prefix="TANDEM_", extra="ignore", protected_namespaces=(),
-                                      populate_by_name=True)
+                                      populate_by_name=True, cli_kebab_case=True, cli_implicit_flags=True,
+                                      cli_hide_none_type=True, cli_avoid_json=True)
 
     listen: str = Field("127.0.0.1:0", description="gRPC listen address host:port (port 0: any free port)")
     model: str = Field("", description="model: HF directory, .gguf file, ORG/NAME or preset; empty: SmolLM2-135M-Instruct")
@@ -72,33 +145,34 @@ class TandemSettings(BaseSettings):
     redis_tls_ca: str = Field("", description="CA file that verifies Redis's certificate (with a rediss:// URL)")
     reflection: bool = Field(False, description="serve gRPC reflection (lists the services; workers' are internal)")
     log_level: typing.Literal["DEBUG", "INFO", "WARNING", "ERROR"] = Field("INFO", description="log level")
-    max_n: int = Field(RequestLimits.max_n, ge=1, description="largest sampling.n")
-    max_logprobs: int = Field(RequestLimits.max_logprobs, ge=0, description="largest sampling.logprobs")
-    max_stop: int = Field(RequestLimits.max_stop, ge=0, description="stop strings per request at most")
-    max_stop_len: int = Field(RequestLimits.max_stop_len, ge=1, description="characters per stop string at most")
-    max_stop_token_ids: int = Field(RequestLimits.max_stop_token_ids, ge=0, description="stop token ids per request at most")
-    # Liveness and failover (docs/deployment.md, "Failures"): keepalive on every channel, both
-    # ends; the rest is read by the gateway, which drives the worker calls.
+    limits: RequestLimits = Field(RequestLimits(), description="request caps")
+    # Liveness (docs/deployment.md, "Failures"): keepalive on every channel, both ends.
     keepalive_time_s: float = Field(5.0, gt=0, description="seconds between HTTP/2 keepalive pings on every gRPC "
                                                            "connection (client and server side)")
     keepalive_timeout_s: float = Field(5.0, gt=0, description="seconds a keepalive ping waits for its ack before "
                                                               "the connection (and every call on it) is failed")
-    hop_timeout_s: float = Field(60.0, gt=0, description="seconds one worker call (Admit, Prefill) may take when "
-                                                         "the client's deadline is later or unset")
-    decode_stall_timeout_s: float = Field(15.0, gt=0, description="seconds a Decode stream may go without a "
-                                                                  "message before its worker counts as failed")
-    max_retries: int = Field(2, ge=0, description="tries on other workers after a worker failure before the "
-                                                  "client has seen a token, and resumes of a greedy or seeded "
-                                                  "stream on another decode worker after it")
-    outlier_consecutive_failures: int = Field(2, ge=1, description="consecutive failed calls that eject a worker "
-                                                                   "from routing")
-    outlier_base_ejection_s: float = Field(5.0, gt=0, description="seconds of a worker's first ejection; each "
-                                                                  "repeat doubles it")
-    outlier_max_ejection_s: float = Field(60.0, gt=0, description="seconds an ejection lasts at most")
-    health_probe_interval_s: float = Field(1.0, gt=0, description="seconds between the gateway's health probes "
-                                                                  "of each worker")
-    health_probe_timeout_s: float = Field(1.0, gt=0, description="seconds a health probe waits; no SERVING "
-                                                                 "answer in time: not routed to until one comes")
+
+    @classmethod
+    def settings_customise_sources(cls, settings_cls: type[BaseSettings], init_settings: PydanticBaseSettingsSource,
+                                   env_settings: PydanticBaseSettingsSource, dotenv_settings: PydanticBaseSettingsSource,
+                                   file_secret_settings: PydanticBaseSettingsSource,
+                                   ) -> tuple[PydanticBaseSettingsSource, ...]:
+        return init_settings, env_settings, _NestedEnvironment(settings_cls)
+
+    @model_validator(mode="before")
+    @classmethod
+    def _nest_keywords(cls, data: object) -> object:
+        """A nested model's fields given as keywords by their flat names (``num_blocks=8``) go
+        into the model; they win over the same field from the environment."""
+        if not isinstance(data, dict):
+            return data
+        data = dict(data)
+        for name, path in settings_fields(cls).items():
+            if len(path) == 2 and name in data:
+                given = data.get(path[0], {})
+                given = given if isinstance(given, dict) else dataclasses.asdict(given)
+                data[path[0]] = {**given, name: data.pop(name)}
+        return data
 
     @field_validator("listen")
     @classmethod
@@ -126,14 +200,6 @@ class TandemSettings(BaseSettings):
             raise ValueError(f"no TLS: set {setting_name(cls, 'tls_dir')} (`tandem certs init DIR` makes one) or "
                              f"choose plaintext with {setting_name(cls, 'insecure')}")
 
-    @field_validator("outlier_max_ejection_s")
-    @classmethod
-    def _check_max_ejection(cls, value: float, info) -> float:
-        base = info.data.get("outlier_base_ejection_s")
-        if base is not None and value < base:
-            raise ValueError(f"must be >= outlier_base_ejection_s ({base}), got {value}")
-        return value
-
     @field_validator("log_level", mode="before")
     @classmethod
     def _upper(cls, value: object) -> object:
@@ -144,55 +210,17 @@ class TandemSettings(BaseSettings):
         """The host part of ``listen`` (brackets of an IPv6 literal removed)."""
         return self.listen.rpartition(":")[0].strip("[]")
 
-    def limits(self) -> RequestLimits:
-        """The request caps of these settings."""
-        return RequestLimits(self.max_n, self.max_logprobs, self.max_stop, self.max_stop_len,
-                             self.max_stop_token_ids)
 
-
-class WorkerSettings(TandemSettings):
-    """Settings of one prefill or decode worker process (engine and KV transfer included)."""
+class WorkerSettings(ServerSettings):
+    """Settings of a worker process (a prefill worker reads exactly these; a decode worker
+    reads ``decode_worker.settings.DecodeWorkerSettings``): the engine's, nested, and KV transfer."""
 
     advertise: str = Field("", description="address peers dial (registry, KV destination); empty: the listen "
                                            "address, a wildcard host replaced by this host's IP")
     worker_id: str = Field("", description="id in the registry; empty: {role}-{hostname}-{pid}")
     heartbeat_interval_s: float = Field(1.0, gt=0, description="seconds between heartbeats (< registry_ttl_s)")
     load_format: typing.Literal["auto", "dummy"] = Field("auto", description="auto, or dummy: random weights")
-    block_size: int = Field(16, description=f"tokens per KV block, one of {SUPPORTED_BLOCK_SIZES}")
-    num_blocks: int | None = Field(None, ge=1, description="KV blocks in the pool; unset: sized from memory")
-    kv_cache_memory_bytes: int = Field(1 << 30, ge=1, description="KV cache bytes when not on CUDA")
-    gpu_memory_utilization: float = Field(0.9, gt=0, le=1, description="fraction of the GPU's memory to use")
-    max_num_seqs: int = Field(256, ge=1, description="sequences in the running batch at most")
-    max_num_batched_tokens: int = Field(2048, ge=1, description="tokens per engine step at most (prefill chunk size)")
-    max_model_len: int | None = Field(None, ge=2, description="prompt + output tokens at most; unset: the model's")
-    enable_prefix_caching: bool = Field(True, description="reuse cached KV blocks across requests")
-    enforce_eager: bool = Field(False, description="CUDA: capture no CUDA graphs (less start-up, slower steps)")
-    cuda_graph_batch_sizes: Annotated[list[int] | None, NoDecode] = Field(
-        None, description="CUDA: decode batch sizes captured as graphs; unset: 1, 2, 4, then every multiple of 8 up to max_num_seqs")
-    cuda_graph_token_sizes: Annotated[list[int] | None, NoDecode] = Field(
-        None, description="CUDA: token counts at which the pieces between attentions of other steps (prompt chunks) "
-                          "are captured as graphs; unset: 16, 32, 64, 128, then eight counts per doubling (144, "
-                          "160, ..., 256, 288, ...) up to min(max_num_batched_tokens, 2048); empty: none")
-    device: str = Field("auto", description="auto (CUDA when available), cpu or cuda[:N]; with tensor parallelism, "
-                                            "rank 0's GPU (rank r runs on the GPU r after it)")
-    tensor_parallel_size: int = Field(1, ge=1, description="ranks the model is sharded over (Megatron-LM tensor "
-                                                           "parallelism), one process and one GPU each; it must "
-                                                           "divide the model's attention and KV heads")
-    dtype: typing.Literal["auto", *DTYPE_NAMES] = Field(
-        "auto", description="model dtype (and the KV cache's, unless kv_cache_dtype says otherwise); auto: "
-                            "bfloat16 on CUDA, float32 on CPU")
-    kv_cache_dtype: typing.Literal[*KV_CACHE_DTYPES] = Field(
-        "auto", description="KV cache dtype: auto (the model's dtype) or fp8_e4m3 (float8 e4m3, scale 1.0, "
-                            "saturated to ±448: twice the blocks in the same memory; CUDA needs compute capability "
-                            ">= 8.9); published, and a pool's workers must agree")
-    quantization: typing.Literal[*QUANTIZATIONS] = Field(
-        "auto", description="gguf: keep a GGUF model's Q4_0/Q4_1/Q8_0 weights quantized and compute with them "
-                            "(CPU; the matmuls in bfloat16); none: dequantize (the HF-parity path); auto: gguf for a GGUF model "
-                            "on the CPU")
-    seed: int = Field(0, ge=0, description="seed of the engine's shared randomness")
-    lease_s: float = Field(30.0, gt=0, le=600, description="decode: seconds a reservation lives with no transfer "
-                                                           "stream open on it and no Decode claiming it (the "
-                                                           "worker's own: no caller chooses it)")
+    engine: EngineConfig = Field(EngineConfig(), description="the engine's settings")
     kv_transport: typing.Literal["auto", "nixl", "grpc"] = Field(
         "auto", description="how KV blocks move between workers: nixl (GPU-direct / shared memory / RDMA; a "
                             "startup error without NIXL), grpc (bytes in the stream), auto (NIXL where both peers "
@@ -203,37 +231,6 @@ class WorkerSettings(TandemSettings):
                                                                  "(a step) may take before the engine is declared "
                                                                  "hung: the worker then fails its requests "
                                                                  "(UNAVAILABLE) and exits")
-    stream_interval: int = Field(1, ge=1, description="decode: new tokens a stream message waits for (the last one "
-                                                      "of a sample goes whatever it holds); more: fewer messages per "
-                                                      "token for the worker's event loop, coarser streaming "
-                                                      "(SGLang's stream_interval)")
-
-    @field_validator("cuda_graph_batch_sizes", "cuda_graph_token_sizes", mode="before")
-    @classmethod
-    def _split_sizes(cls, value):
-        """``"1,2,4"`` (an environment variable or a flag) → ``[1, 2, 4]``."""
-        if isinstance(value, str):
-            return [part.strip() for part in value.split(",") if part.strip()]
-        return value
-
-    @field_validator("block_size")
-    @classmethod
-    def _check_block_size(cls, value: int) -> int:
-        if value not in SUPPORTED_BLOCK_SIZES:
-            raise ValueError(f"must be one of {SUPPORTED_BLOCK_SIZES}, got {value}")
-        return value
-
-    def engine_config(self) -> EngineConfig:
-        return EngineConfig(
-            block_size=self.block_size, max_num_seqs=self.max_num_seqs,
-            max_num_batched_tokens=self.max_num_batched_tokens, max_model_len=self.max_model_len,
-            num_blocks=self.num_blocks, kv_cache_memory_bytes=self.kv_cache_memory_bytes,
-            gpu_memory_utilization=self.gpu_memory_utilization,
-            enable_prefix_caching=self.enable_prefix_caching, dtype=self.dtype, quantization=self.quantization,
-            kv_cache_dtype=self.kv_cache_dtype, device=self.device,
-            seed=self.seed, enforce_eager=self.enforce_eager, cuda_graph_batch_sizes=self.cuda_graph_batch_sizes,
-            cuda_graph_token_sizes=self.cuda_graph_token_sizes, tensor_parallel_size=self.tensor_parallel_size,
-        )
 
     def resolved_worker_id(self, role: str) -> str:
         return self.worker_id or f"{role}-{socket.gethostname()}-{os.getpid()}"
@@ -253,25 +250,6 @@ def advertised_address(listen_host: str, port: int, advertise: str = "") -> str:
     return f"[{host}]:{port}" if ":" in host else f"{host}:{port}"
 
 
-def env_name(settings_cls: type[TandemSettings], field: str) -> str:
-    """The environment variable a field reads (its alias where it has one)."""
-    alias = settings_cls.model_fields[field].validation_alias
-    choices = getattr(alias, "choices", None)
-    return str(choices[0]) if choices else f"TANDEM_{field.upper()}"
-
-
-def setting_name(settings_cls: type[TandemSettings], field: str) -> str:
-    """How a user sets ``field``: ``--foo-bar / TANDEM_FOO_BAR`` (for error messages)."""
-    return f"--{field.replace('_', '-')} / {env_name(settings_cls, field)}"
-
-
-def _flag_help(settings_cls: type[TandemSettings], name: str) -> str:
-    field = settings_cls.model_fields[name]
-    default = field.get_default(call_default_factory=True)
-    shown = ",".join(default) if isinstance(default, list) else default
-    return f"{field.description or name} (env {env_name(settings_cls, name)}; default {shown!r})"
-
-
 class _OneLineErrors(argparse.ArgumentParser):
     """argparse, but an error is one line on stderr (no usage block), exit code 2."""
 
@@ -279,45 +257,52 @@ class _OneLineErrors(argparse.ArgumentParser):
         self.exit(2, f"{self.prog}: error: {message} (--help lists the flags)\n")
 
 
-def build_parser(settings_cls: type[TandemSettings], prog: str, description: str) -> argparse.ArgumentParser:
-    """An argument parser with one flag per settings field: ``--foo-bar VALUE``, and for a
-    boolean field ``--foo-bar`` / ``--no-foo-bar``. Values are checked by the settings."""
-    parser = _OneLineErrors(prog=prog, description=description)
-    for name, field in settings_cls.model_fields.items():
-        flag = f"--{name.replace('_', '-')}"
-        if field.annotation is bool:
-            parser.add_argument(flag, dest=name, default=None, action=argparse.BooleanOptionalAction,
-                                help=_flag_help(settings_cls, name))
-        else:
-            parser.add_argument(flag, dest=name, default=None, metavar=name.upper(),
-                                help=_flag_help(settings_cls, name))
-    return parser
+def cli_parser(settings_cls: type[S], prog: str, description: str) -> tuple[argparse.ArgumentParser,
+                                                                              CliSettingsSource[S]]:
+    """The argument parser of ``settings_cls``'s flags and the pydantic-settings CLI source that
+    fills it: one flag per setting, named by the setting (module docstring), its help the
+    field's description, default and environment variable. A nested model's own JSON flag
+    (``--engine '{...}'``) is left out: each of its fields has a flag."""
+    parser = _OneLineErrors(prog=prog, description=description, allow_abbrev=False)
+
+    def add_flag(group, *_names: str, dest: str, help: str, **kwargs):  # noqa: A002 (argparse's name)
+        name = _setting_at(settings_cls, dest.split("."))
+        if name is None:
+            return None
+        return group.add_argument(f"--{name.replace('_', '-')}", dest=dest, **kwargs,
+                                  help=f"{help} [env {env_name(settings_cls, name)}]")
+
+    source = CliSettingsSource(settings_cls, cli_prog_name=prog, root_parser=parser, add_argument_method=add_flag)
+    return parser, source
 
 
 def from_args(settings_cls: type[S], argv: Sequence[str] | None, prog: str, description: str) -> S:
-    """Parse flags into settings (flags override ``TANDEM_*`` environment variables).
+    """Parse flags into settings (flags override the environment; ``argv`` ``None``:
+    ``sys.argv[1:]``).
 
     Raises:
         SystemExit: bad flags or a bad value: exit code 2 after one line on stderr naming the
             setting (argparse's convention).
     """
-    parser = build_parser(settings_cls, prog, description)
-    overrides = {k: v for k, v in vars(parser.parse_args(argv)).items() if v is not None}
+    parser, source = cli_parser(settings_cls, prog, description)
     try:
-        return settings_cls(**overrides)
+        return settings_cls(_cli_settings_source=source(args=True if argv is None else list(argv)))
     except ValidationError as exc:
-        problems = "; ".join(
-            f"{setting_name(settings_cls, str(e['loc'][0])) if e['loc'] else 'settings'}: "
-            f"{e['msg'].removeprefix('Value error, ')}" for e in exc.errors())
-        parser.error(problems)
+        problems = []
+        for e in exc.errors():
+            name = _setting_at(settings_cls, e["loc"])
+            problems.append(f"{setting_name(settings_cls, name) if name else 'settings'}: "
+                            f"{e['msg'].removeprefix('Value error, ')}")
+        parser.error("; ".join(problems))
         raise  # unreachable: parser.error exits
 
 
-Addresses = Annotated[list[str], NoDecode]
+# A list setting given as one string in an environment variable or a flag: "a,b" (split_commas).
+CommaSeparated = Annotated[list[str], NoDecode]
 
 
-def split_addresses(value: object) -> object:
-    """``"host:port,host:port"`` (an environment variable or a flag) → a list of addresses."""
+def split_commas(value: object) -> object:
+    """``"a, b,c"`` (an environment variable or a flag) → ``["a", "b", "c"]``; a list stays."""
     if isinstance(value, str):
         return [a.strip() for a in value.split(",") if a.strip()]
     return value

@@ -317,12 +317,12 @@ def run_worker(settings: WorkerSettings, role: Role,
         logger.info("OpenTelemetry tracing on (OTLP)")
 
     async def main() -> int:
-        use_device(resolve_device(settings.device))  # this thread's GPU work (KV transfers) is on the worker's GPU
+        use_device(resolve_device(settings.engine.device))  # this thread's GPU work (KV transfers) is on the worker's GPU
         # The engine core is the process's heavy PyTorch user, in a process of its own; this one
         # only copies KV blocks.
         torch.set_num_threads(1)
         try:
-            engine = await EngineCoreClient.spawn(settings.model or None, settings.engine_config(),
+            engine = await EngineCoreClient.spawn(settings.model or None, settings.engine,
                                                   settings.load_format, hang_timeout_s=settings.engine_hang_timeout_s)
         except ValueError as exc:
             raise StartupError(str(exc)) from None

@@ -24,18 +24,18 @@ from cluster import tracing
 from cluster.log import request_id_var
 from cluster.metrics import WorkerMetrics
 from cluster.registry import Role
-from cluster.settings import WorkerSettings
 from cluster.translate import (
     check_cache_salt, check_prompt_ids, check_request_id, finish_reason_to_proto, sampling_params_from_proto,
     token_logprobs, worker_config_to_proto,
 )
 from cluster.worker import Admission, kv_transport, published_config, request_outcome
+from decode_worker.settings import DecodeWorkerSettings
 from engine.core.core_client import EngineCoreClient
 from engine.block_hash import prompt_key
 from engine.core.block_pool import NoFreeBlocksError
 from engine.outputs import RequestOutput
 from engine.sampling_params import SamplingParams
-from kvtransfer import GrpcKVReceiver, KVPool, KVReceiver, ReservationTable
+from kvtransfer import KVTransferServicer, KVPool, KVReceiver, ReservationTable
 from protos.status import StatusError
 from protos.tandem.v1 import worker_pb2, worker_pb2_grpc
 
@@ -62,15 +62,15 @@ class DecodeServicer(worker_pb2_grpc.DecodeWorkerServicer):
     peer_roles = {"Admit": ("gateway",), "TransferKV": ("prefill",), "Decode": ("gateway",),
                   "Abort": ("gateway",), "GetStats": ("gateway", "prefill", "decode")}
 
-    def __init__(self, engine: EngineCoreClient, settings: WorkerSettings, metrics: WorkerMetrics) -> None:
+    def __init__(self, engine: EngineCoreClient, settings: DecodeWorkerSettings, metrics: WorkerMetrics) -> None:
         self.engine = engine
         self.metrics = metrics
-        self.limits = settings.limits()
+        self.limits = settings.limits
         self.stream_interval = settings.stream_interval
         self.table = ReservationTable(engine.free_blocks, lease_s=settings.lease_s)
         pool = KVPool(engine.kv_pools)
         _, self.nixl = kv_transport(settings, settings.resolved_worker_id(str(Role.DECODE)), pool)
-        self.kv_receiver = GrpcKVReceiver(KVReceiver(pool, self.table, nixl=self.nixl,
+        self.kv_receiver = KVTransferServicer(KVReceiver(pool, self.table, nixl=self.nixl,
                                                      verify_checksums=settings.kv_verify_checksums))
         self.layout = pool.layout
         self.config = published_config(engine, self.kv_receiver.receiver.transports)

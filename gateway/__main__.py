@@ -1,6 +1,6 @@
 """``python -m gateway [flags]``: run the public gateway until SIGTERM (``tandem gateway`` runs this).
 
-Flags and their ``TANDEM_<NAME>`` environment variables are the fields of
+Flags and their ``TANDEM_<NAME>`` environment variables are the settings of
 :class:`gateway.settings.GatewaySettings` (``--help`` lists them; flags win).
 """
 

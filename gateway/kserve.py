@@ -2,7 +2,7 @@
 it) beside ``tandem.v1.Gateway``: a thin adapter over the native request path.
 
 A request is translated (:mod:`gateway.kserve_io`) into a native ``GenerateRequest`` and runs
-through :meth:`gateway.server.GatewayServicer.generate`: the same validation, limits,
+through :meth:`gateway.server.GatewayServicer.serve_request`: the same validation, limits,
 tenants (API keys, checked by the server's interceptor for every method), orchestration and
 metrics. ``ModelInfer`` answers one whole response; ``ModelStreamInfer`` is decoupled as in
 Triton: each request on the stream runs on its own, with ``stream`` true one response per
@@ -201,7 +201,7 @@ class KServeServicer(grpc_service_pb2_grpc.GRPCInferenceServiceServicer):
             nonlocal prompt_tokens
             prompt_tokens = count
 
-        async for message in self.native.generate(infer.generate, time_remaining, note):
+        async for message in self.native.serve_request(infer.native_request, time_remaining, note):
             last = message.HasField("usage")
             yield kserve_io.infer_response(request, infer, self.model_name, message.text, message.finish_reason,
                                            prompt_tokens, len(message.token_ids), final=last and not empty_final)
@@ -209,13 +209,13 @@ class KServeServicer(grpc_service_pb2_grpc.GRPCInferenceServiceServicer):
     async def _whole(self, request, infer: InferRequest, time_remaining) -> kserve.ModelInferResponse:
         """The whole answer in one response (the prompt first unless ``exclude_input_in_output``)."""
         text, tokens, finish, prompt_tokens = [], 0, 0, 0
-        async for message in self.native.generate(infer.generate, time_remaining):
+        async for message in self.native.serve_request(infer.native_request, time_remaining):
             text.append(message.text)
             tokens += len(message.token_ids)
             finish = message.finish_reason or finish
             if message.HasField("usage"):
                 prompt_tokens = message.usage.prompt_tokens
-        prefix = "" if infer.exclude_input else infer.generate.prompt
+        prefix = "" if infer.exclude_input else infer.native_request.prompt
         return kserve_io.infer_response(request, infer, self.model_name, prefix + "".join(text), finish,
                                         prompt_tokens, tokens)
 

@@ -45,13 +45,13 @@ class InferRequest:
     """One ``ModelInferRequest`` as Tandem serves it.
 
     Attributes:
-        generate: the equivalent native request (prompt, sampling, request id).
+        native_request: the equivalent native request (prompt, sampling, request id).
         stream: one response per step (else one response with everything).
         exclude_input: a whole response's text leaves out the prompt.
         outputs: the output tensors to return, in order.
     """
 
-    generate: gateway_pb2.GenerateRequest
+    native_request: gateway_pb2.GenerateRequest
     stream: bool
     exclude_input: bool
     outputs: tuple[str, ...]
@@ -208,8 +208,8 @@ def infer_request(request: kserve.ModelInferRequest) -> InferRequest:
             if name not in OUTPUTS:
                 raise StatusError.invalid_argument(name, f"is not an output of this model (outputs: {', '.join(OUTPUTS)})")
         outputs = asked
-    generate = gateway_pb2.GenerateRequest(prompt=prompt, sampling=sampling, request_id=request.id)
-    return InferRequest(generate, bool(values.get("stream", False)), bool(values.get("exclude_input_in_output")),
+    native = gateway_pb2.GenerateRequest(prompt=prompt, sampling=sampling, request_id=request.id)
+    return InferRequest(native, bool(values.get("stream", False)), bool(values.get("exclude_input_in_output")),
                         tuple(outputs))
 
 

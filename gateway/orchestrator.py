@@ -1,7 +1,7 @@
 """One Generate request across the cluster: route, Admit → Prefill → Decode (or Admit → Decode
 with a local prefill), stream, clean up.
 
-The servicer hands a checked request to :meth:`Orchestrator.generate`, an async generator of
+The servicer hands a checked request to :meth:`Orchestrator.run`, an async generator of
 ``GenerateResponse``. Errors come out as :class:`protos.status.StatusError`; whatever way the
 generator ends (finished, stop string, error, client cancellation, deadline), every worker
 that may still hold something of the request is told to ``Abort`` and the routing counts are
@@ -228,10 +228,9 @@ class Orchestrator:
     """
 
     def __init__(self, view: ClusterView, clients: WorkerClients, tokenizer: Tokenizer | None,
-                 admit_wait_s: float = 5.0, local_prefill_max_tokens: int = 0, max_retries: int = 2,
-                 hop_timeout_s: float = 60.0, decode_stall_timeout_s: float = 15.0,
-                 prefill_s_per_token: float = 0.05, slo: ServiceLevel = ServiceLevel(),
-                 adaptive_placement: bool = True) -> None:
+                 admit_wait_s: float, local_prefill_max_tokens: int, max_retries: int, hop_timeout_s: float,
+                 decode_stall_timeout_s: float, prefill_s_per_token: float, slo: ServiceLevel,
+                 adaptive_placement: bool) -> None:
         self.view = view
         self.clients = clients
         self.tokenizer = tokenizer
@@ -244,7 +243,7 @@ class Orchestrator:
         self.default_slo = slo
         self._background: set[asyncio.Task] = set()
 
-    async def generate(
+    async def run(
         self, request_id: str, prompt: list[int], sampling: gateway_pb2.SamplingParams, params: SamplingParams,
         pool: WorkerConfig, time_left: Callable[[], float | None], cache_salt: str = "",
         slo: ServiceLevel = ServiceLevel(),

@@ -58,7 +58,7 @@ class OutlierDetector:
         ValueError: a value out of range, naming it.
     """
 
-    def __init__(self, consecutive_failures: int = 2, base_ejection_s: float = 5.0, max_ejection_s: float = 60.0,
+    def __init__(self, consecutive_failures: int, base_ejection_s: float, max_ejection_s: float,
                  clock: Callable[[], float] = time.monotonic) -> None:
         if consecutive_failures < 1:
             raise ValueError(f"consecutive_failures must be >= 1, got {consecutive_failures}")

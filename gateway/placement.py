@@ -176,8 +176,8 @@ class PlacementModel:
         ValueError: ``local_prefill_max_tokens`` < 0 or ``local_gain`` outside ``(0, 1]``.
     """
 
-    def __init__(self, pace: PrefillPace, local_prefill_max_tokens: int = 0, local_gain: float = 0.8,
-                 adaptive: bool = True) -> None:
+    def __init__(self, pace: PrefillPace, local_prefill_max_tokens: int, *, adaptive: bool,
+                 local_gain: float = 0.8) -> None:
         if local_prefill_max_tokens < 0 or not 0 < local_gain <= 1:
             raise ValueError(f"local_prefill_max_tokens={local_prefill_max_tokens} must be >= 0 and "
                              f"local_gain={local_gain} in (0, 1]")

@@ -276,7 +276,7 @@ class ClusterView:
         model_id: the model this gateway serves; workers of another model are refused.
         policy: routing knobs.
         rng: tie-breaking randomness (seed it in tests).
-        outliers: workers to avoid now (down or ejected, :mod:`gateway.outlier`); default: none.
+        outliers: workers to avoid now (down or ejected, :mod:`gateway.outlier`).
         load_probe: reads a worker's load from the worker itself (``None``: it did not answer);
             while the directory is unreachable, :meth:`refresh` reads the last-known workers'
             loads with it, so that a load published just before an outage (a pool full after a
@@ -291,11 +291,12 @@ class ClusterView:
         model_id: str,
         policy: RoutingPolicy = RoutingPolicy(),
         rng: random.Random | None = None,
-        outliers: OutlierDetector | None = None,
+        *,
+        outliers: OutlierDetector,
         load_probe: Callable[[WorkerInfo], Awaitable[WorkerLoad | None]] | None = None,
     ) -> None:
         self.registry = registry
-        self.outliers = outliers or OutlierDetector()
+        self.outliers = outliers
         self.index = index
         self.model_id = model_id
         self.policy = policy

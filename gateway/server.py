@@ -131,8 +131,8 @@ class GatewayServicer(gateway_pb2_grpc.GatewayServicer):
             return which, render_prompt(request, which, self.model.tokenizer)
         return which, await self.tokenizer_pool.run(render_prompt, request, which, self.model.tokenizer)
 
-    async def generate(self, request: gateway_pb2.GenerateRequest, time_remaining: Callable[[], float | None],
-                       on_prompt: Callable[[int], None] | None = None) -> AsyncIterator[gateway_pb2.GenerateResponse]:
+    async def serve_request(self, request: gateway_pb2.GenerateRequest, time_remaining: Callable[[], float | None],
+                            on_prompt: Callable[[int], None] | None = None) -> AsyncIterator[gateway_pb2.GenerateResponse]:
         """The request path every public API shares (``tandem.v1.Gateway`` and KServe v2): the
         checks, tokenization and orchestration of one Generate request, with its log lines and
         metrics; the responses are streamed.
@@ -171,8 +171,8 @@ class GatewayServicer(gateway_pb2_grpc.GatewayServicer):
                                       "tandem.max_tokens": params.max_tokens}, validated)
                 logger.info("generate: %d prompt tokens, n=%d, max_tokens=%d, tenant %s", len(prompt), params.n,
                             params.max_tokens, tenant.name if tenant else "-")
-                stream = self.orchestrator.generate(request_id, prompt, request.sampling, params, pool,
-                                                    time_remaining, cache_salt=tenant.name if tenant else "", slo=slo)
+                stream = self.orchestrator.run(request_id, prompt, request.sampling, params, pool, time_remaining,
+                                               cache_salt=tenant.name if tenant else "", slo=slo)
                 async with contextlib.aclosing(stream):
                     async for response in stream:
                         yield response
@@ -201,7 +201,7 @@ class GatewayServicer(gateway_pb2_grpc.GatewayServicer):
 
     async def Generate(self, request: gateway_pb2.GenerateRequest, context: grpc.aio.ServicerContext) -> None:  # noqa: N802
         try:
-            async with contextlib.aclosing(self.generate(request, context.time_remaining)) as responses:
+            async with contextlib.aclosing(self.serve_request(request, context.time_remaining)) as responses:
                 async for response in responses:
                     await context.write(response)
         except StatusError as exc:
@@ -254,7 +254,7 @@ class Gateway:
         self.prober = HealthProber(self.view, clients, settings.health_probe_interval_s,
                                    settings.health_probe_timeout_s)
         self.tokenizer_pool = TokenizerPool(settings.tokenizer_threads, settings.tokenizer_queue)
-        self.servicer = GatewayServicer(self.model, self.view, self.orchestrator, settings.limits(),
+        self.servicer = GatewayServicer(self.model, self.view, self.orchestrator, settings.limits,
                                         settings.max_request_bytes, settings.max_prompt_bytes, self.tokenizer_pool)
         self._scaffold: ServerScaffold | None = None
         self._loops = [PeriodicTask(self._refresh, settings.refresh_interval_s, "refresh",

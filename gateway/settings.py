@@ -1,5 +1,5 @@
-"""Gateway settings: the shared base (``cluster.settings.TandemSettings``) plus what only the
-gateway decides. The cache settings (block size, ``max_model_len``, KV dtype, block-hash seed)
+"""Gateway settings: the shared ones (:class:`cluster.settings.ServerSettings`) plus what only the
+gateway reads. The cache settings (block size, ``max_model_len``, KV dtype, block-hash seed)
 are not here: the workers own and publish them, and the gateway reads them from the pool.
 """
 
@@ -8,23 +8,26 @@ from __future__ import annotations
 import ipaddress
 from typing import Literal
 
-from pydantic import AliasChoices, Field, field_validator
+from pydantic import Field, field_validator
 
-from cluster.settings import Addresses, TandemSettings, setting_name, split_addresses
+from cluster.settings import CommaSeparated, ServerSettings, setting_name, split_commas
 from gateway.auth import ApiKeys
 
+Addresses = CommaSeparated  # host:port,...
+ApiKeyEntries = CommaSeparated  # SHA256HEX:TENANT[:MAX_STREAMS],... (gateway.auth)
 
-class GatewaySettings(TandemSettings):
+
+class GatewaySettings(ServerSettings):
     """Settings of the gateway process (flags and ``TANDEM_*`` variables, see :mod:`cluster.settings`)."""
 
-    listen: str = Field("127.0.0.1:50051", validation_alias=AliasChoices("TANDEM_GATEWAY_ADDR", "listen"),
+    listen: str = Field("127.0.0.1:50051", validation_alias="TANDEM_GATEWAY_ADDR",
                         description="host:port the public gRPC API binds to")
     metrics_port: int = Field(9400, ge=0, le=65535, description="Prometheus /metrics port, on the listen host; 0: off")
     reflection: bool = Field(True, description="serve gRPC reflection of the public API (grpcurl describe)")
     chat_split_special_tokens: bool = Field(True, description="chat message content is tokenized with special "
                                                               "tokens as plain text (only the template makes them)")
-    static_prefill: Addresses = Field(default_factory=list, description="prefill addresses host:port,... when there is no Redis")
-    static_decode: Addresses = Field(default_factory=list, description="decode addresses host:port,... when there is no Redis")
+    static_prefill: Addresses = Field([], description="prefill addresses host:port,... when there is no Redis")
+    static_decode: Addresses = Field([], description="decode addresses host:port,... when there is no Redis")
     refresh_interval_s: float = Field(0.5, gt=0, description="seconds between reads of the workers and their load")
     admit_wait_s: float = Field(5.0, ge=0, description="seconds a request waits for decode capacity before RESOURCE_EXHAUSTED")
     local_prefill_max_tokens: int = Field(
@@ -56,14 +59,39 @@ class GatewaySettings(TandemSettings):
     tokenizer_threads: int = Field(2, ge=1, description="threads that tokenize prompts (off the event loop)")
     tokenizer_queue: int = Field(64, ge=0, description="prompts waiting for a tokenizer thread at most (more: "
                                                        "RESOURCE_EXHAUSTED)")
+    # Failover (docs/deployment.md, "Failures"): the gateway drives the worker calls.
+    hop_timeout_s: float = Field(60.0, gt=0, description="seconds one worker call (Admit, Prefill) may take when "
+                                                         "the client's deadline is later or unset")
+    decode_stall_timeout_s: float = Field(15.0, gt=0, description="seconds a Decode stream may go without a "
+                                                                  "message before its worker counts as failed")
+    max_retries: int = Field(2, ge=0, description="tries on other workers after a worker failure before the "
+                                                  "client has seen a token, and resumes of a greedy or seeded "
+                                                  "stream on another decode worker after it")
+    outlier_consecutive_failures: int = Field(2, ge=1, description="consecutive failed calls that eject a worker "
+                                                                   "from routing")
+    outlier_base_ejection_s: float = Field(5.0, gt=0, description="seconds of a worker's first ejection; each "
+                                                                  "repeat doubles it")
+    outlier_max_ejection_s: float = Field(60.0, gt=0, description="seconds an ejection lasts at most")
+    health_probe_interval_s: float = Field(1.0, gt=0, description="seconds between the gateway's health probes "
+                                                                  "of each worker")
+    health_probe_timeout_s: float = Field(1.0, gt=0, description="seconds a health probe waits; no SERVING "
+                                                                 "answer in time: not routed to until one comes")
 
-    api_keys: Addresses = Field(default_factory=list, description="API keys as SHA256HEX:TENANT[:MAX_STREAMS],... "
-                                                                  "(none here or in api_keys_file: the gateway is open)")
+    api_keys: ApiKeyEntries = Field([], description="API keys as SHA256HEX:TENANT[:MAX_STREAMS],... (none here "
+                                                    "or in api_keys_file: the gateway is open)")
     api_keys_file: str = Field("", description="file of API keys, one SHA256HEX:TENANT[:MAX_STREAMS] per line")
     allow_open: bool = Field(False, description="serve without API keys on an address other than loopback (every "
                                                 "caller of the network may generate)")
 
-    _split_addresses = field_validator("static_prefill", "static_decode", "api_keys", mode="before")(split_addresses)
+    _split_commas = field_validator("static_prefill", "static_decode", "api_keys", mode="before")(split_commas)
+
+    @field_validator("outlier_max_ejection_s")
+    @classmethod
+    def _check_max_ejection(cls, value: float, info) -> float:
+        base = info.data.get("outlier_base_ejection_s")
+        if base is not None and value < base:
+            raise ValueError(f"must be >= outlier_base_ejection_s ({base}), got {value}")
+        return value
 
     @field_validator("api_keys")
     @classmethod

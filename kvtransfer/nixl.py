@@ -25,7 +25,7 @@ its acknowledgement went from a median 2.35 to 2.14 ms on two H200s (docs/archit
 
 The receiver **acknowledges by NIXL notification** (:meth:`NixlAgent.acknowledge`): once a read
 completes the reservation, it sends the sender's agent a short message naming the reservation,
-and the sender's :meth:`~kvtransfer.grpc_sender.GrpcKVTransfer.finish` returns on whichever
+and the sender's :meth:`~kvtransfer.client.KVTransferStream.finish` returns on whichever
 comes first, that message or the stream's gRPC answer (which still follows: the stream is closed
 as before, and every refusal still arrives as the stream's status). On one GPU the answer
 reached the sender 0.35-0.6 ms after the last read was seen done (one H200, one H100: both

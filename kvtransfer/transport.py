@@ -3,7 +3,7 @@
 A transport moves a request's blocks from the prefill worker's cache into a decode worker's
 reservation. The receive side is shared by all transports: they hand verified blocks to
 ``KVReceiver.install``, which checks them against the ``ReservationTable`` and writes them.
-``GrpcKVSender`` opens the ``TransferKV`` stream either way: it carries the blocks' bytes (gRPC)
+``KVTransferClient`` opens the ``TransferKV`` stream either way: it carries the blocks' bytes (gRPC)
 or the sender's block ids for the receiver to read with NIXL.
 """
 

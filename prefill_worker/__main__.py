@@ -1,9 +1,8 @@
 """``python -m prefill_worker [flags]``: run a prefill worker until SIGTERM.
 
-Flags and their ``TANDEM_<NAME>`` environment variables are the fields of
-:class:`cluster.settings.WorkerSettings` (``--help`` lists them; flags win); here
-``--lease-s`` is the prefill lease: blocks pinned at most this long awaiting the transfer. Once
-serving it logs ``... listening on <advertised address> ...`` and gRPC health reports SERVING; on
+Flags and their ``TANDEM_<NAME>`` environment variables are the settings of
+:class:`cluster.settings.WorkerSettings` (``--help`` lists them; flags win). Once serving it
+logs ``... listening on <advertised address> ...`` and gRPC health reports SERVING; on
 SIGTERM/SIGINT it drains and exits 0.
 """
 

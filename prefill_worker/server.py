@@ -40,7 +40,7 @@ from cluster.worker import Admission, kv_transport, published_config, request_ou
 from engine.core.core_client import EngineCoreClient
 from engine.core.stop import check_stop
 from engine.sampling_params import SamplingParams
-from kvtransfer import GRPC_MESSAGE_OPTIONS, BlockLayout, GrpcKVSender, KVDestination, KVPool, KVSender
+from kvtransfer import GRPC_MESSAGE_OPTIONS, BlockLayout, KVTransferClient, KVDestination, KVPool, KVSender
 from protos.status import StatusError
 from protos.tandem.v1 import worker_pb2, worker_pb2_grpc
 
@@ -70,8 +70,8 @@ class PrefillServicer(worker_pb2_grpc.PrefillWorkerServicer):
     def __init__(self, engine: EngineCoreClient, settings: WorkerSettings, metrics: WorkerMetrics,
                  sender: KVSender | None = None) -> None:
         self.engine = engine
-        self.limits = settings.limits()
-        self.max_waiting = settings.max_num_seqs  # queued requests at most (back-pressure)
+        self.limits = settings.limits
+        self.max_waiting = settings.engine.max_num_seqs  # queued requests at most (back-pressure)
         self.metrics = metrics
         tls = worker_tls(settings, Role.PREFILL)
         # KV goes only to a peer that proves it is a decode worker of this cluster (with TLS) and
@@ -88,7 +88,7 @@ class PrefillServicer(worker_pb2_grpc.PrefillWorkerServicer):
         self._decode_read_at = -1.0
         self.pool = KVPool(engine.kv_pools)
         transports, self.nixl = kv_transport(settings, settings.resolved_worker_id(str(Role.PREFILL)), self.pool)
-        self.sender = sender or GrpcKVSender(self.channels.get, transports=transports, nixl=self.nixl,
+        self.sender = sender or KVTransferClient(self.channels.get, transports=transports, nixl=self.nixl,
                                              verify_checksums=settings.kv_verify_checksums)
         self.layout = self.pool.layout
         self.config = published_config(engine, transports)

@@ -22,7 +22,7 @@ from typing import TypeVar
 import torch
 
 from engine.block_hash import hash_seed
-from engine.config import EngineConfig
+from engine.config import EngineConfig, resolve_async_scheduling
 from engine.core.block_pool import BlockPool, cdiv
 from engine.core.kv_cache_manager import KVCacheManager
 from engine.core.scheduler import Scheduler, SchedulerOutput
@@ -151,7 +151,7 @@ class EngineCore:
         self._step_totals: dict[str, StepTotals] = {}
         # Steps launched and not completed yet, oldest first: at most two with async scheduling.
         self._in_flight: deque[tuple[SchedulerOutput, PendingStep, float]] = deque()
-        self._depth = 2 if config.resolved_async_scheduling(self.device.type) else 1
+        self._depth = 2 if resolve_async_scheduling(config, self.device.type) else 1
         if self.ranks is not None:
             self.runner.broadcast = self.ranks.group.broadcast_step
             if self._depth == 2:

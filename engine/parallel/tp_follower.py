@@ -19,7 +19,7 @@ from collections.abc import Sequence
 import torch
 import torch.distributed as dist
 
-from engine.config import EngineConfig
+from engine.config import EngineConfig, resolve_async_scheduling
 from engine.runner.devices import resolve_dtype, use_device
 from engine.parallel.child import exit_with_parent
 from engine.parallel.distributed import TPGroup
@@ -46,7 +46,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     try:
         shard = build_shard(spec["model"], config, spec["load_format"], device, resolve_dtype(config.dtype, device),
                             group, store)
-        if config.resolved_async_scheduling(device.type):
+        if resolve_async_scheduling(config, device.type):
             shard.runner.share_sampled = group.broadcast_tensor
         while (packed := group.broadcast_step(None)) is not None:
             shard.runner.follow(packed)

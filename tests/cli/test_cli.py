@@ -12,7 +12,8 @@ from pathlib import Path
 import pytest
 
 from cli.launcher import free_port
-from cluster.settings import WorkerSettings, from_args
+from cluster.settings import WorkerSettings, from_args, settings_fields
+from decode_worker.settings import DecodeWorkerSettings
 from gateway.settings import GatewaySettings
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -62,11 +63,11 @@ def test_client_commands_fail_with_one_line_when_no_gateway_answers():
 
 
 def test_server_help_lists_every_flag_and_boolean_flags_take_no_value():
-    for command, settings_cls in (("prefill", WorkerSettings), ("decode", WorkerSettings),
+    for command, settings_cls in (("prefill", WorkerSettings), ("decode", DecodeWorkerSettings),
                                   ("gateway", GatewaySettings)):
         result = tandem(command, "--help")
         assert result.returncode == 0, result
-        for field in settings_cls.model_fields:
+        for field in settings_fields(settings_cls):
             assert f"--{field.replace('_', '-')}" in result.stdout, (command, field)
     assert "--enable-prefix-caching, --no-enable-prefix-caching" in tandem("decode", "--help").stdout
     assert "<bool>" not in tandem("generate", "--help").stdout
@@ -81,20 +82,20 @@ def test_flags_win_over_the_environment_and_lists_split(monkeypatch):
     assert (s.listen, s.redis_key_prefix, s.static_decode) == ("0.0.0.0:6000", "staging", ["a:1", "b:2"])
     monkeypatch.setenv("TANDEM_CUDA_GRAPH_BATCH_SIZES", "1, 2,4")
     w = from_args(WorkerSettings, ["--no-enable-prefix-caching", "--block-size", "32", "--enforce-eager"], "worker", "")
-    config = w.engine_config()
-    assert (w.enable_prefix_caching, config.block_size, config.enforce_eager) == (False, 32, True)
+    config = w.engine
+    assert (config.enable_prefix_caching, config.block_size, config.enforce_eager) == (False, 32, True)
     assert config.cuda_graph_batch_sizes == [1, 2, 4]
     w = from_args(WorkerSettings, ["--cuda-graph-batch-sizes", "8,16"], "worker", "")
-    assert w.engine_config().cuda_graph_batch_sizes == [8, 16]
+    assert w.engine.cuda_graph_batch_sizes == [8, 16]
     monkeypatch.setenv("TANDEM_CUDA_GRAPH_TOKEN_SIZES", "512, 64")
-    assert from_args(WorkerSettings, [], "worker", "").engine_config().cuda_graph_token_sizes == [64, 512]
+    assert from_args(WorkerSettings, [], "worker", "").engine.cuda_graph_token_sizes == [64, 512]
     monkeypatch.setenv("TANDEM_CUDA_GRAPH_TOKEN_SIZES", "")  # none: decode graphs only
-    assert from_args(WorkerSettings, [], "worker", "").engine_config().cuda_graph_token_sizes == []
-    assert from_args(WorkerSettings, [], "worker", "").engine_config().cuda_graph_batch_sizes == [1, 2, 4]
+    assert from_args(WorkerSettings, [], "worker", "").engine.cuda_graph_token_sizes == []
+    assert from_args(WorkerSettings, [], "worker", "").engine.cuda_graph_batch_sizes == [1, 2, 4]
     monkeypatch.setenv("TANDEM_KV_CACHE_DTYPE", "fp8_e4m3")
-    assert from_args(WorkerSettings, [], "worker", "").engine_config().kv_cache_dtype == "fp8_e4m3"
+    assert from_args(WorkerSettings, [], "worker", "").engine.kv_cache_dtype == "fp8_e4m3"
     w = from_args(WorkerSettings, ["--kv-cache-dtype", "auto"], "worker", "")
-    assert w.engine_config().kv_cache_dtype == "auto"
+    assert w.engine.kv_cache_dtype == "auto"
 
 
 def test_free_port_never_hands_out_a_port_twice():

@@ -24,7 +24,7 @@ SERVER = textwrap.dedent("""
     from cluster.server import ServerScaffold
 
     async def main():
-        scaffold = ServerScaffold(["test.Service"], server_keepalive_options(0.5, 0.5))
+        scaffold = ServerScaffold(["test.Service"], server_keepalive_options(0.5, 0.5), reflection=True)
         port = scaffold.bind("127.0.0.1:0", "test")
         await scaffold.start()
         await scaffold.health.set_all(SERVING)

@@ -218,7 +218,7 @@ def test_invalid_configuration_is_rejected(key_prefix):
     with pytest.raises(ValueError, match="ttl_s"):
         ClusterNamespace(key_prefix, ttl_s=0)
     with pytest.raises(ValueError, match="key_prefix"):
-        ClusterNamespace("")
+        ClusterNamespace("", 3.0)
     with pytest.raises(ValueError, match="worker_id"):
         WorkerInfo("a:b", Role.DECODE, "x:1", CONFIG)
     registry = WorkerRegistry(redis_client("redis://127.0.0.1:6379/0"), _ns(key_prefix, ttl_s=1.0))

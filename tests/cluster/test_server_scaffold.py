@@ -107,7 +107,7 @@ def test_the_probe_port_answers_check_in_plaintext_beside_a_tls_only_port(tmp_pa
         port = scaffold.bind("127.0.0.1:0", "listen", server_credentials(str(tmp_path), "decode", True, "tls_dir"))
         probe_port = scaffold.serve_probes("127.0.0.1", 0, "health_port")
         with pytest.raises(BindError, match="health_port"):  # a taken port is refused, naming the setting
-            ServerScaffold(["tandem.v1.Test"]).serve_probes("127.0.0.1", probe_port, "health_port")
+            ServerScaffold(["tandem.v1.Test"], reflection=True).serve_probes("127.0.0.1", probe_port, "health_port")
         await scaffold.start()
         api, probes = grpc.aio.insecure_channel(f"127.0.0.1:{port}"), grpc.aio.insecure_channel(f"127.0.0.1:{probe_port}")
         try:

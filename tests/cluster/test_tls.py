@@ -39,7 +39,7 @@ def test_certs_init_writes_a_ca_and_a_certificate_per_role_with_private_keys(cer
 
 
 async def _server(tls_dir: str, role: str) -> tuple[ServerScaffold, str]:
-    scaffold = ServerScaffold(["tandem.v1.Test"])
+    scaffold = ServerScaffold(["tandem.v1.Test"], reflection=True)
     port = scaffold.bind("127.0.0.1:0", "listen", server_credentials(tls_dir, role, True, "tls_dir"))
     await scaffold.start()
     await scaffold.health.set_all(SERVING)

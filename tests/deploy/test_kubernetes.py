@@ -21,10 +21,11 @@ import pytest
 import yaml
 
 from cluster.health import LIVENESS
-from cluster.settings import TandemSettings, WorkerSettings, env_name
+from cluster.settings import ServerSettings, WorkerSettings, env_name, settings_fields
 from cluster.shutdown import SHUTDOWN_OVERRUN_S
 from cluster.tls import init_certs
 from decode_worker.server import DecodeServicer
+from decode_worker.settings import DecodeWorkerSettings
 from engine.config import NVLINK_MULTICAST_OFF
 from gateway import metrics as gateway_metrics
 from gateway.auth import hash_key
@@ -39,7 +40,7 @@ OVERLAYS = ("small", "large")
 # The oldest release whose grpc probes are GA (1.27) and the newest kubernetes-validate ships.
 KUBERNETES_VERSIONS = ("1.27", "1.37")
 ROLES = ("gateway", "prefill", "decode")
-SETTINGS = {"gateway": GatewaySettings, "prefill": WorkerSettings, "decode": WorkerSettings}
+SETTINGS = {"gateway": GatewaySettings, "prefill": WorkerSettings, "decode": DecodeWorkerSettings}
 READINESS_SERVICE = {"gateway": GATEWAY_SERVICE, "prefill": PrefillServicer.service_name,
                      "decode": DecodeServicer.service_name}
 # Set on Kubernetes and not in docker-compose.yml, and why: the kubelet's grpc probes speak no
@@ -247,8 +248,8 @@ def resolved_env(c: dict, secrets: dict[str, dict[str, bytes]]) -> dict[str, str
 def test_every_variable_is_a_real_setting_and_its_value_is_accepted(rendered, overlay, ca_dir, monkeypatch):
     secrets = {name: secret_data(rendered, overlay, name) for name in objects(rendered, overlay, "Secret")}
     for role, _, c in tandem_containers(rendered, overlay):
-        cls: type[TandemSettings] = SETTINGS[role]
-        names = {env_name(cls, field) for field in cls.model_fields}
+        cls: type[ServerSettings] = SETTINGS[role]
+        names = {env_name(cls, name) for name in settings_fields(cls)}
         env = resolved_env(c, secrets)
         assert set(env) - names <= set(NVLINK_MULTICAST_OFF) | {"POD_IP"}, role
         for key in [k for k in os.environ if k.startswith("TANDEM_")]:

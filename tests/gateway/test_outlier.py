@@ -69,9 +69,9 @@ def test_probe_failure_marks_down_and_a_serving_answer_ends_down_and_ejection():
 
 def test_settings_out_of_range_are_refused_by_name():
     with pytest.raises(ValueError, match="consecutive_failures"):
-        OutlierDetector(consecutive_failures=0)
+        OutlierDetector(consecutive_failures=0, base_ejection_s=5, max_ejection_s=60)
     with pytest.raises(ValueError, match="max_ejection_s"):
-        OutlierDetector(base_ejection_s=10, max_ejection_s=5)
+        OutlierDetector(consecutive_failures=2, base_ejection_s=10, max_ejection_s=5)
 
 
 def test_routing_skips_down_and_ejected_workers_while_others_exist(key_prefix, redis_url):

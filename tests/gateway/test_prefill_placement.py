@@ -240,6 +240,6 @@ def test_a_request_objective_overrides_the_default_one_by_one():
 
 def test_bad_knobs_are_refused():
     with pytest.raises(ValueError, match="local_gain"):
-        PlacementModel(PrefillPace(1, 1), local_gain=0)
+        PlacementModel(PrefillPace(1, 1), 0, adaptive=True, local_gain=0)
     with pytest.raises(ValueError, match="local_prefill_max_tokens"):
-        PlacementModel(PrefillPace(1, 1), local_prefill_max_tokens=-1)
+        PlacementModel(PrefillPace(1, 1), local_prefill_max_tokens=-1, adaptive=True)

@@ -18,6 +18,7 @@ from tests.worker_config import BLOCK_SIZE, CONFIG
 from cluster.prefix_index import PrefixIndex
 from cluster.heartbeat import Heartbeat
 from cluster.registry import ClusterNamespace, Role, WorkerInfo, WorkerLoad, WorkerRegistry, redis_client
+from gateway.outlier import OutlierDetector
 from gateway.router import (
     ClusterView,
     NoCapacityError,
@@ -31,6 +32,10 @@ from gateway.router import (
 
 PROMPT = list(range(6 * BLOCK_SIZE + 1))  # 6 full blocks and one partial: 7 blocks on decode
 H = hash_blocks(PROMPT, BLOCK_SIZE, CONFIG.hash_seed)
+
+
+def outliers() -> OutlierDetector:
+    return OutlierDetector(consecutive_failures=2, base_ejection_s=5.0, max_ejection_s=60.0)
 
 loads = st.builds(
     WorkerLoad,
@@ -145,7 +150,8 @@ def test_choose_prefers_cached_prefix_and_spreads_a_burst(key_prefix, redis_url)
         for d in ("d0", "d1"):
             await _register(registry, d, Role.DECODE, total_blocks=100, free_blocks=100)
         await index.publish("p1", stored=H[:4], removed=[])
-        view = ClusterView(registry, index, CONFIG.model_id, RoutingPolicy(load_cost_tokens=64), random.Random(0))
+        view = ClusterView(registry, index, CONFIG.model_id, RoutingPolicy(load_cost_tokens=64), random.Random(0),
+                           outliers=outliers())
         await view.refresh()
 
         first = await view.choose(H, len(PROMPT))
@@ -188,7 +194,7 @@ def test_a_request_ending_while_loads_are_read_is_not_counted_twice(key_prefix, 
         registry, index = _ReadHook(client, ns), PrefixIndex(client, ns)
         await _register(registry, "p0", Role.PREFILL)
         await _register(registry, "d0", Role.DECODE, total_blocks=100, free_blocks=100)
-        view = ClusterView(registry, index, CONFIG.model_id)
+        view = ClusterView(registry, index, CONFIG.model_id, outliers=outliers())
         await view.refresh()
         route = await view.choose(H, len(PROMPT))
         await _register(registry, "p0", Role.PREFILL, running=1)  # its heartbeat mid-request
@@ -205,7 +211,7 @@ def test_choose_reports_missing_workers_and_capacity(key_prefix, redis_url):
         client = redis_client(redis_url)
         ns = _ns(key_prefix)
         registry, index = WorkerRegistry(client, ns), PrefixIndex(client, ns)
-        view = ClusterView(registry, index, CONFIG.model_id, RoutingPolicy(decode_margin_blocks=1))
+        view = ClusterView(registry, index, CONFIG.model_id, RoutingPolicy(decode_margin_blocks=1), outliers=outliers())
         await _register(registry, "p0", Role.PREFILL)
         await view.refresh()
         with pytest.raises(NoWorkerError, match="decode"):
@@ -232,7 +238,7 @@ def test_registry_emptied_at_once_keeps_last_known_workers_for_one_ttl(key_prefi
         registry, index = WorkerRegistry(client, ns), PrefixIndex(client, ns)
         await _register(registry, "p0", Role.PREFILL)
         await _register(registry, "d0", Role.DECODE, free_blocks=100, total_blocks=100)
-        view = ClusterView(registry, index, CONFIG.model_id)
+        view = ClusterView(registry, index, CONFIG.model_id, outliers=outliers())
         await view.refresh()
         # What a Redis restart looks like until the workers' next heartbeats.
         await client.delete(*[k async for k in client.scan_iter(match=f"tandem:{key_prefix}:*")])
@@ -262,7 +268,8 @@ def test_redis_outage_degrades_to_last_known_state_and_recovers(private_redis):
                            lambda: WorkerLoad(free_blocks=64, total_blocks=64), interval_s=0.1)
         prefill.start()
         decode.start()
-        view = ClusterView(WorkerRegistry(gateway_client, ns), PrefixIndex(gateway_client, ns), CONFIG.model_id)
+        view = ClusterView(WorkerRegistry(gateway_client, ns), PrefixIndex(gateway_client, ns), CONFIG.model_id,
+                           outliers=outliers())
         await asyncio.sleep(0.3)
         await view.refresh()
         route = await view.choose(H, len(PROMPT))
@@ -307,7 +314,7 @@ def test_during_an_outage_loads_are_read_from_the_workers_themselves(private_red
             return answers.get(worker.worker_id)
 
         view = ClusterView(WorkerRegistry(gateway_client, ns), PrefixIndex(gateway_client, ns), CONFIG.model_id,
-                           load_probe=probe)
+                           load_probe=probe, outliers=outliers())
         await view.refresh()
         with pytest.raises(NoCapacityError):
             await view.choose(H, len(PROMPT))
@@ -339,7 +346,8 @@ def test_in_process_index_learns_from_routing_when_there_is_no_redis(key_prefix,
             await _register(registry, p, Role.PREFILL, total_blocks=100, free_blocks=100)
         await _register(registry, "d0", Role.DECODE, total_blocks=100, free_blocks=100)
         index = RoutedPrefixIndex(capacity_blocks=6)
-        view = ClusterView(registry, index, CONFIG.model_id, RoutingPolicy(load_cost_tokens=8), random.Random(0))
+        view = ClusterView(registry, index, CONFIG.model_id, RoutingPolicy(load_cost_tokens=8), random.Random(0),
+                           outliers=outliers())
         await view.refresh()
         first = await view.choose(H, len(PROMPT))
         assert first.cached_blocks == 0
@@ -364,7 +372,8 @@ def test_choose_avoids_excluded_workers_while_others_exist(key_prefix, redis_url
         registry = WorkerRegistry(client, _ns(key_prefix))
         for name, role in (("p0", Role.PREFILL), ("p1", Role.PREFILL), ("d0", Role.DECODE), ("d1", Role.DECODE)):
             await _register(registry, name, role, total_blocks=100, free_blocks=100)
-        view = ClusterView(registry, PrefixIndex(client, _ns(key_prefix)), CONFIG.model_id, rng=random.Random(0))
+        view = ClusterView(registry, PrefixIndex(client, _ns(key_prefix)), CONFIG.model_id, rng=random.Random(0),
+                           outliers=outliers())
         await view.refresh()
         first = await view.choose(H, len(PROMPT))
         view.prefill_done(first)
@@ -408,7 +417,7 @@ def test_workers_that_disagree_with_the_pool_are_refused(key_prefix, redis_url, 
         await registry.heartbeat(WorkerInfo("d3", Role.DECODE, "d3:5000", quantized, WorkerLoad(free_blocks=100)))
         fp8 = dataclasses.replace(CONFIG, kv_cache_dtype="fp8_e4m3")  # same hash seed even: its KV bytes differ
         await registry.heartbeat(WorkerInfo("p2", Role.PREFILL, "p2:5000", fp8))
-        view = ClusterView(registry, PrefixIndex(client, _ns(key_prefix)), CONFIG.model_id)
+        view = ClusterView(registry, PrefixIndex(client, _ns(key_prefix)), CONFIG.model_id, outliers=outliers())
         await view.refresh()
         assert view.pool == dataclasses.replace(CONFIG, max_model_len=512) and view.routable
         assert [w.worker_id for role in Role for w in view.workers(role)] == ["p0", "d0", "d2"]
@@ -438,7 +447,8 @@ def test_workers_of_any_tp_sizes_share_a_pool_but_a_pair_without_a_common_transp
         await registry.heartbeat(WorkerInfo("p-nixl", Role.PREFILL, "p0:1", nixl_tp2))
         await registry.heartbeat(WorkerInfo("p-both", Role.PREFILL, "p1:1", both_tp4, WorkerLoad(running=3)))
         await registry.heartbeat(WorkerInfo("d-grpc", Role.DECODE, "d0:1", grpc_tp1, WorkerLoad(free_blocks=50, total_blocks=50)))
-        view = ClusterView(registry, PrefixIndex(client, _ns(key_prefix)), CONFIG.model_id, rng=random.Random(0))
+        view = ClusterView(registry, PrefixIndex(client, _ns(key_prefix)), CONFIG.model_id, rng=random.Random(0),
+                           outliers=outliers())
         await view.refresh()
         assert {w.worker_id for w in view.workers(Role.PREFILL)} == {"p-nixl", "p-both"}  # no refusal
         for _ in range(3):  # p-nixl is idle, p-both busy: only the transport keeps p-nixl out
@@ -467,7 +477,7 @@ def test_a_prefill_worker_on_the_decode_workers_gpu_is_picked_only_when_no_other
         await registry.heartbeat(WorkerInfo("p-apart", Role.PREFILL, "p1:1", on("GPU-b"), WorkerLoad(running=6)))
         await registry.heartbeat(WorkerInfo("d", Role.DECODE, "d0:1", on("GPU-a"), WorkerLoad(free_blocks=50, total_blocks=50)))
         await index.publish("p-shared", stored=H, removed=[])
-        view = ClusterView(registry, index, CONFIG.model_id, rng=random.Random(0))
+        view = ClusterView(registry, index, CONFIG.model_id, rng=random.Random(0), outliers=outliers())
         await view.refresh()
         for exclude, expected in ((frozenset(), "p-apart"), (frozenset({"p-apart"}), "p-shared")):
             route = await view.choose(H, len(PROMPT), exclude=exclude)

@@ -2,15 +2,15 @@
 
 from pathlib import Path
 
-from protos.generate import REPO_ROOT, generate, generated_paths
+from protos.compile import REPO_ROOT, compile_stubs, stub_paths
 
 
 def test_checked_in_stubs_match_proto_sources(tmp_path: Path) -> None:
-    generate(tmp_path)
-    for rel in generated_paths():
+    compile_stubs(tmp_path)
+    for rel in stub_paths():
         fresh, checked_in = tmp_path / rel, REPO_ROOT / rel
-        assert checked_in.exists(), f"{rel} is missing: run python -m protos.generate"
-        assert fresh.read_bytes() == checked_in.read_bytes(), f"{rel} is stale: run python -m protos.generate"
+        assert checked_in.exists(), f"{rel} is missing: run python -m protos.compile"
+        assert fresh.read_bytes() == checked_in.read_bytes(), f"{rel} is stale: run python -m protos.compile"
 
 
 def test_no_stub_without_a_proto_source() -> None:
@@ -18,7 +18,7 @@ def test_no_stub_without_a_proto_source() -> None:
         p.relative_to(REPO_ROOT).as_posix() for pattern in ("*_pb2.py", "*_pb2.pyi", "*_pb2_grpc.py", "*.binpb")
         for p in (REPO_ROOT / "protos").rglob(pattern)
     }
-    assert on_disk == set(generated_paths())
+    assert on_disk == set(stub_paths())
 
 
 def test_stubs_import_as_package_and_gateway_stands_alone() -> None:

@@ -11,6 +11,7 @@ import grpc
 import pytest
 
 from decode_worker.server import DecodeServicer
+from decode_worker.settings import DecodeWorkerSettings
 from engine import EngineConfig, EngineCore
 from cluster.settings import WorkerSettings
 from engine.core.core_client import EngineCoreClient
@@ -50,15 +51,17 @@ class Pair:
     decode: Worker
 
 
-def settings(**overrides) -> WorkerSettings:
-    return WorkerSettings(**{"listen": "127.0.0.1:0", "redis_url": "", "drain_timeout_s": 5.0,
-                             "insecure": not overrides.get("tls_dir"), **overrides})
+def settings(role: Role, **overrides) -> WorkerSettings:
+    """The settings of a worker of ``role`` (a setting the role does not read is ignored)."""
+    cls = WorkerSettings if role is Role.PREFILL else DecodeWorkerSettings
+    return cls(**{"listen": "127.0.0.1:0", "redis_url": "", "drain_timeout_s": 5.0,
+                  "insecure": not overrides.get("tls_dir"), **overrides})
 
 
 @contextlib.asynccontextmanager
 async def worker(llm: EngineCore, role: Role, **overrides) -> AsyncIterator[Worker]:
     engine = await EngineCoreClient.embed(llm)
-    s = settings(**overrides)
+    s = settings(role, **overrides)
     metrics = WorkerMetrics(str(role), engine.stats)
     if role is Role.PREFILL:
         servicer, stub_cls = PrefillServicer(engine, s, metrics), worker_pb2_grpc.PrefillWorkerStub

@@ -123,11 +123,11 @@ def _varint(value: int) -> bytes:
 
 
 def test_lease_setting_is_bounded():
-    from cluster.settings import WorkerSettings
+    from decode_worker.settings import DecodeWorkerSettings
     from pydantic import ValidationError
 
     with pytest.raises(ValidationError, match="lease_s"):
-        WorkerSettings(lease_s=2**32 / 1000)
+        DecodeWorkerSettings(lease_s=2**32 / 1000)
 
 
 @pytest.mark.parametrize("request_id", ["x" * (1 << 20), "a\nb 2026-11-23 INFO forged", ""])

@@ -334,7 +334,7 @@ def test_bad_requests_are_refused_naming_the_field(engines):
 
 def test_shutdown_drains_in_flight_and_refuses_new_work(engines, key_prefix, redis_url):
     async def main():
-        ns = ClusterNamespace(key_prefix)
+        ns = ClusterNamespace(key_prefix, 3.0)
         client = redis_client(redis_url)
         registry = WorkerRegistry(client, ns)
         # A drain long enough for a slow, shared CI machine: it ends as soon as the stream does.

@@ -17,8 +17,8 @@ from engine.runner.kv_cache import KVCache
 from engine.loading.model_config import ModelConfig
 from engine.parallel.tensor_parallel import shard_config
 from kvtransfer import (
-    DEFAULT_MAX_CHUNK_BYTES, GRPC_MESSAGE_OPTIONS, GrpcKVReceiver, GrpcKVSender, GrpcKVTransfer, KVDestination,
-    KVPool, KVReceiver, ReservationTable, decode_chunk, encode_chunk,
+    DEFAULT_MAX_CHUNK_BYTES, GRPC_MESSAGE_OPTIONS, KVDestination, KVPool, KVReceiver, KVTransferClient,
+    KVTransferServicer, KVTransferStream, ReservationTable, decode_chunk, encode_chunk,
 )
 from kvtransfer.nixl import NixlAgent
 from protos.status import StatusError
@@ -60,7 +60,7 @@ class TransferOnlyDecodeWorker(worker_pb2_grpc.DecodeWorkerServicer):
     """The decode worker's TransferKV, delegated as the real servicer will."""
 
     def __init__(self, receiver: KVReceiver) -> None:
-        self.kv = GrpcKVReceiver(receiver)
+        self.kv = KVTransferServicer(receiver)
 
     async def TransferKV(self, request_iterator, context):  # noqa: N802 (gRPC method name)
         response, _ = await self.kv.transfer_kv(request_iterator, context)
@@ -101,7 +101,7 @@ Tamper = Callable[[int, kvtransfer_pb2.KVChunk], Awaitable[kvtransfer_pb2.KVChun
 async def send_blocks(stub, pool: KVPool, block_ids: list[int], *, reservation_id: str, request_id: str,
                       max_chunk_bytes: int = DEFAULT_MAX_CHUNK_BYTES) -> int:
     """Open a transfer, send every block, wait for the acknowledgement (what a prefill worker does)."""
-    async with GrpcKVTransfer(stub, reservation_id, request_id, max_chunk_bytes=max_chunk_bytes) as transfer:
+    async with KVTransferStream(stub, reservation_id, request_id, max_chunk_bytes=max_chunk_bytes) as transfer:
         await transfer.send(pool, 0, block_ids)
         return await transfer.finish()
 
@@ -159,7 +159,7 @@ def test_blocks_arrive_bit_exact_in_reserved_slots(dtype: torch.dtype, blocks_pe
         async with decode_worker(dst) as peer:
             reservation = peer.table.reserve("req-1", DST_IDS)
             channel = grpc.aio.insecure_channel(peer.address, options=GRPC_MESSAGE_OPTIONS)
-            sender = GrpcKVSender(lambda address: channel, max_chunk_bytes=blocks_per_chunk * block_nbytes)
+            sender = KVTransferClient(lambda address: channel, max_chunk_bytes=blocks_per_chunk * block_nbytes)
             try:
                 async with sender.open(KVDestination(peer.address, reservation.reservation_id), "req-1") as transfer:
                     await transfer.send(src, 0, SRC_IDS[:1])  # as blocks become ready
@@ -364,7 +364,8 @@ def test_entering_a_transfer_does_not_wait_for_its_opening_and_a_failed_opening_
         address = f"127.0.0.1:{silent.sockets[0].getsockname()[1]}"
         async with silent:
             async with grpc.aio.insecure_channel(address, options=GRPC_MESSAGE_OPTIONS) as channel:
-                transfer = GrpcKVSender(lambda _: channel).open(KVDestination(address, "r-1"), "req-1", timeout_s=1.0)
+                transfer = KVTransferClient(lambda _: channel).open(KVDestination(address, "r-1"), "req-1",
+                                                                    timeout_s=1.0)
                 async with contextlib.AsyncExitStack() as stack:
                     await asyncio.wait_for(stack.enter_async_context(transfer), 0.5)  # before: until the deadline
                     with pytest.raises(StatusError) as info:
@@ -387,7 +388,7 @@ def test_open_stream_keeps_the_reservation_past_its_lease() -> None:
         async with decode_worker(dst, lease_s=0.1) as peer:
             reaper = asyncio.create_task(peer.table.run_expiry(interval_s=0.02))
             reservation = peer.table.reserve("req-1", DST_IDS)
-            async with GrpcKVTransfer(peer.stub, reservation.reservation_id, "req-1") as transfer:
+            async with KVTransferStream(peer.stub, reservation.reservation_id, "req-1") as transfer:
                 await wait_for(lambda: reservation.attached)
                 await asyncio.sleep(0.4)  # four leases with nothing sent: the prefill computes
                 assert len(peer.table) == 1
@@ -527,7 +528,7 @@ def test_nixl_reads_blocks_bit_exact_into_the_reserved_slots(verify: bool, ranks
         async with decode_worker(dst, nixl=receiver_agent, verify_checksums=verify) as peer:
             reservation = peer.table.reserve("req-1", DST_IDS)
             channel = grpc.aio.insecure_channel(peer.address, options=GRPC_MESSAGE_OPTIONS)
-            sender = GrpcKVSender(lambda address: channel, transports=["nixl", "grpc"], nixl=sender_agent,
+            sender = KVTransferClient(lambda address: channel, transports=["nixl", "grpc"], nixl=sender_agent,
                                   verify_checksums=verify)
             destination = KVDestination(peer.address, reservation.reservation_id, kv_transports=("nixl", "grpc"))
             try:
@@ -574,10 +575,11 @@ def test_a_host_memory_nixl_read_runs_off_the_event_loop() -> None:
 
 
 @contextlib.asynccontextmanager
-async def nixl_transfer(peer: DecodePeer, sender_agent: NixlAgent, reservation_id: str) -> AsyncIterator[GrpcKVTransfer]:
+async def nixl_transfer(peer: DecodePeer, sender_agent: NixlAgent,
+                        reservation_id: str) -> AsyncIterator[KVTransferStream]:
     """A NIXL transfer of request ``req-1`` into ``peer``'s reservation, opened as a prefill worker opens it."""
     channel = grpc.aio.insecure_channel(peer.address, options=GRPC_MESSAGE_OPTIONS)
-    sender = GrpcKVSender(lambda address: channel, transports=["nixl"], nixl=sender_agent)
+    sender = KVTransferClient(lambda address: channel, transports=["nixl"], nixl=sender_agent)
     try:
         async with sender.open(KVDestination(peer.address, reservation_id, kv_transports=("nixl",)), "req-1") as transfer:
             yield transfer
@@ -647,7 +649,7 @@ def test_nixl_refusals_free_the_reservation(case: str) -> None:
         async with contextlib.AsyncExitStack() as stack, decode_worker(
                 dst, nixl=None if case == "no nixl here" else receiver_agent, verify_checksums=True) as peer:
             reservation = peer.table.reserve("req-1", DST_IDS)
-            call = GrpcKVTransfer(peer.stub, reservation.reservation_id, "req-1")._call
+            call = KVTransferStream(peer.stub, reservation.reservation_id, "req-1")._call
             await stack.enter_async_context(sender_agent.serving_reads())
             ids = [100] + SRC_IDS[1:] if case == "outside the pool" else SRC_IDS
             # A write racing the receiver's refusal fails locally (INTERNAL "Internal error from
@@ -672,7 +674,7 @@ def test_nixl_refusals_free_the_reservation(case: str) -> None:
 
 
 def test_no_transport_in_common_is_a_clear_error() -> None:
-    sender = GrpcKVSender(lambda address: None, transports=["nixl"], nixl=None)
+    sender = KVTransferClient(lambda address: None, transports=["nixl"], nixl=None)
     with pytest.raises(StatusError) as info:
         sender.open(KVDestination("decode:1", "r", kv_transports=("grpc",)), "req-1")
     assert info.value.code == grpc.StatusCode.FAILED_PRECONDITION and "no KV transport in common" in info.value.message

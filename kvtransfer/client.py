@@ -1,17 +1,17 @@
 """The prefill worker's side of ``DecodeWorker.TransferKV``: a request's blocks, by gRPC or NIXL.
 
-A :class:`GrpcKVTransfer` is one open stream into one reservation. Opening it first (before a
+A :class:`KVTransferStream` is one open stream into one reservation. Opening it first (before a
 single block is ready) keeps the reservation alive while the prefill computes; entering it does
 not wait for the opening message to be written (0.3-0.4 ms on a quiet host, longer behind a busy
 event loop), so the prefill starts at once and a failed opening surfaces at the first
-:meth:`~GrpcKVTransfer.send` or at :meth:`~GrpcKVTransfer.finish`. Blocks are then
-announced as they become ready, in any grouping, and :meth:`GrpcKVTransfer.finish` waits for
+:meth:`~KVTransferStream.send` or at :meth:`~KVTransferStream.finish`. Blocks are then
+announced as they become ready, in any grouping, and :meth:`KVTransferStream.finish` waits for
 the receiver's acknowledgement, which it sends once it holds every block. Over ``"grpc"`` the
 chunks carry the blocks' bytes; flow control is gRPC's own (each ``write`` waits until HTTP/2
 accepts the chunk, and the next chunk is built only then, so at most one chunk of
 <= ``max_chunk_bytes`` is held in memory). Over ``"nixl"`` they carry only the sender's block
 ids, and the receiver reads the blocks from the sender's pool (:mod:`kvtransfer.nixl`); the
-blocks must stay pinned until :meth:`GrpcKVTransfer.finish` returns, which it does on the
+blocks must stay pinned until :meth:`KVTransferStream.finish` returns, which it does on the
 receiver's acknowledgement by NIXL notification or on the stream's answer, whichever comes
 first (the stream is then closed in the background).
 """
@@ -79,7 +79,7 @@ def iter_chunks(
                            request_id=request_id, first_block_index=first_index + start)
 
 
-class GrpcKVTransfer:
+class KVTransferStream:
     """One ``TransferKV`` stream into one reservation; an async context manager.
 
     Leaving the context without :meth:`finish` (an error, a cancellation) cancels the call,
@@ -127,7 +127,7 @@ class GrpcKVTransfer:
         read; the sender's blocks may be unpinned)."""
         return self._ack is not None and self._ack.done()
 
-    async def __aenter__(self) -> GrpcKVTransfer:
+    async def __aenter__(self) -> KVTransferStream:
         if self.nixl is not None:
             await self._serving.enter_async_context(self.nixl.serving_reads())
             self._ack = self.nixl.expect_acknowledgement(self.reservation_id)
@@ -225,8 +225,8 @@ def _closed_after_acknowledgement(answer: asyncio.Future) -> None:
         logger.info("a KV transfer stream failed after its acknowledgement: %s", answer.exception())
 
 
-class GrpcKVSender:
-    """Opens :class:`GrpcKVTransfer` streams to decode workers, by NIXL where both sides have it.
+class KVTransferClient:
+    """Opens :class:`KVTransferStream` streams to decode workers, by NIXL where both sides have it.
 
     Args:
         channel: the channel to a decode worker's address (the caller's channel cache; its
@@ -234,7 +234,7 @@ class GrpcKVSender:
         transports: the transports this worker sends with, preferred first (``"nixl"`` needs
             ``nixl``).
         nixl: this worker's NIXL agent, its pool registered.
-        verify_checksums: see :class:`GrpcKVTransfer`.
+        verify_checksums: see :class:`KVTransferStream`.
         max_chunk_bytes: byte budget of one chunk.
     """
 
@@ -261,7 +261,7 @@ class GrpcKVSender:
                           f"no KV transport in common: this worker sends by {self.transports}, the decode worker "
                           f"at {destination.address} takes {list(destination.kv_transports)}")
 
-    def open(self, destination: KVDestination, request_id: str, timeout_s: float | None = None) -> GrpcKVTransfer:
+    def open(self, destination: KVDestination, request_id: str, timeout_s: float | None = None) -> KVTransferStream:
         """A transfer into ``destination``'s reservation (enter it with ``async with``).
 
         Raises:
@@ -269,6 +269,6 @@ class GrpcKVSender:
         """
         transport = self.choose_transport(destination)
         stub = worker_pb2_grpc.DecodeWorkerStub(self.channel(destination.address))
-        return GrpcKVTransfer(stub, destination.reservation_id, request_id, max_chunk_bytes=self.max_chunk_bytes,
+        return KVTransferStream(stub, destination.reservation_id, request_id, max_chunk_bytes=self.max_chunk_bytes,
                               timeout_s=timeout_s, nixl=self.nixl if transport == "nixl" else None,
                               verify_checksums=self.verify_checksums)

@@ -15,7 +15,7 @@ from protos.status import StatusError
 from protos.tandem.v1 import kvtransfer_pb2
 
 
-class GrpcKVReceiver:
+class KVTransferServicer:
     """Serves ``TransferKV`` streams into a ``KVReceiver``.
 
     The decode worker's servicer delegates to it::

@@ -3,7 +3,7 @@ and ``protos/tandem/v1/descriptors.binpb``, the ``FileDescriptorSet`` of Tandem'
 their comments (source info), which server reflection serves so that ``grpcurl describe`` shows
 each field's documentation.
 
-Run ``python -m protos.generate`` from the repository root after editing a ``.proto``; commit the
+Run ``python -m protos.compile`` from the repository root after editing a ``.proto``; commit the
 sources and the stubs together (``tests/protos/test_stubs.py`` fails when they drift apart).
 
 The include root is the repository root, so a file is known to protoc as
@@ -40,13 +40,13 @@ def proto_sources(root: Path = REPO_ROOT) -> list[str]:
     return sorted(p.relative_to(root).as_posix() for p in (root / "protos").rglob("*.proto"))
 
 
-def generated_paths(root: Path = REPO_ROOT) -> list[str]:
+def stub_paths(root: Path = REPO_ROOT) -> list[str]:
     """Return the files that the sources under ``root`` produce, relative to ``root``, sorted."""
     stubs = [src.removesuffix(".proto") + suffix for src in proto_sources(root) for suffix in SUFFIXES]
     return sorted([*stubs, DESCRIPTOR_SET])
 
 
-def generate(out_dir: Path = REPO_ROOT) -> list[Path]:
+def compile_stubs(out_dir: Path = REPO_ROOT) -> list[Path]:
     """Compile every ``.proto`` of this repository into ``out_dir`` (same relative layout).
 
     Args:
@@ -92,9 +92,9 @@ def generate(out_dir: Path = REPO_ROOT) -> list[Path]:
                 stub = out_dir / (src.removesuffix(".proto") + suffix)
                 stub.write_text(re.sub(r"^import (\w+_pb2) as", rf"from {package} import \1 as",
                                        stub.read_text(), flags=re.MULTILINE))
-    return [out_dir / rel for rel in generated_paths()]
+    return [out_dir / rel for rel in stub_paths()]
 
 
 if __name__ == "__main__":
-    for path in generate():
+    for path in compile_stubs():
         print(path.relative_to(REPO_ROOT), file=sys.stderr)

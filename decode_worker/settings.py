@@ -1,0 +1,21 @@
+"""Decode worker settings: a worker's (:class:`cluster.settings.WorkerSettings`) plus what only a
+decode worker reads: its reservations' lease and how its streams batch tokens."""
+
+from __future__ import annotations
+
+from pydantic import Field
+
+from cluster.settings import WorkerSettings
+from kvtransfer import DEFAULT_LEASE_S
+
+
+class DecodeWorkerSettings(WorkerSettings):
+    """Settings of the decode worker process (flags and ``TANDEM_*`` variables, see :mod:`cluster.settings`)."""
+
+    lease_s: float = Field(DEFAULT_LEASE_S, gt=0, le=600,
+                           description="seconds a reservation lives with no transfer stream open on it and no "
+                                       "Decode claiming it (the worker's own: no caller chooses it)")
+    stream_interval: int = Field(1, ge=1, description="new tokens a stream message waits for (the last one of a "
+                                                      "sample goes whatever it holds); more: fewer messages per "
+                                                      "token for the worker's event loop, coarser streaming "
+                                                      "(SGLang's stream_interval)")
