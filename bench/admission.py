@@ -15,21 +15,18 @@ its first token and aborted, 200 per way after 20 of warm-up. The model's weight
 (``smollm2-135m``, random weights, on the CPU). Metrics: mean milliseconds of each call per way,
 ``hash_ms`` (the caller's hashing), and ``engine_thread_speedup`` (engine / handed, both calls).
 
-Usage: ``python bench/admission.py [--prompt-tokens 4000] [--requests 200]``
+Usage: ``python -m bench.admission [--prompt-tokens 4000] [--requests 200]``
 """
 
 from __future__ import annotations
 
 import argparse
-import os
 import random
-import sys
 import time
 
-sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
-
-from bench.common import machine, write_result  # noqa: E402
-from engine import EngineConfig, LLMEngine, SamplingParams  # noqa: E402
+from bench.common import machine, write_result
+from bench.stats import mean
+from engine import EngineConfig, LLMEngine, SamplingParams
 
 WARMUP = 20
 
@@ -66,7 +63,7 @@ def main() -> None:
     metrics = {}
     for way, samples in times.items():
         for name, column in zip(("hash", "reserve", "join"), zip(*samples)):
-            metrics[f"{name}_ms_{way}"] = round(1e3 * sum(column) / len(column), 4)
+            metrics[f"{name}_ms_{way}"] = round(1e3 * mean(column), 4)
     del metrics["hash_ms_engine"]
     metrics["hash_ms"] = metrics.pop("hash_ms_handed")
     metrics["engine_thread_speedup"] = round(
