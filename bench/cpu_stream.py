@@ -32,7 +32,7 @@ are in the record's ``rounds``). TTFT is the one-stream time from sending a requ
 token (offline: from ``add_request``). The greedy tokens of llama.cpp and of Tandem's gguf path
 (one stream each) are compared: ``llamacpp_agreement`` is the share of each output before its
 first disagreement, averaged over prompts, ``llamacpp_exact_matches`` the outputs equal token
-for token. Prints the JSON record and writes it under ``bench/results/``.
+for token. Prints the JSON record and writes it under ``bench/results/cpu_stream/``.
 
 Usage: ``python -m bench.cpu_stream [--max-tokens 64] [--rounds 2] [--skip-gateway]
 [--skip-llamacpp] [--skip-transformers] [--stream-interval 8]``; llama.cpp: ``pip install -e '.[bench-cpu]'``

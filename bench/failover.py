@@ -22,7 +22,7 @@ Then ``large_prompt``: the median latency of a 1-token request alone, and of one
 concurrent ~4 MB prompts (all refused before tokenization): ``large_prompt_burst_delay_s`` is
 the difference; the gateway's RSS before and after the burst.
 
-One record (benchmark ``failover``) goes under ``bench/results/``.
+One record (benchmark ``failover``) goes under ``bench/results/failover/``.
 
 Usage: ``python -m bench.failover`` (``--help`` lists the knobs).
 """

@@ -12,7 +12,8 @@ overhead nor a warm cache flatters anyone. The paged kernel and contiguous SDPA 
 times each, in turn, and their medians compared. ``paged_decode_eager_us_*`` adds the eager time
 (``triton.testing.do_bench``, L2 flushed per call), host launch overhead included.
 
-Prints the results as JSON and writes ``<out-dir>/kernels-<gpu>-<date>.json``. ``--sweep``
+Prints the results as JSON and writes ``<out-dir>/kernels-<gpu>-<date>.json`` (``<out-dir>``:
+``--out-dir``, by default ``bench/results/<benchmark>/``). ``--sweep``
 times tuning variants instead (tile sizes, warps, stages, split counts), writes
 ``<out-dir>/sweep.json`` and prints the best ones; ``--sweep focus`` times only the curated
 variants of the 16x2048 shape (:data:`FOCUS_VARIANTS`), each beside SDPA, in about a minute.

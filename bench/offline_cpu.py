@@ -3,7 +3,7 @@
 The real SmolLM2-135M-Instruct in float32, 16 different chat prompts, 64 new tokens each,
 greedy, EOS ignored. transformers runs once as one left-padded batch and once one prompt at a
 time; all three run in this one process, after a warm-up each, so their ratio holds on a busy
-machine. Prints the JSON record and writes it under ``bench/results/``.
+machine. Prints the JSON record and writes it under ``bench/results/offline_cpu/``.
 
 Usage: ``python -m bench.offline_cpu [--max-tokens 64]``
 """

@@ -10,7 +10,7 @@ SmolLM2-135M-Instruct Q4_1.
   scored by one forward pass over the whole text.
 
 Both engines run in this one process. Prints the JSON record and writes it under
-``bench/results/``. Usage: ``python -m bench.quantized_accuracy [--prompts 64] [--max-tokens 64]``
+``bench/results/quantized_accuracy/``. Usage: ``python -m bench.quantized_accuracy [--prompts 64] [--max-tokens 64]``
 """
 
 from __future__ import annotations

@@ -44,7 +44,7 @@ predictions of those prefills' times fared (``prefill_prediction_ratio_mean``, m
 predicted, and the shares over 1.25 and 2 times: :func:`gateway_metrics`).
 
 Every output is greedy with EOS ignored, so the token counts are exact. One record per
-workload and setting (benchmark ``serving``) goes under ``bench/results/``; ``--setups
+workload and setting (benchmark ``serving``) goes under ``bench/results/serving/``; ``--setups
 disagg,colocated`` runs both deployments of the same GPUs in one call and writes the goodput
 comparison (benchmark ``serving_2gpu``, see ``bench/serving_compare.py``); ``adaptive`` is the
 ``disagg`` deployment with the gateway placing each prefill by prediction against an SLO pair

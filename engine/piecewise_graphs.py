@@ -54,7 +54,7 @@ def piecewise_token_sizes(config: EngineConfig, device: torch.device) -> list[in
     H200 (Llama-3-8B shape) 64 decodes and a 512-token chunk, 576 tokens, took 20.1-20.3 ms at
     768 (multiples of 256), 16.7 ms at 576 (a count of this ladder) and 16.3 ms eagerly. Sixteen counts per
     doubling gained nothing measurable over eight and doubled the capture time, 3.1 to 6.4 s
-    (``bench/results/step_overhead-h200-ladder{,16}-{old,new}-*.json``)."""
+    (``bench/results/step_overhead/step_overhead-h200-ladder{,16}-{old,new}-*.json``)."""
     if device.type != "cuda" or config.enforce_eager:
         return []
     if config.cuda_graph_token_sizes is not None:

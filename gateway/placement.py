@@ -36,7 +36,7 @@ measured net of the ride (a short local prompt's TTFT is mostly the steps it wai
 price is linear in tokens where a step that carries a chunk costs a fixed part more. When such
 steps ran eagerly, their launches took 20-22 ms on an H200 (Llama-3-8B shape) whether the chunk
 was 128 or 1024 tokens, against a 6 ms decode step from a graph
-(``bench/results/step_overhead-h200-20261128T210454Z.json``), and the pace measured on short
+(``bench/results/step_overhead/step_overhead-h200-20261128T210454Z.json``), and the pace measured on short
 local prefills carried that fixed part: under a 20 ms ITL objective no long prompt was placed on
 a decode worker even with 256-token steps (no ``local_predicted`` placement in
 ``serving-h200x2-net256-adaptive-interference-*-20261128T205848Z.json``). They replay piecewise
@@ -65,7 +65,7 @@ The decision (:attr:`Placement.kind`, the ``tandem_gateway_placements`` metric's
   ``placements_*`` beside the fixed split's). When a step that carried a prefill chunk ran
   without CUDA graphs, on two H100s (Llama-3-8B shapes) such short local prefills put the decode-heavy
   requests' ITL p99 at 50-59 ms against 21-32 ms with every prompt disaggregated
-  (``bench/results/serving_2gpu-h100x2-interference-20261126T154430Z.json``,
+  (``bench/results/serving_2gpu/serving_2gpu-h100x2-interference-20261126T154430Z.json``,
   ``serving-h100x2-nolocal-disagg-interference-*-20261126T155004Z.json``).
 - ``local_predicted``: the local prefill is *safe* for the decode worker's running sequences
   (it runs none, or it is predicted to meet each of the ITL and TPOT objectives set; with

@@ -2,7 +2,7 @@
 workers under mixed traffic with a fault every 30 s (SIGKILL, SIGSTOP, SIGTERM of workers, a
 Redis restart). Every request is accounted for, none hangs, and
 once idle no block, registry entry, fd or thread is left behind. ``python -m bench.soak --minutes 60``
-is the long form, its results under bench/results/."""
+is the long form, its results under bench/results/soak/."""
 
 import contextlib
 import json
