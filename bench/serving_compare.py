@@ -254,7 +254,9 @@ def write_comparison(by_setup: dict[str, dict], args, keys: dict) -> list[Path]:
         description = {"name": workload, "setups": list(by_setup), "gpus": args.gpus, "prefill_workers": args.prefill,
                        "decode_workers": args.decode, "colocated_workers": args.prefill + args.decode,
                        "kv_transport": args.kv_transport, "transfer_devices": [device, peer_device],
-                       "num_requests": args.num_requests, "slos_ttft_tpot_s": args.slos}
+                       "num_requests": args.num_requests, "slos_ttft_tpot_s": args.slos, "aim": args.aim,
+                       "local_prefill_max_tokens": args.local_prefill, "env": args.env,
+                       "decode_env": args.split_decode_env}
         path = write_result("serving_2gpu", metrics, description, tag=f"{args.tag or prefix}-{workload}",
                             model=args.model, **keys)
         written += [path, *write_report(json.loads(path.read_text()), path)]
