@@ -5,8 +5,7 @@ That time passes between two steps of the decode worker's batch, so it delays ev
 stream's next token: under long prefills it shows in the decode-heavy requests' ITL p99. Two
 ways, alternated in this one process so their ratio holds on a busy machine:
 
-- ``engine``: the engine hashes the prompt's blocks itself, in each call (as before
-  ``AsyncEngine`` handed the hashes over);
+- ``engine``: the engine hashes the prompt's blocks itself, in each call;
 - ``handed``: the caller hashes them (``LLMEngine.block_hashes``, timed apart: ``AsyncEngine``
   does it on its event loop, while a step runs) and hands them to both calls.
 
