@@ -127,7 +127,8 @@ BENCHMARKS: dict[str, Benchmark] = {
         "Serving: disaggregated, colocated and adaptive on the same GPUs",
         "`python -m bench.serving --setups disagg,colocated,adaptive`: one workload, open-loop Poisson "
         "arrivals at a sweep of rates, each setup's best goodput (requests/s within both SLOs) over the "
-        "rates, at the first SLO pair.", _comparison, _goodput_columns()),
+        "rates, at the first SLO pair. The same setup's best goodput moves 5-20% from one lease of a "
+        "machine to the next: compare the setups within a row.", _comparison, _goodput_columns()),
     "serving": Benchmark("Serving", ""),  # tabled by serving_tables()
     "cpu_stream": Benchmark(
         "CPU: one stream and a batch, against llama.cpp and transformers",
@@ -168,6 +169,7 @@ BENCHMARKS: dict[str, Benchmark] = {
         "`python -m bench.step_overhead`: a step of 1 or 64 decodes, alone and with a fresh prompt chunk, "
         "timed one at a time (median), with CUDA graphs (decode graph, piecewise graphs) and eagerly.", columns=(
             Column("64 decodes (ms)", "graphs_b64_c128_decode_step_ms"),
+            Column("64 decodes, eager (ms)", "eager_b64_c128_decode_step_ms"),
             Column("+128-token chunk (ms)", "graphs_b64_c128_mixed_step_ms"),
             Column("+512 (ms)", "graphs_b64_c512_mixed_step_ms"),
             Column("+1024 (ms)", "graphs_b64_c1024_mixed_step_ms"),
