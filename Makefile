@@ -24,7 +24,7 @@ test: install
 	$(PY) -m pytest
 
 bench: install
-	$(PY) bench/offline_cpu.py
+	$(PY) -m bench.offline_cpu
 
 clean:
 	rm -rf $(VENV) build *.egg-info

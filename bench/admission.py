@@ -5,9 +5,8 @@ That time passes between two steps of the decode worker's batch, so it delays ev
 stream's next token: under long prefills it shows in the decode-heavy requests' ITL p99. Two
 ways, alternated in this one process so their ratio holds on a busy machine:
 
-- ``engine``: the engine hashes the prompt's blocks itself, in each call (as before
-  the engine core's client handed the hashes over);
-- ``handed``: the caller hashes them (``EngineCore.block_hashes``, timed apart: the client
+- ``engine``: the engine hashes the prompt's blocks itself, in each call;
+- ``handed``: the caller hashes them (``EngineCore.block_hashes``, timed apart: the engine core's client
   does it on its event loop, while a step runs) and hands them to both calls.
 
 Workload: 4000-token prompts of random ids (seeded), 16-token blocks, each admitted, joined with
@@ -15,21 +14,18 @@ its first token and aborted, 200 per way after 20 of warm-up. The model's weight
 (``smollm2-135m``, random weights, on the CPU). Metrics: mean milliseconds of each call per way,
 ``hash_ms`` (the caller's hashing), and ``engine_thread_speedup`` (engine / handed, both calls).
 
-Usage: ``python bench/admission.py [--prompt-tokens 4000] [--requests 200]``
+Usage: ``python -m bench.admission [--prompt-tokens 4000] [--requests 200]``
 """
 
 from __future__ import annotations
 
 import argparse
-import os
 import random
-import sys
 import time
 
-sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
-
-from bench.common import machine, write_result  # noqa: E402
-from engine import EngineConfig, EngineCore, SamplingParams  # noqa: E402
+from bench.common import machine, write_result
+from bench.stats import mean
+from engine import EngineConfig, EngineCore, SamplingParams
 
 WARMUP = 20
 
@@ -66,7 +62,7 @@ def main() -> None:
     metrics = {}
     for way, samples in times.items():
         for name, column in zip(("hash", "reserve", "join"), zip(*samples)):
-            metrics[f"{name}_ms_{way}"] = round(1e3 * sum(column) / len(column), 4)
+            metrics[f"{name}_ms_{way}"] = round(1e3 * mean(column), 4)
     del metrics["hash_ms_engine"]
     metrics["hash_ms"] = metrics.pop("hash_ms_handed")
     metrics["engine_thread_speedup"] = round(

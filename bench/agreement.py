@@ -3,7 +3,7 @@ the log-probabilities of the tokens they pick are until they part."""
 
 from __future__ import annotations
 
-import statistics
+from bench.stats import mean
 
 
 def greedy_rows(outputs: list) -> list[list[tuple[int, float, list[int], float]]]:
@@ -37,5 +37,5 @@ def agreement(one: list, two: list) -> dict[str, float]:
             if not diverged:
                 diffs.append(abs(la - lb))
     return {"agreement": same / total, "max_logprob_diff": max(diffs, default=0.0),
-            "mean_logprob_diff": statistics.fmean(diffs) if diffs else 0.0,
+            "mean_logprob_diff": mean(diffs) if diffs else 0.0,
             "disagreements_in_top5": near / flips if flips else 1.0}

@@ -1,4 +1,10 @@
-"""Shared pieces of Tandem's benchmarks: the results record and where it is written."""
+"""Shared pieces of Tandem's benchmarks: the results record and where it is written.
+
+Each benchmark's records go to ``bench/results/<benchmark>/``, one JSON file per run:
+``{"benchmark", "model", "gpu" or "machine", "date", "versions", "workload", "metrics"}``, the
+metrics a flat name → number map (``bench/report.py`` builds the published tables from them).
+The benchmarks run as modules from the repository's root: ``python -m bench.<name>``.
+"""
 
 from __future__ import annotations
 
@@ -9,7 +15,8 @@ import platform
 import re
 from pathlib import Path
 
-RESULTS_DIR = Path(__file__).resolve().parent / "results"
+REPO_ROOT = Path(__file__).resolve().parents[1]
+RESULTS_DIR = REPO_ROOT / "bench" / "results"
 
 
 def versions() -> dict[str, str]:
@@ -70,8 +77,13 @@ def gpu_tag(name: str) -> str:
     return re.sub(r"[^a-z0-9]+", "-", name.lower().replace("nvidia", "")).strip("-")
 
 
+def results_dir(benchmark: str) -> Path:
+    """Where ``benchmark``'s records go: ``bench/results/<benchmark>/``."""
+    return RESULTS_DIR / benchmark
+
+
 def write_result(benchmark: str, metrics: dict[str, float], workload: dict, tag: str = "",
-                 out_dir: Path = RESULTS_DIR, **keys) -> Path:
+                 out_dir: Path | None = None, **keys) -> Path:
     """Print the result as JSON and write it to ``<out_dir>/<benchmark>[-<tag>]-<UTC time>.json``.
 
     Args:
@@ -79,7 +91,7 @@ def write_result(benchmark: str, metrics: dict[str, float], workload: dict, tag:
         metrics: flat name → number map.
         workload: what was run (shapes, counts, settings).
         tag: an optional part of the file name (e.g. the GPU's name).
-        out_dir: where to write (default ``bench/results``).
+        out_dir: where to write (default :func:`results_dir` of ``benchmark``).
         **keys: further top-level keys (``model``, ``machine`` or ``gpu``).
     """
     now = dt.datetime.now(dt.timezone.utc)
@@ -87,6 +99,7 @@ def write_result(benchmark: str, metrics: dict[str, float], workload: dict, tag:
               "versions": versions(), "workload": workload, "metrics": metrics}
     text = json.dumps(record, indent=2)
     print(text)
+    out_dir = out_dir or results_dir(benchmark)
     out_dir.mkdir(parents=True, exist_ok=True)
     path = out_dir / f"{benchmark}{'-' + tag if tag else ''}-{now:%Y%m%dT%H%M%SZ}.json"
     path.write_text(text + "\n")

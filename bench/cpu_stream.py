@@ -32,9 +32,9 @@ are in the record's ``rounds``). TTFT is the one-stream time from sending a requ
 token (offline: from ``add_request``). The greedy tokens of llama.cpp and of Tandem's gguf path
 (one stream each) are compared: ``llamacpp_agreement`` is the share of each output before its
 first disagreement, averaged over prompts, ``llamacpp_exact_matches`` the outputs equal token
-for token. Prints the JSON record and writes it under ``bench/results/``.
+for token. Prints the JSON record and writes it under ``bench/results/cpu_stream/``.
 
-Usage: ``python bench/cpu_stream.py [--max-tokens 64] [--rounds 2] [--skip-gateway]
+Usage: ``python -m bench.cpu_stream [--max-tokens 64] [--rounds 2] [--skip-gateway]
 [--skip-llamacpp] [--skip-transformers] [--stream-interval 8]``; llama.cpp: ``pip install -e '.[bench-cpu]'``
 (builds llama.cpp from source). On CPUs with AMX (Intel Sapphire Rapids and later) llama.cpp's
 AMX matmul crashes this build in its first decode (ggml-org/llama.cpp#20824): build it without,
@@ -49,7 +49,6 @@ import asyncio
 import itertools
 import os
 import shutil
-import statistics
 import sys
 import tempfile
 import time
@@ -58,13 +57,12 @@ from pathlib import Path
 
 import torch
 
-sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
-
-from bench.common import RESULTS_DIR, machine, write_result  # noqa: E402
-from bench.offline_cpu import chat_prompts, hf_generate  # noqa: E402
-from engine import LLM, SamplingParams  # noqa: E402
-from engine.model_source import default_gguf_path  # noqa: E402
-from engine.output_processor import OutputProcessor  # noqa: E402
+from bench.common import machine, write_result
+from bench.offline_cpu import chat_prompts, hf_generate
+from bench.stats import mean, median
+from engine import LLM, SamplingParams
+from engine.model_source import default_gguf_path
+from engine.output_processor import OutputProcessor
 
 MODEL = "SmolLM2-135M-Instruct (GGUF Q4_1)"
 WARMUP = [1000, 1001, 1002, 1003]  # the prompt of each engine's warm-up: 4 plain (not special) token ids
@@ -289,7 +287,7 @@ def prefix_agreement(one: list[list[int]], two: list[list[int]]) -> tuple[float,
     for a, b in zip(one, two):
         same = next((i for i, (x, y) in enumerate(zip(a, b)) if x != y), min(len(a), len(b)))
         shares.append(same / max(len(a), len(b), 1))
-    return statistics.fmean(shares), sum(a == b for a, b in zip(one, two))
+    return mean(shares), sum(a == b for a, b in zip(one, two))
 
 
 def best(rounds: list[dict[str, float]], name: str) -> float:
@@ -340,7 +338,8 @@ def main(argv: list[str] | None = None) -> Path:
     parser.add_argument("--skip-transformers", action="store_true")
     parser.add_argument("--stream-interval", type=int, default=0,
                         help="also run the gateway with TANDEM_STREAM_INTERVAL set to this (0: not)")
-    parser.add_argument("--out-dir", type=Path, default=RESULTS_DIR, help="where the result JSON goes")
+    parser.add_argument("--out-dir", type=Path, default=None,
+                        help="where the result JSON goes (default: bench/results/cpu_stream/)")
     args = parser.parse_args(argv)
 
     path = default_gguf_path()
@@ -375,9 +374,9 @@ def main(argv: list[str] | None = None) -> Path:
             figures[f"{name}_tok_s_one_stream"] = one.tok_s
             figures[f"{name}_tok_s_{batch}"] = many.tok_s
             if one.ttfts:
-                figures[f"{name}_ttft_s_p50"] = statistics.median(one.ttfts)
+                figures[f"{name}_ttft_s_p50"] = median(one.ttfts)
             print(f"round {r + 1}/{args.rounds} {name:>12}: one stream {one.tok_s:7.1f} tok/s"
-                  + (f" (TTFT p50 {1e3 * statistics.median(one.ttfts):.0f} ms)" if one.ttfts else "")
+                  + (f" (TTFT p50 {1e3 * median(one.ttfts):.0f} ms)" if one.ttfts else "")
                   + f", {batch} {many.tok_s:7.1f} tok/s", file=sys.stderr, flush=True)
         rounds.append(figures)
 

@@ -22,18 +22,16 @@ Then ``large_prompt``: the median latency of a 1-token request alone, and of one
 concurrent ~4 MB prompts (all refused before tokenization): ``large_prompt_burst_delay_s`` is
 the difference; the gateway's RSS before and after the burst.
 
-One record (benchmark ``failover``) goes under ``bench/results/``.
+One record (benchmark ``failover``) goes under ``bench/results/failover/``.
 
-Usage: ``python bench/failover.py`` (``--help`` lists the knobs).
+Usage: ``python -m bench.failover`` (``--help`` lists the knobs).
 """
 
 from __future__ import annotations
 
 import argparse
 import itertools
-import os
 import signal
-import statistics
 import sys
 import tempfile
 import threading
@@ -44,11 +42,10 @@ from pathlib import Path
 
 import grpc
 
-sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
-
-from bench.common import machine, write_result  # noqa: E402
-from cli.launcher import LocalCluster  # noqa: E402
-from protos.tandem.v1 import gateway_pb2, gateway_pb2_grpc, worker_pb2, worker_pb2_grpc  # noqa: E402
+from bench.common import machine, write_result
+from bench.stats import median
+from cli.launcher import LocalCluster
+from protos.tandem.v1 import gateway_pb2, gateway_pb2_grpc, worker_pb2, worker_pb2_grpc
 
 PROMPTS = ["The capital of France is", "Write a haiku about the sea.", "List three prime numbers:",
            "def fibonacci(n):", "Once upon a time, in a small village,", "The quick brown fox"]
@@ -207,7 +204,7 @@ def run_large_prompts(cluster: LocalCluster, stub) -> dict[str, float]:
             code = exc.code().name
         return code, time.monotonic() - started
 
-    baseline = statistics.median(small() for _ in range(7))
+    baseline = median(small() for _ in range(7))
     rss_before = _rss_mb(cluster.gateway.proc.pid)
     delays, refused, slowest = [], 0, 0.0
     for _ in range(3):
@@ -220,7 +217,7 @@ def run_large_prompts(cluster: LocalCluster, stub) -> dict[str, float]:
                 slowest = max(slowest, seconds)
     time.sleep(2)
     return {"large_prompt_baseline_s": round(baseline, 3),
-            "large_prompt_burst_delay_s": round(statistics.median(delays) - baseline, 3),
+            "large_prompt_burst_delay_s": round(median(delays) - baseline, 3),
             "large_prompt_refused": refused, "large_prompt_sent": 24,
             "large_prompt_refused_max_s": round(slowest, 3),
             "gateway_rss_mb_before": rss_before, "gateway_rss_mb_after": _rss_mb(cluster.gateway.proc.pid)}

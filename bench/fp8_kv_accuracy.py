@@ -10,18 +10,13 @@ cache of a float32 model), on the real SmolLM2-135M-Instruct (the default model,
   whole text, its K and V read back from a cache of the engine's KV dtype.
 
 Both engines run in this one process. Prints the JSON record and writes it under
-``bench/results/``. Usage: ``python bench/fp8_kv_accuracy.py [--prompts 64] [--max-tokens 64]``
+``bench/results/fp8_kv_accuracy/``. Usage: ``python -m bench.fp8_kv_accuracy [--prompts 64] [--max-tokens 64]``
 """
 
 from __future__ import annotations
 
-import os
-import sys
-
-sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
-
-from bench.accuracy import compare, evaluate, main  # noqa: E402
-from engine import LLM  # noqa: E402
+from bench.accuracy import compare, evaluate, main
+from engine import LLM
 
 
 def _llm(kv_cache_dtype: str) -> LLM:

@@ -12,7 +12,8 @@ overhead nor a warm cache flatters anyone. The paged kernel and contiguous SDPA 
 times each, in turn, and their medians compared. ``paged_decode_eager_us_*`` adds the eager time
 (``triton.testing.do_bench``, L2 flushed per call), host launch overhead included.
 
-Prints the results as JSON and writes ``<out-dir>/kernels-<gpu>-<date>.json``. ``--sweep``
+Prints the results as JSON and writes ``<out-dir>/kernels-<gpu>-<date>.json`` (``<out-dir>``:
+``--out-dir``, by default ``bench/results/<benchmark>/``). ``--sweep``
 times tuning variants instead (tile sizes, warps, stages, split counts), writes
 ``<out-dir>/sweep.json`` and prints the best ones; ``--sweep focus`` times only the curated
 variants of the 16x2048 shape (:data:`FOCUS_VARIANTS`), each beside SDPA, in about a minute.
@@ -24,7 +25,7 @@ and writes ``<out-dir>/kernels_rope_kv-<gpu>-<date>.json``.
 400-token ones) at the two split counts a CUDA graph of their size may have
 (``engine/runner/cuda_graphs.py``) and writes ``<out-dir>/kernels_long_tail-<gpu>-<date>.json``.
 
-Usage: python bench/kernels.py [--sweep [focus | NxCTX ...] | --long-tail | --rope-kv] [--out-dir DIR]
+Usage: python -m bench.kernels [--sweep [focus | NxCTX ...] | --long-tail | --rope-kv] [--out-dir DIR]
 """
 
 from __future__ import annotations
@@ -33,8 +34,6 @@ import argparse
 import itertools
 import json
 import math
-import statistics
-import sys
 import time
 from pathlib import Path
 
@@ -43,16 +42,15 @@ import torch.nn.functional as F
 import triton
 from triton.testing import do_bench
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
-
-from bench.common import copy_bandwidth_tbps, gpu_tag, write_result  # noqa: E402
-import kernels  # noqa: E402
-import kernels.reference as reference  # noqa: E402
-from kernels.decode_attention import (  # noqa: E402
+from bench.common import copy_bandwidth_tbps, gpu_tag, results_dir, write_result
+from bench.stats import median
+import kernels
+import kernels.reference as reference
+from kernels.decode_attention import (
     MIN_SPLIT_TOKENS, launch_paged_decode, long_tail_splits, num_kv_splits,
 )
-from kernels.prefill_attention import launch_paged_prefill  # noqa: E402
-from kernels.rotary import _rotary_write_kv_kernel  # noqa: E402
+from kernels.prefill_attention import launch_paged_prefill
+from kernels.rotary import _rotary_write_kv_kernel
 
 Q_HEADS, KV_HEADS, HEAD_DIM, DTYPE = 32, 8, 128, torch.bfloat16
 DECODE_SHAPES = [(1, 8192), (16, 2048), (64, 2048), (128, 1024), (256, 1024), (64, 8192), (256, 4096)]
@@ -99,7 +97,7 @@ def _graph_ms(sets: list, fn, min_calls: int = 16, reps: int = 20) -> float:
         end.record()
         end.synchronize()
         times.append(start.elapsed_time(end) / calls)
-    return statistics.median(times)
+    return median(times)
 
 
 def _rel_err(out: torch.Tensor, ref: torch.Tensor) -> float:
@@ -196,7 +194,7 @@ def bench_decode(metrics: dict, gen: torch.Generator) -> None:
         for _ in range(3):  # in turn, so that a drift of the clocks cancels in the ratio
             paged_runs.append(_graph_ms(sets, _paged))
             fold_runs.append(_graph_ms(contiguous, lambda c: _sdpa_decode(*c)))
-        paged_ms, fold_ms = statistics.median(paged_runs), statistics.median(fold_runs)
+        paged_ms, fold_ms = median(paged_runs), median(fold_runs)
         del sets
         gqa_ms = _graph_ms(contiguous, lambda c: _sdpa_decode_gqa(*c))
         sdpa_ms = min(fold_ms, gqa_ms)
@@ -320,7 +318,7 @@ def bench_rope_kv(metrics: dict, gen: torch.Generator) -> None:
             for name, fn in variants.items():
                 host[name].append(_host_us(fn, ROPE_KV_CALLS))
         for name, fn in variants.items():
-            metrics[f"rope_kv_{name}_host_us_{tokens}"] = statistics.median(host[name])
+            metrics[f"rope_kv_{name}_host_us_{tokens}"] = median(host[name])
             metrics[f"rope_kv_{name}_device_us_{tokens}"] = _graph_ms([None], fn) * 1e3
         metrics[f"rope_kv_host_speedup_{tokens}"] = (metrics[f"rope_kv_unfused_host_us_{tokens}"]
                                                      / metrics[f"rope_kv_fused_host_us_{tokens}"])
@@ -429,10 +427,10 @@ def sweep_focus(gen: torch.Generator) -> list[dict]:
         except triton.runtime.errors.OutOfResources as err:
             print(f"decode {knobs}: {err}", flush=True)
             continue
-        ms = statistics.median(paged)
+        ms = median(paged)
         variant = f"n{block_n}w{warps}s{stages}x{splits}{'e' if eviction else ''}{'-hm' if head_major else ''}"
         rows.append(dict(kernel="decode", shape=f"{num_seqs}x{context}", variant=variant,
-                         us=ms * 1e3, tbps=nbytes / ms / 1e9, vs_sdpa=statistics.median(sdpa) / ms))
+                         us=ms * 1e3, tbps=nbytes / ms / 1e9, vs_sdpa=median(sdpa) / ms))
     return rows
 
 
@@ -457,7 +455,8 @@ def main() -> None:
                         help="time long-tail decode batches at both graph split counts instead")
     parser.add_argument("--rope-kv", action="store_true",
                         help="time RoPE fused with the KV write beside the two kernels instead")
-    parser.add_argument("--out-dir", type=Path, default=Path(__file__).resolve().parent / "results")
+    parser.add_argument("--out-dir", type=Path, default=None,
+                        help="default: bench/results/<benchmark>/ (kernels, kernels_long_tail, kernels_rope_kv)")
     args = parser.parse_args()
     if not torch.cuda.is_available():
         raise SystemExit("bench/kernels.py needs a CUDA GPU")
@@ -467,8 +466,9 @@ def main() -> None:
             rows = sweep_focus(gen)
         else:
             rows = sweep(gen, [tuple(map(int, s.split("x"))) for s in args.sweep] or SWEEP_SHAPES)
-        args.out_dir.mkdir(parents=True, exist_ok=True)
-        (args.out_dir / "sweep.json").write_text(json.dumps(rows, indent=1) + "\n")
+        out_dir = args.out_dir or results_dir("kernels")
+        out_dir.mkdir(parents=True, exist_ok=True)
+        (out_dir / "sweep.json").write_text(json.dumps(rows, indent=1) + "\n")
         _print_sweep(rows)
         return
     props = torch.cuda.get_device_properties(0)

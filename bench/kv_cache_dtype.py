@@ -10,24 +10,22 @@ transfer moves per block), output tokens/s, the median decode step at full batch
 K+V bytes read, the most sequences of this workload the cache holds at once; and the fp8 / bf16
 ratios. Accuracy is measured on the CPU by ``bench/fp8_kv_accuracy.py``.
 
-Usage: python bench/kv_cache_dtype.py [--requests 128] [--prompt-len 2048] [--new-tokens 128]
+Usage: python -m bench.kv_cache_dtype [--requests 128] [--prompt-len 2048] [--new-tokens 128]
 """
 
 from __future__ import annotations
 
 import argparse
-import statistics
 import sys
 from pathlib import Path
 
 import torch
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
-
-from bench.common import gpu_tag, release_engine_memory, write_result  # noqa: E402
-from bench.throughput import full_batch_decodes, make_prompts, run_tandem  # noqa: E402
-from engine import LLM  # noqa: E402
-from engine.runner.kv_cache import KVCache  # noqa: E402
+from bench.common import gpu_tag, release_engine_memory, write_result
+from bench.stats import median
+from bench.throughput import full_batch_decodes, make_prompts, run_tandem
+from engine import LLM
+from engine.runner.kv_cache import KVCache
 
 MODEL = "llama-3-8b"
 DTYPES = {"bf16": "auto", "fp8": "fp8_e4m3"}
@@ -49,8 +47,8 @@ def measure(kv_cache_dtype: str, prompts: list[list[int]], new_tokens: int, memo
                    "max_concurrent_seqs": engine.num_blocks // blocks_per_seq,
                    "output_tokens_per_s": tokens / seconds}
         if decodes:
-            step = statistics.median(s.step_s for s in decodes)
-            kv_read = statistics.median(s.num_kv_slots_used for s in decodes) * block_bytes / engine.config.block_size
+            step = median(s.step_s for s in decodes)
+            kv_read = median(s.num_kv_slots_used for s in decodes) * block_bytes / engine.config.block_size
             metrics |= {"decode_step_ms": step * 1e3, "decode_kv_gbytes": kv_read / 1e9}
         return metrics
     finally:
@@ -64,7 +62,7 @@ def main() -> None:
     parser.add_argument("--prompt-len", type=int, default=2048)
     parser.add_argument("--new-tokens", type=int, default=128)
     parser.add_argument("--gpu-memory-utilization", type=float, default=0.9)
-    parser.add_argument("--out-dir", type=Path, default=Path(__file__).resolve().parent / "results")
+    parser.add_argument("--out-dir", type=Path, default=None, help="default: bench/results/kv_cache_dtype/")
     args = parser.parse_args()
     if not torch.cuda.is_available():
         sys.exit("needs a CUDA GPU")

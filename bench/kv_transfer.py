@@ -27,7 +27,7 @@ and ``..._ready_gbps_...`` time what a request's first token waits for in a work
 whose blocks become ready 10 ms after its stream opened (as a prefill worker opens it before it
 computes), from the blocks ready to the acknowledgement.
 
-Usage: ``python bench/kv_transfer.py [--device cuda|cpu] [--peer-device cuda:1] [--repeats 5]
+Usage: ``python -m bench.kv_transfer [--device cuda|cpu] [--peer-device cuda:1] [--repeats 5]
 [--transports nixl] [--kv-cache-dtype fp8_e4m3]``
 """
 
@@ -36,7 +36,6 @@ from __future__ import annotations
 import argparse
 import asyncio
 import os
-import statistics
 import subprocess
 import sys
 import time
@@ -44,20 +43,19 @@ import time
 import grpc
 import torch
 
-sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
-
-from bench.common import machine, write_result  # noqa: E402
-from engine.config import KV_CACHE_DTYPES  # noqa: E402
-from engine.runner.devices import resolve_kv_cache_dtype  # noqa: E402
-from engine.runner.kv_cache import KVCache  # noqa: E402
-from engine.loading.model_config import ModelConfig  # noqa: E402
-from engine.loading.presets import PRESETS  # noqa: E402
-from engine.parallel.tensor_parallel import shard_config  # noqa: E402
-from kvtransfer import (  # noqa: E402
+from bench.common import REPO_ROOT, machine, write_result
+from bench.stats import median
+from engine.config import KV_CACHE_DTYPES
+from engine.runner.devices import resolve_kv_cache_dtype
+from engine.runner.kv_cache import KVCache
+from engine.loading.model_config import ModelConfig
+from engine.loading.presets import PRESETS
+from engine.parallel.tensor_parallel import shard_config
+from kvtransfer import (
     GRPC_MESSAGE_OPTIONS, KVTransferServicer, KVTransferClient, KVDestination, KVPool, KVReceiver, ReservationTable,
 )
-from kvtransfer.nixl import NixlAgent  # noqa: E402
-from protos.tandem.v1 import worker_pb2, worker_pb2_grpc  # noqa: E402
+from kvtransfer.nixl import NixlAgent
+from protos.tandem.v1 import worker_pb2, worker_pb2_grpc
 
 BLOCK_COUNTS = (16, 256, 2048)
 BLOCK_SIZE = 16
@@ -132,7 +130,7 @@ def copy_gbps(device: str, peer_device: str, nbytes: int) -> float:
         if torch.cuda.is_available():
             torch.cuda.synchronize()
         times.append(time.perf_counter() - start)
-    return nbytes / statistics.median(times[1:]) / 1e9
+    return nbytes / median(times[1:]) / 1e9
 
 
 async def measure(address: str, pool: KVPool, nixl: NixlAgent, repeats: int, block_counts: tuple[int, ...],
@@ -168,12 +166,12 @@ async def measure(address: str, pool: KVPool, nixl: NixlAgent, repeats: int, blo
                 phases.append(await one_transfer(f"{transport}-{count}-{repeat}", count, 0.0))
                 ready.append(sum((await one_transfer(f"{transport}-{count}-{repeat}-ready", count, _PREFILL_S))[1:]))
             nbytes = count * block_nbytes
-            metrics[f"{transport}_gbps_{count}_blocks"] = round(nbytes / statistics.median(map(sum, phases[1:])) / 1e9, 3)
+            metrics[f"{transport}_gbps_{count}_blocks"] = round(nbytes / median(map(sum, phases[1:])) / 1e9, 3)
             for i, phase in enumerate(("open", "send", "finish")):
                 metrics[f"{transport}_{phase}_ms_{count}_blocks"] = round(
-                    statistics.median(p[i] for p in phases[1:]) * 1e3, 3)
-            metrics[f"{transport}_ready_ms_{count}_blocks"] = round(statistics.median(ready[1:]) * 1e3, 3)
-            metrics[f"{transport}_ready_gbps_{count}_blocks"] = round(nbytes / statistics.median(ready[1:]) / 1e9, 3)
+                    median(p[i] for p in phases[1:]) * 1e3, 3)
+            metrics[f"{transport}_ready_ms_{count}_blocks"] = round(median(ready[1:]) * 1e3, 3)
+            metrics[f"{transport}_ready_gbps_{count}_blocks"] = round(nbytes / median(ready[1:]) / 1e9, 3)
             print(f"{transport:>5} {count:>5} blocks: {metrics[f'{transport}_gbps_{count}_blocks']:8.2f} GB/s, "
                   f"{metrics[f'{transport}_ready_gbps_{count}_blocks']:8.2f} from ready", flush=True)
     await channel.close()
@@ -196,10 +194,10 @@ def transfer_metrics(device: str, peer_device: str, repeats: int = 5,
         SystemExit: the receiving process did not start.
     """
     num_blocks = max(block_counts)
-    receiver = subprocess.Popen([sys.executable, os.path.abspath(__file__), "--serve", "--device", peer_device,
+    receiver = subprocess.Popen([sys.executable, "-m", "bench.kv_transfer", "--serve", "--device", peer_device,
                                  "--block-counts", str(num_blocks), "--kv-cache-dtype", kv_cache_dtype]
                                 + ["--verify"] * verify_checksums,
-                                stdout=subprocess.PIPE, text=True)
+                                stdout=subprocess.PIPE, text=True, cwd=REPO_ROOT)
     try:
         line = receiver.stdout.readline()
         while line and not line.startswith("PORT "):

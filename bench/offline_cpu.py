@@ -3,25 +3,22 @@
 The real SmolLM2-135M-Instruct in float32, 16 different chat prompts, 64 new tokens each,
 greedy, EOS ignored. transformers runs once as one left-padded batch and once one prompt at a
 time; all three run in this one process, after a warm-up each, so their ratio holds on a busy
-machine. Prints the JSON record and writes it under ``bench/results/``.
+machine. Prints the JSON record and writes it under ``bench/results/offline_cpu/``.
 
-Usage: ``python bench/offline_cpu.py [--max-tokens 64]``
+Usage: ``python -m bench.offline_cpu [--max-tokens 64]``
 """
 
 from __future__ import annotations
 
 import argparse
 import os
-import sys
 import time
 
 import torch
 
-sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
-
-from bench.common import machine, write_result  # noqa: E402
-from engine import LLM, SamplingParams  # noqa: E402
-from engine.model_source import default_gguf_path  # noqa: E402
+from bench.common import machine, write_result
+from engine import LLM, SamplingParams
+from engine.model_source import default_gguf_path
 
 TOPICS = [
     "the water cycle", "how vaccines work", "the French revolution", "black holes",

@@ -12,23 +12,19 @@ Metrics: ``throughput_speedup`` (output tokens/s on / off), ``ttft_p50_speedup``
 ``ttft_p99_speedup`` (TTFT off / on), ``hit_rate`` (prompt tokens served from the prefix cache
 over prompt tokens looked up, in the cached run), and each case's raw numbers.
 
-Usage: python bench/prefix_cache.py [--quick]
+Usage: python -m bench.prefix_cache [--quick]
 """
 
 from __future__ import annotations
 
 import argparse
-import statistics
-import sys
 import time
-from pathlib import Path
 
 import torch
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
-
-from bench.common import gpu_tag, write_result  # noqa: E402
-from engine import EngineConfig, EngineCore, SamplingParams  # noqa: E402
+from bench.common import gpu_tag, write_result
+from bench.stats import quantiles
+from engine import EngineConfig, EngineCore, SamplingParams
 
 MODEL = "llama-3-8b"
 NUM_REQUESTS = 256
@@ -43,11 +39,6 @@ def make_prompts(count: int, vocab_size: int, system_tokens: int, seed: int = 0)
     system = torch.randint(0, vocab_size, (system_tokens,), generator=gen).tolist()
     lens = torch.randint(QUESTION_LENS[0], QUESTION_LENS[1] + 1, (count,), generator=gen).tolist()
     return [system + torch.randint(0, vocab_size, (n,), generator=gen).tolist() for n in lens]
-
-
-def percentile(values: list[float], q: float) -> float:
-    """The ``q``-quantile (0..1) by linear interpolation."""
-    return statistics.quantiles(values, n=1000, method="inclusive")[round(q * 1000) - 1]
 
 
 def run(engine: EngineCore, prompts: list[list[int]], new_tokens: int, tag: str) -> dict[str, float]:
@@ -72,8 +63,7 @@ def run(engine: EngineCore, prompts: list[list[int]], new_tokens: int, tag: str)
                 tokens += len(out.outputs[0].token_ids)
     elapsed = time.perf_counter() - start
     times = list(ttft.values())
-    return {"tokens_per_s": tokens / elapsed, "seconds": elapsed, "ttft_p50_s": percentile(times, 0.5),
-            "ttft_p99_s": percentile(times, 0.99),
+    return {"tokens_per_s": tokens / elapsed, "seconds": elapsed, **quantiles(times, "ttft", (50, 99)),
             "hit_rate": (kv.prefix_hits - hits) / max(1, kv.prefix_queries - queries)}
 
 

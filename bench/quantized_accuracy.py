@@ -10,18 +10,13 @@ SmolLM2-135M-Instruct Q4_1.
   scored by one forward pass over the whole text.
 
 Both engines run in this one process. Prints the JSON record and writes it under
-``bench/results/``. Usage: ``python bench/quantized_accuracy.py [--prompts 64] [--max-tokens 64]``
+``bench/results/quantized_accuracy/``. Usage: ``python -m bench.quantized_accuracy [--prompts 64] [--max-tokens 64]``
 """
 
 from __future__ import annotations
 
-import os
-import sys
-
-sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
-
-from bench.accuracy import compare, evaluate, main  # noqa: E402
-from engine import LLM  # noqa: E402
+from bench.accuracy import compare, evaluate, main
+from engine import LLM
 
 
 def measure(num_prompts: int = 64, max_tokens: int = 64) -> dict[str, float]:

@@ -44,7 +44,7 @@ predictions of those prefills' times fared (``prefill_prediction_ratio_mean``, m
 predicted, and the shares over 1.25 and 2 times: :func:`gateway_metrics`).
 
 Every output is greedy with EOS ignored, so the token counts are exact. One record per
-workload and setting (benchmark ``serving``) goes under ``bench/results/``; ``--setups
+workload and setting (benchmark ``serving``) goes under ``bench/results/serving/``; ``--setups
 disagg,colocated`` runs both deployments of the same GPUs in one call and writes the goodput
 comparison (benchmark ``serving_2gpu``, see ``bench/serving_compare.py``); ``adaptive`` is the
 ``disagg`` deployment with the gateway placing each prefill by prediction against an SLO pair
@@ -53,7 +53,7 @@ objective goodput counts, or with ``--aim itl`` ``TANDEM_SLO_ITL_S``, which hold
 within it), deployed once per pair of ``--slos`` (its goodput at each pair is that of the
 deployment aiming at it), while ``disagg`` is a fixed split (``static``).
 
-Usage: ``python bench/serving.py --model llama-3-8b --load-format dummy --workloads random
+Usage: ``python -m bench.serving --model llama-3-8b --load-format dummy --workloads random
 --concurrency 128`` (``--help`` lists the rest).
 """
 
@@ -62,7 +62,6 @@ from __future__ import annotations
 import argparse
 import asyncio
 import dataclasses
-import os
 import random
 import sys
 import time
@@ -75,15 +74,14 @@ import grpc
 from prometheus_client.parser import text_string_to_metric_families
 from prometheus_client.samples import Sample
 
-sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
-
-from bench.common import machine, release_engine_memory, write_result  # noqa: E402
-from bench.serving_compare import fold_aimed_runs, setup_label, slo_suffix, write_comparison  # noqa: E402
-from cli.launcher import LocalCluster, gpu_placement  # noqa: E402
-from engine.outputs import StepTotals  # noqa: E402
-from gateway.placement import PLACEMENT_KINDS  # noqa: E402
-from gateway.settings import GatewaySettings  # noqa: E402
-from protos.tandem.v1 import gateway_pb2, gateway_pb2_grpc  # noqa: E402
+from bench.common import machine, release_engine_memory, write_result
+from bench.serving_compare import fold_aimed_runs, setup_label, slo_suffix, write_comparison
+from bench.stats import goodput_rps, quantiles, slo_attainment
+from cli.launcher import LocalCluster, gpu_placement
+from engine.outputs import StepTotals
+from gateway.placement import PLACEMENT_KINDS
+from gateway.settings import GatewaySettings
+from protos.tandem.v1 import gateway_pb2, gateway_pb2_grpc
 
 WORKLOADS = ("random", "shared_prefix", "multi_turn", "long", "interference", "decode_heavy")
 STEP_KINDS = ("decode", "mixed", "prefill")
@@ -279,17 +277,6 @@ async def open_loop(address: str, requests: list[Request], rate: float, seed: in
     return results, elapsed
 
 
-def percentile(values: list[float], q: float) -> float:
-    """The ``q``-quantile (0..1) by linear interpolation."""
-    ordered = sorted(values)
-    if not ordered:
-        return float("nan")
-    position = q * (len(ordered) - 1)
-    low = int(position)
-    high = min(low + 1, len(ordered) - 1)
-    return ordered[low] + (ordered[high] - ordered[low]) * (position - low)
-
-
 def summarize(results: list[Result], elapsed: float, slos: list[tuple[float, float]]) -> dict[str, float]:
     """Throughput, latency quantiles (of the requests that completed) and goodput of one run at
     each (TTFT, TPOT) SLO pair of ``slos``, seconds: the requests per second that completed
@@ -297,20 +284,16 @@ def summarize(results: list[Result], elapsed: float, slos: list[tuple[float, flo
     done = [r for r in results if not r.error]
     metrics = {"service_output_tokens_per_s": sum(r.output_tokens for r in done) / elapsed,
                "requests_per_s": len(done) / elapsed, "failed_requests": len(results) - len(done)}
-    for i, (slo_ttft, slo_tpot) in enumerate(slos):
-        good = sum(r.ttft <= slo_ttft and r.tpot <= slo_tpot for r in done)
-        suffix = slo_suffix((slo_ttft, slo_tpot), i == 0)
-        metrics[f"goodput_rps{suffix}"] = good / elapsed
-        metrics[f"slo_attainment{suffix}"] = good / max(1, len(results))
+    latencies = [(r.ttft, r.tpot) for r in done]
+    for i, slo in enumerate(slos):
+        suffix = slo_suffix(slo, i == 0)
+        metrics[f"goodput_rps{suffix}"] = goodput_rps(latencies, elapsed, slo)
+        metrics[f"slo_attainment{suffix}"] = slo_attainment(latencies, len(results), slo)
     for name in ("ttft", "tpot", "e2e", "itl"):
-        values = _values(done, name)
-        for q in (50, 90, 99):
-            metrics[f"{name}_p{q}_s"] = percentile(values, q / 100)
+        metrics |= quantiles(_values(done, name), name)
     for kind in sorted({r.kind for r in done if r.kind}):
         for name in ("ttft", "tpot", "itl"):
-            values = _values([r for r in done if r.kind == kind], name)
-            for q in (50, 99):
-                metrics[f"{kind}_{name}_p{q}_s"] = percentile(values, q / 100)
+            metrics |= quantiles(_values([r for r in done if r.kind == kind], name), f"{kind}_{name}", (50, 99))
     later = [r for r in done if r.turn > 0]
     if later:
         metrics["reused_block_fraction"] = sum(r.cached_tokens for r in later) / sum(r.prompt_tokens for r in later)

@@ -1,6 +1,6 @@
 """Disaggregated, colocated and adaptive serving on the same GPUs: goodput under latency SLOs.
 
-``bench/serving.py --setups disagg,colocated,adaptive`` calls :func:`write_comparison` once the
+``python -m bench.serving --setups disagg,colocated,adaptive`` calls :func:`write_comparison` once the
 deployments have run the same workloads; per workload it writes one record (benchmark
 ``serving_2gpu``) whose metrics are the best goodput of each setup over the runs at each SLO pair
 (``goodput_rps_disagg``, ``goodput_rps_colocated``, ``goodput_rps_adaptive``; at a later pair
@@ -18,7 +18,7 @@ table and a latency-vs-rate plot (PNG, with matplotlib: ``pip install -e '.[benc
 Goodput follows DistServe (Zhong et al., OSDI 2024): requests per second that complete within
 both the time-to-first-token and the time-per-output-token SLO.
 
-``python bench/serving_compare.py RECORD.json`` redraws the table and plot of a written record
+``python -m bench.serving_compare RECORD.json`` redraws the table and plot of a written record
 (e.g. one produced on a machine without matplotlib).
 """
 
@@ -254,7 +254,9 @@ def write_comparison(by_setup: dict[str, dict], args, keys: dict) -> list[Path]:
         description = {"name": workload, "setups": list(by_setup), "gpus": args.gpus, "prefill_workers": args.prefill,
                        "decode_workers": args.decode, "colocated_workers": args.prefill + args.decode,
                        "kv_transport": args.kv_transport, "transfer_devices": [device, peer_device],
-                       "num_requests": args.num_requests, "slos_ttft_tpot_s": args.slos}
+                       "num_requests": args.num_requests, "slos_ttft_tpot_s": args.slos, "aim": args.aim,
+                       "local_prefill_max_tokens": args.local_prefill, "env": args.env,
+                       "decode_env": args.split_decode_env}
         path = write_result("serving_2gpu", metrics, description, tag=f"{args.tag or prefix}-{workload}",
                             model=args.model, **keys)
         written += [path, *write_report(json.loads(path.read_text()), path)]

@@ -27,7 +27,7 @@ socket in no table of ``/proc/<pid>/net/`` whose inode was a connection to Redis
 the restart), ``faults``. The
 invariant ``sent == completed + cancelled + failed_with_status + hung`` is checked.
 
-Usage: ``python bench/soak.py --minutes 60`` (``--help`` lists the knobs).
+Usage: ``python -m bench.soak --minutes 60`` (``--help`` lists the knobs).
 """
 
 from __future__ import annotations
@@ -53,9 +53,7 @@ os.environ.setdefault("GRPC_ENABLE_FORK_SUPPORT", "false")
 import grpc  # noqa: E402
 import redis  # noqa: E402
 
-sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
-
-from bench.common import RESULTS_DIR, machine, write_result  # noqa: E402
+from bench.common import machine, write_result  # noqa: E402
 from cli.launcher import ClusterError, LocalCluster  # noqa: E402
 from cli.redis_server import RedisServer  # noqa: E402
 from cluster.channels import RETIRE_GRACE_S  # noqa: E402
@@ -318,7 +316,8 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--streams", type=int, default=16, help="closed-loop client streams")
     parser.add_argument("--fault-every-s", type=float, default=30.0, help="seconds between faults")
     parser.add_argument("--seed", type=int, default=0, help="seed of the traffic mix")
-    parser.add_argument("--out-dir", type=Path, default=RESULTS_DIR, help="where the result JSON goes")
+    parser.add_argument("--out-dir", type=Path, default=None,
+                        help="where the result JSON goes (default: bench/results/soak/)")
     args = parser.parse_args(argv)
     tmp = Path(tempfile.mkdtemp(prefix="tandem-soak-"))
     redis_server = RedisServer(tmp)

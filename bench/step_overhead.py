@@ -1,8 +1,8 @@
 """What one engine step costs beside a running batch: a decode step, and a mixed step (the same
 decode plus a prompt chunk), each as wall time and as the host time until its device work is
 queued (``on_launched``): with every CUDA graph (``graphs``: decode graphs, and piecewise graphs
-for the mixed step), with decode graphs only (``decode_graphs``: the mixed step eager, as before
-piecewise graphs), and eagerly (``eager``), one engine after another in one process.
+for the mixed step), with decode graphs only (``decode_graphs``: the mixed step eager, ``cuda_graph_token_sizes``
+empty), and eagerly (``eager``), one engine after another in one process.
 
 Where the host's launches take longer than the device's work, an eager mixed step's cost is
 its launches and not its tokens: this measures which, for the placement model's price of a
@@ -12,25 +12,21 @@ timed one at a time, the device idle before each (a synchronize), the median of 
 its cores (a shared host's eager steps move by 2x from one run to the next, and a comparison of
 code versions reads this one).
 
-Usage: ``python bench/step_overhead.py --model llama-3-8b --load-format dummy`` (on a GPU).
+Usage: ``python -m bench.step_overhead --model llama-3-8b --load-format dummy`` (on a GPU).
 """
 
 from __future__ import annotations
 
 import argparse
 import itertools
-import os
-import statistics
-import sys
 import time
 
 import torch
 
-sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
-
-from bench.common import gpu_tag, machine, release_engine_memory, write_result  # noqa: E402
-from bench.throughput import make_prompts  # noqa: E402
-from engine import LLM, SamplingParams  # noqa: E402
+from bench.common import gpu_tag, machine, release_engine_memory, write_result
+from bench.stats import median
+from bench.throughput import make_prompts
+from engine import LLM, SamplingParams
 
 _PROMPT_TOKENS = 64  # each running sequence's prompt
 
@@ -82,10 +78,10 @@ def step_costs(llm: LLM, batch: int, chunk: int, repeats: int = 8, seed: int = 0
             walls.append(wall)
             hosts.append(host)
             computed.append(num_tokens)
-        metrics[f"{kind}_step_ms"] = round(1e3 * statistics.median(walls), 3)
-        metrics[f"{kind}_launch_ms"] = round(1e3 * statistics.median(hosts), 3)
+        metrics[f"{kind}_step_ms"] = round(1e3 * median(walls), 3)
+        metrics[f"{kind}_launch_ms"] = round(1e3 * median(hosts), 3)
         metrics[f"{kind}_launch_min_ms"] = round(1e3 * min(hosts), 3)
-        metrics[f"{kind}_step_tokens"] = statistics.median(computed)
+        metrics[f"{kind}_step_tokens"] = median(computed)
     for request_id in ids:
         engine.abort_request(request_id)
     while engine.has_unfinished_requests:

@@ -25,7 +25,7 @@ Metrics (benchmark ``tensor_parallel``, model ``llama-3-8b``): ``tp2_decode_spee
 (``tp{1,2}_decode_step_ms_b*``, ``tp{1,2}_gpu_busy_ms_b1``, ``tp{1,2}_output_tokens_per_s``,
 ``tp{1,2}_startup_s``).
 
-Usage: ``python bench/tensor_parallel.py [--quick]`` (two GPUs).
+Usage: ``python -m bench.tensor_parallel [--quick]`` (two GPUs).
 """
 
 from __future__ import annotations
@@ -34,19 +34,16 @@ import argparse
 import json
 import os
 import signal
-import statistics
 import subprocess
 import sys
 import time
-from pathlib import Path
 
 import torch
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
-
-from bench.agreement import agreement, greedy_rows  # noqa: E402
-from bench.common import gpu_tag, write_result  # noqa: E402
-from bench.throughput import full_batch_decodes, make_prompts, run_tandem  # noqa: E402
+from bench.agreement import agreement, greedy_rows
+from bench.common import REPO_ROOT, gpu_tag, write_result
+from bench.stats import median
+from bench.throughput import full_batch_decodes, make_prompts, run_tandem
 
 MODEL = "llama-3-8b"
 DECODE_BATCHES = (1, 8, 32)
@@ -83,7 +80,7 @@ def measure(tp: int, quick: bool, agreement_only: bool) -> dict:
     if not agreement_only:
         for batch in DECODE_BATCHES:
             _, _, stats = run_tandem(llm, make_prompts(batch, engine.vocab_size, seed=batch), 64)
-            out[f"decode_step_ms_b{batch}"] = 1e3 * statistics.median(s.step_s for s in full_batch_decodes(stats, batch))
+            out[f"decode_step_ms_b{batch}"] = 1e3 * median(s.step_s for s in full_batch_decodes(stats, batch))
             _log(f"TP={tp}: decode step at batch {batch}: {out[f'decode_step_ms_b{batch}']:.2f} ms")
         out["gpu_busy_ms_b1"] = gpu_busy_ms(llm, make_prompts(1, engine.vocab_size, seed=1))
         prompts = make_prompts(THROUGHPUT_REQUESTS // (8 if quick else 1), engine.vocab_size)
@@ -92,7 +89,7 @@ def measure(tp: int, quick: bool, agreement_only: bool) -> dict:
         out["output_tokens_per_s"] = tokens / elapsed
         full = full_batch_decodes(stats, len(prompts))
         if full:
-            out[f"decode_step_ms_b{len(prompts)}"] = 1e3 * statistics.median(s.step_s for s in full)
+            out[f"decode_step_ms_b{len(prompts)}"] = 1e3 * median(s.step_s for s in full)
         _log(f"TP={tp}: {out['output_tokens_per_s']:.0f} output tokens/s")
     print("RESULT " + json.dumps(out), flush=True)  # before the shutdown: a teardown that hangs loses nothing
     engine.shutdown()
@@ -120,8 +117,9 @@ def run_setting(tp: int, quick: bool = False, agreement_only: bool = False, time
     Raises:
         RuntimeError: the child failed, or overran before its result.
     """
-    argv = [sys.executable, __file__, "--child", str(tp)] + ["--quick"] * quick + ["--agreement-only"] * agreement_only
-    child = subprocess.Popen(argv, stdout=subprocess.PIPE, text=True, start_new_session=True)
+    argv = [sys.executable, "-m", "bench.tensor_parallel", "--child", str(tp)]
+    argv += ["--quick"] * quick + ["--agreement-only"] * agreement_only
+    child = subprocess.Popen(argv, stdout=subprocess.PIPE, text=True, start_new_session=True, cwd=REPO_ROOT)
     try:
         stdout, _ = child.communicate(timeout=timeout_s)
         hung = False
@@ -156,7 +154,7 @@ def main() -> None:
     for prefix, (a, b) in (("tp2", (one["greedy"], two["greedy"])), ("tp1_batching", (one["greedy"], one["greedy_single"]))):
         for key, value in agreement(a, b).items():
             metrics[f"{prefix}_{'greedy_' * (key == 'agreement')}{key}"] = round(value, 4)
-    metrics["tp1_median_top2_logprob_gap"] = round(statistics.median(p[3] for row in one["greedy"] for p in row), 4)
+    metrics["tp1_median_top2_logprob_gap"] = round(median(p[3] for row in one["greedy"] for p in row), 4)
     gpu = torch.cuda.get_device_name()
     workload = {"model": MODEL, "dtype": "bfloat16", "weights": "random (dummy)", "decode_batches": [*DECODE_BATCHES,
                 THROUGHPUT_REQUESTS], "prompt_lens": [256, 768], "new_tokens": NEW_TOKENS,

@@ -23,27 +23,23 @@ every running sequence's context) over the step's wall time, as a fraction of th
 device-to-device copy bandwidth measured in the same run; median over steps at batch 32, 128
 and 256.
 
-Usage: python bench/throughput.py [--models llama-3-8b smollm2-135m] [--quick] [--skip-hf]
+Usage: python -m bench.throughput [--models llama-3-8b smollm2-135m] [--quick] [--skip-hf]
 """
 
 from __future__ import annotations
 
 import argparse
 import gc
-import statistics
-import sys
 import time
-from pathlib import Path
 
 import torch
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
-
-from bench.common import copy_bandwidth_tbps, gpu_tag, write_result  # noqa: E402
-from engine import LLM, SamplingParams  # noqa: E402
-from engine.runner.kv_cache import KVCache  # noqa: E402
-from engine.outputs import StepStats  # noqa: E402
-from engine.loading.presets import PRESETS  # noqa: E402
+from bench.common import copy_bandwidth_tbps, gpu_tag, write_result
+from bench.stats import mean, median
+from engine import LLM, SamplingParams
+from engine.runner.kv_cache import KVCache
+from engine.outputs import StepStats
+from engine.loading.presets import PRESETS
 
 NUM_REQUESTS = {"llama-3-8b": 128, "smollm2-135m": 256}
 NEW_TOKENS = 128
@@ -98,7 +94,7 @@ def full_batch_decodes(stats: list[StepStats], batch: int, skip: int = 2) -> lis
 def kv_waste(stats: list[StepStats]) -> float:
     """Mean over steps of allocated-but-unused KV slots / allocated slots."""
     fractions = [1 - s.num_kv_slots_used / s.num_kv_slots_allocated for s in stats if s.num_kv_slots_allocated]
-    return statistics.fmean(fractions)
+    return mean(fractions)
 
 
 def hf_model(name: str):
@@ -164,8 +160,8 @@ def roofline(llm: LLM, throughput_stats: list[StepStats], copy_tbps: float, quic
             prompts = make_prompts(batch, engine.vocab_size, seed=batch)
             _, _, stats = run_tandem(llm, prompts, ROOFLINE_NEW_TOKENS)
         steps = full_batch_decodes(stats, batch)
-        step_s = statistics.median(s.step_s for s in steps)
-        moved = statistics.median(weights + s.num_kv_slots_used * per_token for s in steps)
+        step_s = median(s.step_s for s in steps)
+        moved = median(weights + s.num_kv_slots_used * per_token for s in steps)
         metrics[f"bw_fraction_b{batch}"] = moved / step_s / 1e12 / copy_tbps
         metrics[f"decode_step_ms_b{batch}"] = step_s * 1e3
         metrics[f"decode_gbytes_b{batch}"] = moved / 1e9
@@ -195,8 +191,8 @@ def bench_model(name: str, args, copy_tbps: float, gpu: str) -> None:
     metrics["kv_waste_fraction"] = kv_waste(stats)
     decodes = full_batch_decodes(stats, count)
     if decodes:
-        metrics[f"decode_step_ms_b{count}"] = statistics.median(s.step_s for s in decodes) * 1e3
-        metrics[f"decode_prepare_ms_b{count}"] = statistics.median(s.prepare_s for s in decodes) * 1e3
+        metrics[f"decode_step_ms_b{count}"] = median(s.step_s for s in decodes) * 1e3
+        metrics[f"decode_prepare_ms_b{count}"] = median(s.prepare_s for s in decodes) * 1e3
         metrics[f"decode_cuda_graph_size_b{count}"] = decodes[0].cuda_graph_size or 0
     metrics["steps"] = len(stats)
     metrics["kv_cache_blocks"] = llm.engine.num_blocks

@@ -33,16 +33,9 @@ predicted). Its local TTFT adds the steps it rides, the one running as it arrive
 on average) and ``ceil((q_d + n) / c_d)`` more: ``(q_d + n) * p_d + (ceil((q_d + n) / c_d) + 1/2) * s_d``
 (:attr:`Placement.ride_s`). So ``p_d`` is the marginal cost of a prompt token in a decode step,
 measured net of the ride (a short local prompt's TTFT is mostly the steps it waited for). The
-price is linear in tokens where a step that carries a chunk costs a fixed part more. When such
-steps ran eagerly, their launches took 20-22 ms on an H200 (Llama-3-8B shape) whether the chunk
-was 128 or 1024 tokens, against a 6 ms decode step from a graph
-(``bench/results/step_overhead-h200-20261128T210454Z.json``), and the pace measured on short
-local prefills carried that fixed part: under a 20 ms ITL objective no long prompt was placed on
-a decode worker even with 256-token steps (no ``local_predicted`` placement in
-``serving-h200x2-net256-adaptive-interference-*-20261128T205848Z.json``). They replay piecewise
-CUDA graphs now (:mod:`engine.runner.piecewise_graphs`: 7-30 ms for a 128-1024-token chunk beside 1-64
-decodes, ``step_overhead-h200-ladder-new-20261129T104758Z.json``); the measured pace follows by
-itself.
+price is linear in tokens where a step that carries a chunk also costs a fixed part more (its
+launches; mixed steps replay piecewise CUDA graphs, :mod:`engine.runner.piecewise_graphs`, which keep
+that part small); the pace measured on short local prefills carries it.
 
 The decision (:attr:`Placement.kind`, the ``tandem_gateway_placements`` metric's label):
 
@@ -50,38 +43,23 @@ The decision (:attr:`Placement.kind`, the ``tandem_gateway_placements`` metric's
 - ``local_shared``: in adaptive placement, the prefill worker shares a GPU with the decode worker
   (their published ``device_ids``): its prefill would take the decode worker's GPU time as a
   local one does (two processes time-slice one GPU), and add a KV transfer; only one of the two
-  engines should compute on a GPU at a time. With 128 closed-loop streams of a Llama-3-8B
-  shape, a prefill and a decode worker sharing one H100 served 0.58-0.63 of the offline
-  engine's tokens per second with prompts disaggregated; sharing one H200 with every prompt
-  placed here, 0.86 (README, "Measured").
+  engines should compute on a GPU at a time (docs/benchmarks.md has one GPU served both ways).
 - ``local_short``: at most ``local_prefill_max_tokens`` tokens left after the decode worker's
   prefix hit: a static override, Dynamo's threshold (a KV transfer costs more than it saves),
   except in adaptive placement when the decode worker runs sequences and the prefill is
   predicted to break their ITL or TPOT objective while the prefill worker is predicted to meet
-  the request's TTFT objective (where it would miss it, refusing trades a predicted miss of
-  theirs for a certain one of the request's; refused anyway, the short prompts of a decode-heavy
-  load queued behind long ones past the prefill worker's saturation, and adaptive placement lost
-  to the fixed split: ``serving_2gpu-committed-high-interference-20261128T035953Z.json``, its
-  ``placements_*`` beside the fixed split's). When a step that carried a prefill chunk ran
-  without CUDA graphs, on two H100s (Llama-3-8B shapes) such short local prefills put the decode-heavy
-  requests' ITL p99 at 50-59 ms against 21-32 ms with every prompt disaggregated
-  (``bench/results/serving_2gpu-h100x2-interference-20261126T154430Z.json``,
-  ``serving-h100x2-nolocal-disagg-interference-*-20261126T155004Z.json``).
+  the request's TTFT objective. Where the prefill worker would miss it, the short prompt stays
+  local: refusing trades a predicted miss of the running sequences for a certain one of the
+  request's, and past the prefill worker's saturation the short prompts of a decode-heavy load
+  would queue behind the long ones.
 - ``local_predicted``: the local prefill is *safe* for the decode worker's running sequences
   (it runs none, or it is predicted to meet each of the ITL and TPOT objectives set; with
   neither only an idle decode worker is borrowed) and either (with a TTFT SLO) the remote
   prediction misses the SLO and the local one meets it or is lower, or the remote prediction
-  spends more than half the SLO and the local TTFT is below ``local_gain`` of it, or (without
-  one) the local TTFT is below ``local_gain`` of the remote one. The second moves a prompt
-  before the prefill worker's queue, which later requests wait behind, reaches the objective:
-  long prompts alone at 1 s / 40 ms on two H200s, best goodput 10.4 req/s against 9.4 without it
-  (TTFT p99 0.56 s against 1.06 at 16 req/s) beside colocated's 10.9, one lease
-  (``serving-headroom-long-*``, ``serving-base-long-*-20261128T0701*/0702*.json``). On the
-  interference load at 24 req/s it measured 13.9 / 12.6 req/s (0.5 s / 20 ms, 1 s / 40 ms)
-  against the code before's 14.9 / 11.3 in the same lease and 13.4 / 13.8 in the one before:
-  within that spread. Without the half (any clearly sooner local prediction): 9.7 on long
-  prompts, 12.8 / 12.3 on the interference load (``serving-gain-*-20261128T065629Z.json``,
-  ``…T065740Z.json``, beside ``serving-base-int-*-20261128T065848Z.json``).
+  spends more than half the SLO (``_TTFT_HEADROOM``) and the local TTFT is below ``local_gain``
+  of it, or (without one) the local TTFT is below ``local_gain`` of the remote one. The second
+  moves a prompt off the prefill worker's queue, which later requests wait behind, before that
+  queue reaches the objective.
 - ``remote``: otherwise, whenever the prefill worker's pace is not measured yet, and always with
   ``adaptive`` off (``TANDEM_PREFILL_PLACEMENT=static``: a fixed split, the overrides above
   aside).

@@ -95,7 +95,7 @@ class KernelLaunch:
     the later ones straight to the kernel it compiled (or found).
 
     Why: ``kernel[grid](...)`` binds and specializes every argument anew, ~36 µs of host time a
-    launch on an H200's host (``bench/kernels.py --rope-kv``), three launches a layer of an
+    launch on an H200's host (``python -m bench.kernels --rope-kv``), three launches a layer of an
     eager step, which is bound by its host time; the compiled kernel's own launcher
     (``CompiledKernel[grid]``, Triton's launch of an already compiled kernel) skips that. It may
     only run arguments of the first launch's specialization: the integers and constexprs are

@@ -7,8 +7,8 @@ its blocks hold which positions of the request (``KVChunk.source_block_ids``; it
 addresses and head ranges, and its agent metadata, in the stream's opening message), and the
 decode worker pulls them with a NIXL READ straight into its reserved slots: each of its ranks'
 head range from the prefill ranks that hold it, so workers of different tensor-parallel sizes
-pair up (heterogeneous TP, as vLLM's NIXL connector does it for dense models). Reading rather than having the prefill
-worker write is the safer and simpler choice: the receiver checks every position against its
+pair up (heterogeneous TP, as vLLM's NIXL connector does it for dense models). Reading rather
+than having the prefill worker write is the safer and simpler choice: the receiver checks every position against its
 reservation before any byte lands (as on the gRPC path), only the receiver knows where its
 slots are, and a faulty or hostile sender cannot write anywhere into the decode worker's pool
 (vLLM's NIXL connector reads for the same reasons). The overlap with prefill is kept: blocks
@@ -20,16 +20,15 @@ the overlap of two ranks' head ranges: a read is one descriptor per block and pa
 overlapping ranks, and NIXL merges runs of blocks adjacent on both sides into one. Both sides'
 descriptors of every block are prepared once per peer (NIXL's prepared descriptor lists, as
 vLLM's connector does), so a read only names block indices instead of building and checking
-its descriptors (0.19 ms of numpy alone on the device's host): a 256-block transfer's wait for
-its acknowledgement went from a median 2.35 to 2.14 ms on two H200s (docs/architecture.md).
+its descriptors (about 0.2 ms of NumPy on a GPU host for 256 blocks, on the first token's path).
 
 The receiver **acknowledges by NIXL notification** (:meth:`NixlAgent.acknowledge`): once a read
 completes the reservation, it sends the sender's agent a short message naming the reservation,
 and the sender's :meth:`~kvtransfer.client.KVTransferStream.finish` returns on whichever
-comes first, that message or the stream's gRPC answer (which still follows: the stream is closed
-as before, and every refusal still arrives as the stream's status). On one GPU the answer
-reached the sender 0.35-0.6 ms after the last read was seen done (one H200, one H100: both
-processes' clocks probed); a notification arrives in tens of microseconds. The acknowledgement is
+comes first, that message or the stream's gRPC answer (which still follows: the stream is
+closed normally, and every refusal arrives as the stream's status). The answer crosses Python
+gRPC and two event loops (about half a millisecond); a notification arrives in tens of
+microseconds. The acknowledgement is
 sent only after the read is counted in (``ReservationTable.end_write``), so a ``Decode`` that the
 sender's success triggers finds the reservation complete.
 
@@ -66,14 +65,13 @@ logger = logging.getLogger(__name__)
 
 # A read's completion is polled with sleeps growing from _POLL_MIN_S to _POLL_MAX_S, slept off
 # the event loop (_poll_sleep): the loop's own timed waits are whole milliseconds (epoll's
-# timeout; asyncio.sleep(20e-6) lasts ~1.1 ms), which on one H100 let a 256-block (512 MiB)
-# read, bytes a copy moves in 0.38 ms, be seen done 1.37 ms after its start. Spinning the loop
-# instead (sleep(0)) was tried and dropped: it contends for the GIL with the engine thread's
-# steps for the whole read, where a poll thread takes it once per poll.
+# timeout; asyncio.sleep(20e-6) lasts ~1.1 ms), about a millisecond late for a 256-block read.
+# Spinning the loop instead (sleep(0)) would contend for the GIL with the engine thread's steps
+# for the whole read, where a poll thread takes it once per poll.
 _POLL_MIN_S, _POLL_MAX_S = 20e-6, 2e-4
 # A sender waiting in ``finish`` for an acknowledgement polls every _POLL_MIN_S to _ACK_POLL_MAX_S:
-# the wait is short (the last chunk's read), and with 200 us sleeps the notification, which
-# arrives within ~20 us of its sending, was seen 0.15-0.45 ms late (one H100, two processes).
+# the wait is short (the last chunk's read), and the notification arrives within ~20 us of its
+# sending, which 200 us sleeps would see a few hundred microseconds late (measured on an H100).
 _ACK_POLL_MAX_S = 5e-5
 _POLL_THREADS = concurrent.futures.ThreadPoolExecutor(max_workers=8, thread_name_prefix="nixl-poll")
 # A sender's agent is progressed every _SERVE_POLL_S (~1.1 ms in effect: the loop's own sleep)
@@ -91,9 +89,9 @@ _ACK_PREFIX = b"tandem.kv.ack/"
 
 # UCX turns CUDA IPC reads (get zero-copy) off on GPUs without an active NVLink (openucx/ucx#7566:
 # reads were slower than writes on some PCIe platforms), and a read then falls back to active
-# messages over TCP through host memory: 0.45 GB/s between two processes on one H100 against
-# 1 TB/s for a write (measured with UCX 1.23 from nixl-cu13 1.5.1). The decode side reads, so it
-# asks for them back; a value the operator set wins.
+# messages over TCP through host memory: under 1 GB/s between two processes on one H100 against
+# 1 TB/s for a write (UCX 1.23, from nixl-cu13 1.5.1). The decode side reads, so it asks for them
+# back; a value the operator set wins.
 UCX_DEFAULTS = {"UCX_CUDA_IPC_ENABLE_GET_ZCOPY": "y"}
 
 

@@ -158,9 +158,9 @@ class TritonPagedAttentionBackend(PagedAttentionBackend):
     classes, which check what they are given, then launch the compiled kernels directly) and
     every layer runs them; the rotated query and the attention output are one buffer each for
     the step's layers (each layer's are read before the next layer's are written: one stream
-    orders them), the latter ``metadata.attn_out`` where given. On an H200's host a Llama-3-8B
-    step of 64 decodes and a 128-1024-token chunk spent 8.4-10.7 ms queueing its work before
-    this, 3.6-4.0 ms after (docs/engine.md, "Launches").
+    orders them), the latter ``metadata.attn_out`` where given. Launching each kernel through its
+    entry point and Triton's JIT would cost an H200's host about as long as the layer's device
+    work (docs/engine.md, "Launches").
 
     Args:
         ops: the kernel package (``kernels``; under ``TRITON_INTERPRET=1`` on the CPU, tests).

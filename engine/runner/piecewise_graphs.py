@@ -2,10 +2,9 @@
 
 A decode-only step replays one graph of the whole forward (:mod:`engine.runner.cuda_graphs`), but a
 step that carries a prompt chunk cannot: its attention's grid depends on how the step's tokens
-fall into sequences. Run eagerly, such a step launches about ten kernels a layer, and on the
-host that is the step's time: a mixed step of Llama-3-8B took 15-33 ms of host launches on an
-H200's host (docs/engine.md, "CUDA graphs"), so a decode worker that prefills cannot hold a 20 ms
-inter-token latency. As vLLM's piecewise CUDA graphs do, everything between two attentions
+fall into sequences. Run eagerly, such a step launches about ten kernels a layer, and on a
+large GPU the host's launches are then the step's time (docs/engine.md, "CUDA graphs"), too long
+for a decode worker that prefills to hold a 20 ms inter-token latency. As vLLM's piecewise CUDA graphs do, everything between two attentions
 (:meth:`engine.models.llama.LlamaModel.piece`: ``o_proj``, the norms, the MLP, the next
 ``qkv_proj``, and the tensor-parallel all-reduces) is captured once per padded token count of
 a ladder, and the attention (RoPE, the KV cache write, paged attention) runs eagerly between
@@ -50,11 +49,9 @@ def piecewise_token_sizes(config: EngineConfig, device: torch.device) -> list[in
     ``min(max_num_batched_tokens, LADDER_TOP)`` (and that bound itself).
 
     Past a few hundred tokens a step's matmuls are bound by arithmetic, and its padded rows cost
-    their share of its time while an eager step's launches hide behind its device work: on an
-    H200 (Llama-3-8B shape) 64 decodes and a 512-token chunk, 576 tokens, took 20.1-20.3 ms at
-    768 (multiples of 256), 16.7 ms at 576 (a count of this ladder) and 16.3 ms eagerly. Sixteen counts per
-    doubling gained nothing measurable over eight and doubled the capture time, 3.1 to 6.4 s
-    (``bench/results/step_overhead-h200-ladder{,16}-{old,new}-*.json``)."""
+    their share of its time while an eager step's launches hide behind its device work: eight
+    counts per doubling keep the padding under 1/8 of a step; sixteen gained nothing measurable
+    on an H200 and doubled the capture time (docs/engine.md, "Launches")."""
     if device.type != "cuda" or config.enforce_eager:
         return []
     if config.cuda_graph_token_sizes is not None:

@@ -1,8 +1,8 @@
 """The short soak CI runs (5 minutes of traffic): a local cluster of 2 prefill + 2 decode
 workers under mixed traffic with a fault every 30 s (SIGKILL, SIGSTOP, SIGTERM of workers, a
 Redis restart). Every request is accounted for, none hangs, and
-once idle no block, registry entry, fd or thread is left behind. ``bench/soak.py --minutes 60``
-is the long form, its results under bench/results/."""
+once idle no block, registry entry, fd or thread is left behind. ``python -m bench.soak --minutes 60``
+is the long form, its results under bench/results/soak/."""
 
 import contextlib
 import json
