@@ -13,7 +13,10 @@ the prompts one at a time (one stream) and all at once (batched):
   API by ``bench/serving.py``'s client: one stream, then 16 concurrent streams; the cluster
   runs only while it is measured (started and stopped in each round); with
   ``--stream-interval N`` also ``gateway_interval{N}``, the same cluster with
-  ``TANDEM_STREAM_INTERVAL=N`` (a Decode message per N new tokens instead of per token);
+  ``TANDEM_STREAM_INTERVAL=N`` (a Decode message per N new tokens instead of per token); with
+  ``--baseline DIR`` also ``gateway_baseline``, the same cluster running the code of another
+  checkout (its processes import from ``DIR``: run the benchmark from a directory that holds no
+  checkout, with ``PYTHONPATH`` naming this one), to compare two versions of the code in one run;
 - ``llamacpp``: llama-cpp-python (the optional ``bench-cpu`` extra) on the same GGUF file,
   ``n_threads`` = the core count. One stream is ``Llama.generate`` (the token generator under
   ``create_completion``, which itself stops at EOS and has no way to ignore it; a logit bias
@@ -35,7 +38,7 @@ first disagreement, averaged over prompts, ``llamacpp_exact_matches`` the output
 for token. Prints the JSON record and writes it under ``bench/results/cpu_stream/``.
 
 Usage: ``python -m bench.cpu_stream [--max-tokens 64] [--rounds 2] [--skip-gateway]
-[--skip-llamacpp] [--skip-transformers] [--stream-interval 8]``; llama.cpp: ``pip install -e '.[bench-cpu]'``
+[--skip-llamacpp] [--skip-transformers] [--stream-interval 8] [--baseline DIR]``; llama.cpp: ``pip install -e '.[bench-cpu]'``
 (builds llama.cpp from source). On CPUs with AMX (Intel Sapphire Rapids and later) llama.cpp's
 AMX matmul crashes this build in its first decode (ggml-org/llama.cpp#20824): build it without,
 ``CMAKE_ARGS="-DGGML_NATIVE=OFF -DGGML_AVX2=ON -DGGML_FMA=ON -DGGML_F16C=ON -DGGML_AVX512=ON
@@ -338,6 +341,8 @@ def main(argv: list[str] | None = None) -> Path:
     parser.add_argument("--skip-transformers", action="store_true")
     parser.add_argument("--stream-interval", type=int, default=0,
                         help="also run the gateway with TANDEM_STREAM_INTERVAL set to this (0: not)")
+    parser.add_argument("--baseline", type=Path, default=None,
+                        help="also run the gateway on the code of this checkout (gateway_baseline)")
     parser.add_argument("--out-dir", type=Path, default=None,
                         help="where the result JSON goes (default: bench/results/cpu_stream/)")
     args = parser.parse_args(argv)
@@ -355,6 +360,8 @@ def main(argv: list[str] | None = None) -> Path:
         if args.stream_interval:
             engines[f"gateway_interval{args.stream_interval}"] = Gateway(
                 {"TANDEM_STREAM_INTERVAL": str(args.stream_interval)})
+        if args.baseline:
+            engines["gateway_baseline"] = Gateway({"PYTHONPATH": str(args.baseline.resolve())})
 
     batch = f"batch{len(prompts)}"
     rounds: list[dict[str, float]] = []

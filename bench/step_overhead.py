@@ -1,6 +1,6 @@
 """What one engine step costs beside a running batch: a decode step, and a mixed step (the same
 decode plus a prompt chunk), each as wall time and as the host time until its device work is
-queued (``on_launched``): with every CUDA graph (``graphs``: decode graphs, and piecewise graphs
+queued (``ModelRunner.launch`` returned; synchronous scheduling): with every CUDA graph (``graphs``: decode graphs, and piecewise graphs
 for the mixed step), with decode graphs only (``decode_graphs``: the mixed step eager, ``cuda_graph_token_sizes``
 empty), and eagerly (``eager``), one engine after another in one process.
 
@@ -35,11 +35,22 @@ def _timed_step(engine) -> tuple[float, float, int]:
     """One step's wall seconds, the host's seconds until its device work was queued, and the
     tokens it computed."""
     launched: list[float] = []
-    start = time.perf_counter()
-    output = engine.step(on_launched=lambda: launched.append(time.perf_counter()))
-    if torch.cuda.is_available():
-        torch.cuda.synchronize()
-    end = time.perf_counter()
+    launch = engine.runner.launch
+
+    def timed_launch(step):
+        pending = launch(step)
+        launched.append(time.perf_counter())
+        return pending
+
+    engine.runner.launch = timed_launch
+    try:
+        start = time.perf_counter()
+        output = engine.step()
+        if torch.cuda.is_available():
+            torch.cuda.synchronize()
+        end = time.perf_counter()
+    finally:
+        del engine.runner.launch
     return end - start, (launched[0] if launched else end) - start, output.stats.num_tokens
 
 
@@ -103,7 +114,9 @@ def step_overhead(model: str, load_format: str, batches: tuple[int, ...], chunks
     (:data:`SETUPS`); on a CPU (no CUDA graphs) the eager engine only."""
     metrics = {}
     for setup in SETUPS if torch.cuda.is_available() else ("eager",):
-        llm = LLM(model, load_format=load_format, max_num_batched_tokens=max_num_batched_tokens, **SETUPS[setup])
+        # One step per call, each measured alone: no step launched ahead of the one timed.
+        llm = LLM(model, load_format=load_format, max_num_batched_tokens=max_num_batched_tokens, async_scheduling=False,
+                  **SETUPS[setup])
         for i, (batch, chunk) in enumerate(itertools.product(batches, chunks)):
             prefix = f"{setup}_b{batch}_c{chunk}_"
             metrics |= {prefix + k: v for k, v in step_costs(llm, batch, chunk, repeats, seed=2 * i).items()}

@@ -1,5 +1,5 @@
 """Offline throughput on a CUDA GPU: Tandem's ``LLM.generate`` against transformers' ``generate``
-(static padded batches) and ``generate_batch`` (continuous batching), and the decode roofline.
+(static padded batches) and ``generate_batch`` (continuous batching).
 
 Workload (issue 10): random-weight bfloat16 models of the presets in ``engine/loading/presets.py``
 (``load_format="dummy"``; transformers builds the same config directly on the GPU), prompts of
@@ -17,11 +17,7 @@ peak: Tandem's includes its KV cache, sized to ``gpu_memory_utilization``), the 
 reservation waste (allocated-but-unused token slots / allocated slots of the running sequences,
 averaged over steps), and the median decode step at full batch with its host preparation.
 
-``decode_roofline`` (llama-3-8b): per steady-state decode step (every running sequence
-decoding), the bytes that must move (every weight but the embedding table, plus the K and V of
-every running sequence's context) over the step's wall time, as a fraction of the
-device-to-device copy bandwidth measured in the same run; median over steps at batch 32, 128
-and 256.
+The decode roofline has a benchmark of its own (:mod:`bench.decode_roofline`).
 
 Usage: python -m bench.throughput [--models llama-3-8b smollm2-135m] [--quick] [--skip-hf]
 """
@@ -34,10 +30,9 @@ import time
 
 import torch
 
-from bench.common import copy_bandwidth_tbps, gpu_tag, write_result
+from bench.common import gpu_tag, write_result
 from bench.stats import mean, median
 from engine import LLM, SamplingParams
-from engine.runner.kv_cache import KVCache
 from engine.outputs import StepStats
 from engine.loading.presets import PRESETS
 
@@ -45,8 +40,6 @@ NUM_REQUESTS = {"llama-3-8b": 128, "smollm2-135m": 256}
 NEW_TOKENS = 128
 PROMPT_LENS = (256, 768)
 HF_STATIC_BATCHES = (64, 128)
-ROOFLINE_BATCHES = (32, 128, 256)
-ROOFLINE_NEW_TOKENS = 96  # at batch 256 the last prompts are prefilled after ~64 steps
 GIB = 2**30
 
 
@@ -144,32 +137,7 @@ def free_gpu() -> None:
     torch.cuda.reset_peak_memory_stats()
 
 
-def roofline(llm: LLM, throughput_stats: list[StepStats], copy_tbps: float, quick: bool) -> tuple[dict, dict]:
-    """Decode steps' bytes / step time as a fraction of ``copy_tbps`` at each roofline batch."""
-    engine = llm.engine
-    weights = sum(p.numel() * p.element_size() for name, p in engine.model.named_parameters()
-                  if engine.model.lm_head is None or "embed_tokens" not in name)
-    per_token = KVCache.bytes_per_block(engine.model_config, engine.config.block_size, engine.dtype)
-    per_token //= engine.config.block_size
-    metrics, workload = {"copy_tbps": copy_tbps}, {"weights_bytes": weights, "kv_bytes_per_token": per_token}
-    batches = (8, 16) if quick else ROOFLINE_BATCHES
-    for batch in batches:
-        if batch == NUM_REQUESTS["llama-3-8b"] and not quick:
-            stats = throughput_stats
-        else:
-            prompts = make_prompts(batch, engine.vocab_size, seed=batch)
-            _, _, stats = run_tandem(llm, prompts, ROOFLINE_NEW_TOKENS)
-        steps = full_batch_decodes(stats, batch)
-        step_s = median(s.step_s for s in steps)
-        moved = median(weights + s.num_kv_slots_used * per_token for s in steps)
-        metrics[f"bw_fraction_b{batch}"] = moved / step_s / 1e12 / copy_tbps
-        metrics[f"decode_step_ms_b{batch}"] = step_s * 1e3
-        metrics[f"decode_gbytes_b{batch}"] = moved / 1e9
-        metrics[f"decode_steps_b{batch}"] = len(steps)
-    return metrics, workload
-
-
-def bench_model(name: str, args, copy_tbps: float, gpu: str) -> None:
+def bench_model(name: str, args, gpu: str) -> None:
     count = NUM_REQUESTS[name] // (8 if args.quick else 1)
     new_tokens = 16 if args.quick else NEW_TOKENS
     vocab = PRESETS[name]["vocab_size"]
@@ -196,12 +164,6 @@ def bench_model(name: str, args, copy_tbps: float, gpu: str) -> None:
         metrics[f"decode_cuda_graph_size_b{count}"] = decodes[0].cuda_graph_size or 0
     metrics["steps"] = len(stats)
     metrics["kv_cache_blocks"] = llm.engine.num_blocks
-    if name == "llama-3-8b":
-        roof, roof_workload = roofline(llm, stats, copy_tbps, args.quick)
-        write_result("decode_roofline", roof, {**roof_workload, "prompt_lens": PROMPT_LENS,
-                     "new_tokens": ROOFLINE_NEW_TOKENS, "step_time": "EngineCore.step wall time (StepStats.step_s)",
-                     "steps": "every running sequence decoding, first 2 dropped"},
-                     tag=f"{name}-{gpu_tag(gpu)}", model=name, gpu=gpu)
     metrics["peak_gpu_memory_gib"] = torch.cuda.max_memory_reserved() / GIB
     del llm
     free_gpu()
@@ -277,10 +239,8 @@ def main() -> None:
     if not torch.cuda.is_available():
         raise SystemExit("bench/throughput.py needs a CUDA GPU")
     gpu = torch.cuda.get_device_properties(0).name
-    copy_tbps = copy_bandwidth_tbps()
-    print(f"{gpu}: device-to-device copy {copy_tbps:.2f} TB/s", flush=True)
     for name in args.models:
-        bench_model(name, args, copy_tbps, gpu)
+        bench_model(name, args, gpu)
 
 
 if __name__ == "__main__":

@@ -40,6 +40,7 @@ from cluster.settings import WorkerSettings, advertised_address, setting_name
 from cluster.shutdown import exit_if_shutdown_hangs, shutdown_step
 from cluster.tls import ClientCredentials, PeerRoleInterceptor, server_credentials
 from engine.core.core_client import EngineCoreClient, EngineDeadError, EngineError
+from engine.core.messages import EngineInfo
 from engine.runner.devices import device_ids, resolve_device, use_device
 from kvtransfer import GRPC_MESSAGE_OPTIONS, KVPool
 from kvtransfer.nixl import NixlAgent
@@ -83,13 +84,12 @@ def worker_tls(settings: WorkerSettings, role: Role) -> ClientCredentials | None
         raise StartupError(str(exc)) from None
 
 
-def published_config(engine: EngineCoreClient, kv_transports: list[str]) -> WorkerConfig:
+def published_config(info: EngineInfo, kv_pools: list[torch.Tensor], kv_transports: list[str]) -> WorkerConfig:
     """The cache settings a worker owns, as it publishes them (registry entry, ``GetStats``), with
-    the KV transports it moves blocks with and the GPUs its ranks' KV pools lie on."""
-    info = engine.info
+    the KV transports it moves blocks with and the GPUs its ranks' KV pools (``kv_pools``) lie on."""
     return WorkerConfig(info.model_id, info.block_size, info.max_model_len, info.kv_cache_dtype, info.hash_seed,
                         info.vocab_size, info.tensor_parallel_size, tuple(kv_transports), info.quantization,
-                        info.max_num_batched_tokens, device_ids(engine.kv_pools))
+                        info.max_num_batched_tokens, device_ids(kv_pools))
 
 
 @contextlib.asynccontextmanager

@@ -73,7 +73,7 @@ class DecodeServicer(worker_pb2_grpc.DecodeWorkerServicer):
         self.kv_receiver = KVTransferServicer(KVReceiver(pool, self.table, nixl=self.nixl,
                                                      verify_checksums=settings.kv_verify_checksums))
         self.layout = pool.layout
-        self.config = published_config(engine, self.kv_receiver.receiver.transports)
+        self.config = published_config(engine.info, engine.kv_pools, self.kv_receiver.receiver.transports)
         self.admission = Admission()
         self._decoding: set[str] = set()
         self._expiry: asyncio.Task[None] | None = None

@@ -91,7 +91,7 @@ class PrefillServicer(worker_pb2_grpc.PrefillWorkerServicer):
         self.sender = sender or KVTransferClient(self.channels.get, transports=transports, nixl=self.nixl,
                                              verify_checksums=settings.kv_verify_checksums)
         self.layout = self.pool.layout
-        self.config = published_config(engine, transports)
+        self.config = published_config(engine.info, engine.kv_pools, transports)
         self.admission = Admission()
         self._tasks: dict[str, asyncio.Task[worker_pb2.PrefillResponse]] = {}
 

@@ -421,6 +421,11 @@ class EngineCore:
         return StepOutput([], launched)
 
     @property
+    def async_scheduling(self) -> bool:
+        """Whether a step is launched before the one ahead of it completes (``EngineConfig.async_scheduling``)."""
+        return self._depth == 2
+
+    @property
     def has_steps_in_flight(self) -> bool:
         """Whether a launched step has not completed yet (:meth:`step` completes it)."""
         return bool(self._in_flight)

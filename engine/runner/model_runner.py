@@ -245,7 +245,7 @@ class ModelRunner:
 
     @torch.inference_mode()
     def follow(self, packed: np.ndarray) -> None:
-        """Run the step that rank 0's :meth:`execute` broadcast (``packed``), on another rank of a
+        """Run the step that rank 0's :meth:`launch` broadcast (``packed``), on another rank of a
         tensor-parallel engine: the same forward and logits (their collectives pair up), no
         sampling."""
         graph_size, num_copies = int(packed[0]), int(packed[1])

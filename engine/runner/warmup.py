@@ -50,9 +50,10 @@ def warm_up(runner: ModelRunner, max_num_batched_tokens: int, max_num_seqs: int)
     """
     block_size = runner.block_size
     for size in prefill_sizes(min(max_num_batched_tokens, runner.max_model_len)):
-        runner.execute(dummy_step([size], 0, 0, block_size, GREEDY))
-    runner.execute(largest_step(max_num_batched_tokens, max_num_seqs, runner.max_model_len, block_size))
-    runner.execute(dummy_step([], min(max_num_seqs, max_num_batched_tokens), 1, block_size, FILTERED_SAMPLING))
+        runner.launch(dummy_step([size], 0, 0, block_size, GREEDY)).result()
+    runner.launch(largest_step(max_num_batched_tokens, max_num_seqs, runner.max_model_len, block_size)).result()
+    sampling = dummy_step([], min(max_num_seqs, max_num_batched_tokens), 1, block_size, FILTERED_SAMPLING)
+    runner.launch(sampling).result()
 
     from kernels.decode_attention import launch_variants, paged_decode_attention
 

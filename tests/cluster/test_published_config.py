@@ -13,13 +13,19 @@ from cluster.registry import Role
 from cluster.translate import worker_config_from_proto, worker_config_to_proto
 from cluster.worker import published_config
 from engine import EngineConfig, EngineCore
+from engine.core.core_proc import engine_info
 from tests.engine.model_helpers import save_tiny_llama
+
+
+def published(core: EngineCore):
+    """What a worker over ``core`` publishes, with the gRPC transport."""
+    return published_config(engine_info(core, 1), core.kv_pools, ["grpc"])
 
 
 def test_an_fp8_worker_publishes_its_kv_dtype_and_differs_from_a_bfloat16_one(tmp_path):
     model = save_tiny_llama(tmp_path)
-    configs = [published_config(EngineCore(model, EngineConfig(device="cpu", dtype="bfloat16", num_blocks=8,
-                                                              kv_cache_dtype=kv)), ["grpc"])
+    configs = [published(EngineCore(model, EngineConfig(device="cpu", dtype="bfloat16", num_blocks=8,
+                                                        kv_cache_dtype=kv)))
                for kv in ("auto", "fp8_e4m3")]
     assert [c.kv_cache_dtype for c in configs] == ["bfloat16", "fp8_e4m3"]
     assert configs[0].differences(configs[1]) == ["kv_cache_dtype", "hash_seed"]
@@ -27,15 +33,14 @@ def test_an_fp8_worker_publishes_its_kv_dtype_and_differs_from_a_bfloat16_one(tm
 
 def test_the_step_token_budget_is_published_and_workers_may_differ_in_it(tmp_path):
     model = save_tiny_llama(tmp_path)
-    configs = [published_config(EngineCore(model, EngineConfig(device="cpu", num_blocks=8,
-                                                              max_num_batched_tokens=budget)), ["grpc"])
+    configs = [published(EngineCore(model, EngineConfig(device="cpu", num_blocks=8, max_num_batched_tokens=budget)))
                for budget in (256, 2048)]
     assert [c.max_num_batched_tokens for c in configs] == [256, 2048]
     assert configs[0].differences(configs[1]) == [] and configs[0].pool_key() == configs[1].pool_key()
 
 
 def test_a_cpu_worker_publishes_no_gpu_and_the_gpus_cross_the_wire(tmp_path):
-    config = published_config(EngineCore(save_tiny_llama(tmp_path), EngineConfig(device="cpu", num_blocks=8)), ["grpc"])
+    config = published(EngineCore(save_tiny_llama(tmp_path), EngineConfig(device="cpu", num_blocks=8)))
     assert config.device_ids == ()
     on_gpus = dataclasses.replace(config, device_ids=("GPU-1b2c", "GPU-9f8e"))
     assert worker_config_from_proto(worker_config_to_proto(on_gpus, Role.DECODE)) == on_gpus
@@ -46,8 +51,7 @@ def test_a_cpu_worker_publishes_no_gpu_and_the_gpus_cross_the_wire(tmp_path):
 @pytest.mark.skipif(not torch.cuda.is_available() or shutil.which("nvidia-smi") is None,
                     reason="needs a CUDA GPU and nvidia-smi")
 def test_a_gpu_worker_publishes_the_uuid_nvidia_smi_lists(tmp_path):
-    config = published_config(EngineCore(save_tiny_llama(tmp_path), EngineConfig(device="cuda:0", num_blocks=8)),
-                              ["grpc"])
+    config = published(EngineCore(save_tiny_llama(tmp_path), EngineConfig(device="cuda:0", num_blocks=8)))
     listed = subprocess.run(["nvidia-smi", "-L"], capture_output=True, text=True, check=True).stdout
     uuids = re.findall(r"UUID: (GPU-[0-9a-f-]+)", listed)
     assert len(config.device_ids) == 1 and config.device_ids[0] in uuids
