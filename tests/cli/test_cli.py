@@ -7,15 +7,13 @@ import os
 import shutil
 import subprocess
 import sys
-from pathlib import Path
 
 import pytest
 
 from cli.launcher import free_port
 from cluster.settings import WorkerSettings, from_args
 from gateway.settings import GatewaySettings
-
-ROOT = Path(__file__).resolve().parents[2]
+from tests.helpers.paths import ROOT
 
 
 def tandem(*args: str, stdin: str = "", timeout_s: float = 60) -> subprocess.CompletedProcess:

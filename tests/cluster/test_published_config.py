@@ -13,7 +13,7 @@ from cluster.registry import Role
 from cluster.translate import worker_config_from_proto, worker_config_to_proto
 from cluster.worker import published_config
 from engine import EngineConfig, LLMEngine
-from tests.engine.model_helpers import save_tiny_llama
+from tests.helpers.models import save_tiny_llama
 
 
 def test_an_fp8_worker_publishes_its_kv_dtype_and_differs_from_a_bfloat16_one(tmp_path):

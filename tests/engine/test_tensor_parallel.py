@@ -15,7 +15,7 @@ import torch
 from engine import LLM, EngineConfig, LLMEngine, SamplingParams
 from engine.distributed import RankFailedError
 
-from tests.engine.model_helpers import save_tiny_llama
+from tests.helpers.models import save_tiny_llama
 
 PROMPTS = [[1, 5, 7, 9, 11, 2, 3], [4, 4, 4, 4, 90, 91, 92, 17, 3, 2, 1, 5, 6, 7, 8, 9, 10, 11, 12, 13],
            [60, 61, 62, 63] * 9, [60, 61, 62, 63] * 9 + [5, 6]]  # the last two share a prefix

@@ -13,7 +13,7 @@ import kernels.reference as ref
 from engine.kv_cache import KVCache
 from engine.model_config import ModelConfig
 from kernels.cpu_ops import load
-from tests.kernels.paged_inputs import rel_err, shuffled_block_tables
+from tests.helpers.paged_inputs import rel_err, shuffled_block_tables
 
 
 @pytest.fixture(scope="module")
