@@ -23,6 +23,7 @@ from tests.helpers.paths import ROOT
 from tests.helpers.gateway import ServerThread, register_workers
 from tests.helpers.shared_redis import delete_keys
 
+pytestmark = pytest.mark.slow
 KEY = "key-of-carol"
 
 

@@ -39,6 +39,7 @@ def run(model: str, tp: int, prompts, params, kv_cache_dtype: str = "auto") -> l
         llm.engine.shutdown()
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("kv_cache_dtype", ["auto", "fp8_e4m3"])  # fp8: the ranks' pools shared as float8
 def test_tp2_tokens_and_logprobs_equal_tp1(tiny_llama: str, kv_cache_dtype: str) -> None:
     params = [SamplingParams(max_tokens=24, temperature=0, logprobs=3, ignore_eos=True)] * len(PROMPTS)
@@ -58,6 +59,7 @@ def test_size_that_does_not_divide_the_heads_is_refused(tiny_llama: str) -> None
         LLMEngine(tiny_llama, EngineConfig(num_blocks=8, tensor_parallel_size=3))
 
 
+@pytest.mark.slow
 def test_a_dead_rank_fails_the_next_step_and_never_hangs(tiny_llama: str) -> None:
     engine = LLMEngine(tiny_llama, EngineConfig(block_size=8, num_blocks=16, tensor_parallel_size=2))
     try:

@@ -96,6 +96,7 @@ def test_builds_once_per_machine(tmp_path):
     assert list(tmp_path.glob("*.so")) == built and built[0].stat().st_mtime_ns == mtime
 
 
+@pytest.mark.slow
 def test_processes_starting_together_build_it_once(tmp_path):
     """``make run`` starts three processes that all need the kernels at once: one compiles, the
     others wait on the lock and load its library."""

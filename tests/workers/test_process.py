@@ -22,6 +22,8 @@ from protos.grpc.health.v1 import health_pb2, health_pb2_grpc
 
 from protos.tandem.v1 import worker_pb2, worker_pb2_grpc
 
+pytestmark = pytest.mark.slow
+
 
 @pytest.mark.parametrize("module", ["prefill_worker", "decode_worker"])
 def test_worker_process_serves_and_exits_cleanly_on_sigterm(module):
