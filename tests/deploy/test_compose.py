@@ -2,12 +2,14 @@
 service of the image mounts has its mount point made in the image, owned by the user the image
 runs as (Docker would make a missing one owned by root, and the ``certs`` service could not
 write its volumes); no service runs as root; the ``certs`` service's script gives each role its
-own files and the gateway the host's names; and ``docker-compose config`` (Compose v1, the
-oldest the recipe serves) accepts the file with the GPU layout it promises."""
+own files and the gateway the host's names; and ``docker-compose config`` (Compose v1, whose
+merge rules are the strictest the recipe meets) accepts the file with the GPU layout and the CPU
+variant it promises."""
 
 from __future__ import annotations
 
 import os
+import re
 import shlex
 import shutil
 import stat
@@ -23,7 +25,7 @@ from cluster.tls import ROLES
 from tests.helpers.paths import ROOT
 
 IMAGE = "tandem:latest"
-WORKERS = ("prefill", "decode", "prefill-tp2", "decode-tp2")
+WORKERS = ("prefill", "decode", "prefill-tp2", "decode-tp2", "prefill-cpu", "decode-cpu")
 
 
 @dataclass(frozen=True)
@@ -215,7 +217,7 @@ def test_compose_file_is_valid_and_workers_have_no_host_ports():
         assert env_of["TANDEM_REDIS_PASSWORD"] == "s3cret" and env_of["TANDEM_TLS_DIR"] == "/certs"
         # each role sees its own certificate volume only, read-only
         volumes = [v for v in services[name]["volumes"] if volume_source_target(v)[0].startswith("certs")]
-        role = name.removesuffix("-tp2")
+        role = re.sub(r"-(tp2|cpu)$", "", name)
         assert [volume_source_target(v) for v in volumes] == [(f"certs-{role}", "/certs")], volumes
         assert all(v.get("read_only") if isinstance(v, dict) else str(v).endswith(":ro") for v in volumes), volumes
     assert services["redis"]["environment"]["REDISCLI_AUTH"] == "s3cret"
@@ -228,3 +230,21 @@ def test_the_gateway_certificate_names_reach_the_certs_service():
     assert out.returncode == 0, out.stderr
     assert yaml.safe_load(out.stdout)["services"]["certs"]["environment"]["TANDEM_GATEWAY_SANS"] == \
         "gw.example.com,203.0.113.7"
+
+
+@needs_compose
+@pytest.mark.parametrize("threads", [None, "3"])
+def test_the_cpu_profile_runs_the_same_workers_without_gpus_on_a_set_thread_count(threads):
+    env = {"TANDEM_REDIS_PASSWORD": "s3cret", **({"TANDEM_THREADS_PER_WORKER": threads} if threads else {})}
+    out = compose_config("--profile", "cpu", env=env)
+    assert out.returncode == 0, out.stderr
+    services = yaml.safe_load(out.stdout)["services"]
+    for role in ("prefill", "decode"):
+        gpu, cpu = services[role], services[f"{role}-cpu"]
+        assert cpu.get("profiles") == ["cpu"]
+        assert "resources" not in cpu.get("deploy", {}), cpu["deploy"]  # no GPU reservation, no nvidia driver
+        assert cpu["environment"].pop("OMP_NUM_THREADS") == (threads or "1")  # PyTorch's threads per worker
+        assert cpu["environment"]["TANDEM_DTYPE"] == "auto"  # float32 on the CPU, bfloat16 on a GPU
+        assert "OMP_NUM_THREADS" not in gpu["environment"]
+        same = ("image", "command", "environment", "volumes", "depends_on", "expose", "healthcheck", "ipc")
+        assert {k: cpu.get(k) for k in same} == {k: gpu.get(k) for k in same}, role
