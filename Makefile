@@ -4,7 +4,7 @@ VENV := .venv
 PY := $(VENV)/bin/python
 STAMP := $(VENV)/.installed-stamp
 
-.PHONY: install run test bench clean
+.PHONY: install run test test-fast bench clean
 
 install: $(STAMP)
 
@@ -22,6 +22,10 @@ run: install
 
 test: install
 	$(PY) -m pytest
+
+# Day-to-day: the unit tests and one end-to-end cluster (`tandem demo`), a few minutes on 2 cores.
+test-fast: install
+	$(PY) -m pytest -m "not slow or smoke"
 
 bench: install
 	$(PY) -m bench.offline_cpu

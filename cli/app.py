@@ -302,18 +302,27 @@ def _ask(addr: str, messages: list[dict[str, str]], max_tokens: int, temperature
 def certs_cmd(
     action: str = typer.Argument(..., help="init"),
     directory: str = typer.Argument(..., help="Where to write the CA and the certificates."),
-    name: list[str] = typer.Option([], "--name", help="Another DNS name or IP of the gateway (repeatable)."),
+    san: list[str] = typer.Option(
+        [], "--san", "--name", envvar="TANDEM_GATEWAY_SANS", show_envvar=True,
+        help="More DNS names or IP addresses of the gateway's certificate, comma-separated (repeatable): "
+             "the names its clients dial."),
     days: int = typer.Option(825, min=1, help="Validity, days."),
 ) -> None:
     """`tandem certs init DIR`: a development CA and a certificate per role (gateway, prefill,
-    decode) for TANDEM_TLS_DIR; clients of the gateway trust DIR/ca.pem (TANDEM_TLS_CA)."""
+    decode) for TANDEM_TLS_DIR; clients of the gateway trust DIR/ca.pem (TANDEM_TLS_CA). Prints
+    the files written, one per line."""
     if action != "init":
         err_console.print(f"[red]unknown action {action!r}[/red] (init)")
         raise typer.Exit(2)
-    from cluster.tls import init_certs
+    from cluster.tls import init_certs, split_names
 
-    for path in init_certs(directory, name, days):
-        console.print(str(path), markup=False, highlight=False)
+    try:
+        written = init_certs(directory, split_names(san, "--san / TANDEM_GATEWAY_SANS"), days)
+    except ValueError as exc:
+        err_console.print(str(exc), style="red", markup=False, highlight=False, soft_wrap=True)
+        raise typer.Exit(2) from None
+    for path in written:
+        print(path)  # not through rich: a file gets whole lines, never wrapped at 80 columns
 
 
 @app.command("apikey")
@@ -332,10 +341,11 @@ def apikey_cmd(
     try:
         ApiKeys.parse([entry], "tenant")
     except ValueError as exc:
-        err_console.print(f"[red]{exc}[/red]")
+        err_console.print(str(exc), style="red", markup=False, highlight=False, soft_wrap=True)
         raise typer.Exit(2) from None
+    # Not through rich: a file gets whole lines, never wrapped at 80 columns.
     print(key)
-    err_console.print(entry, markup=False, highlight=False)
+    print(entry, file=sys.stderr)
 
 
 _GATEWAY_ADDR = typer.Option("127.0.0.1:50051", envvar="TANDEM_GATEWAY_ADDR", show_envvar=True,

@@ -4,7 +4,8 @@ A TLS directory (``tandem certs init DIR``, :func:`init_certs`) holds ``ca.pem``
 CA certificate), ``ca-key.pem`` (kept by whoever issues certificates; no server reads it) and,
 per role (``gateway``, ``prefill``, ``decode``), ``{role}.pem`` and ``{role}-key.pem``. Every
 certificate carries the DNS names ``tandem-cluster`` and ``tandem-{role}``; the gateway's also
-``localhost``, ``127.0.0.1`` and any extra public names.
+``localhost``, ``127.0.0.1`` and any extra public names (subject alternative names: what its
+clients dial, ``tandem certs init DIR --san NAME,...``).
 
 Identity is the certificate, not the address: internal channels verify the peer's certificate
 against ``ca.pem`` under a fixed name (``grpc.ssl_target_name_override``): ``tandem-decode``
@@ -22,6 +23,7 @@ import datetime
 import functools
 import ipaddress
 import os
+import re
 import time
 from collections.abc import Collection, Mapping, Sequence
 from dataclasses import dataclass
@@ -218,19 +220,56 @@ class PeerRoleInterceptor(grpc.aio.ServerInterceptor):
         yield
 
 
+# A DNS name of a certificate: dot-separated labels of letters, digits and inner hyphens (RFC
+# 1123), at most 253 characters, the first label possibly a wildcard ``*``.
+_DNS_NAME = re.compile(r"(?=.{1,253}$)(\*|[A-Za-z0-9](?:[A-Za-z0-9-]{0,61}[A-Za-z0-9])?)"
+                       r"(\.[A-Za-z0-9](?:[A-Za-z0-9-]{0,61}[A-Za-z0-9])?)*")
+
+
+def split_names(values: Sequence[str], setting: str) -> list[str]:
+    """The subject alternative names in ``values``, each a comma-separated list (``"gw.example,
+    203.0.113.7"``); blanks skipped, order kept.
+
+    Raises:
+        ValueError: a name that is neither an IP address nor a DNS name, naming it and ``setting``.
+    """
+    names = [name.strip() for value in values for name in value.split(",") if name.strip()]
+    for name in names:
+        _check_name(name, setting)
+    return names
+
+
+def _check_name(name: str, setting: str) -> None:
+    if not _is_ip(name) and not _DNS_NAME.fullmatch(name):
+        raise ValueError(f"{setting}: {name!r} is neither an IP address nor a DNS name")
+
+
+def _is_ip(name: str) -> bool:
+    try:
+        ipaddress.ip_address(name)
+    except ValueError:
+        return False
+    return True
+
+
 def init_certs(directory: str, extra_names: Sequence[str] = (), days: int = 825) -> list[Path]:
     """Make a development CA and one certificate per role in ``directory`` (created; existing
     files are overwritten). Keys are ECDSA P-256, written with mode 0600.
 
     Args:
         directory: where to write.
-        extra_names: more DNS names or IP addresses for the gateway's certificate (its public
-            name).
+        extra_names: more DNS names or IP addresses for the gateway's certificate (the names its
+            clients dial; :func:`split_names` reads them from a setting).
         days: validity of every certificate, days.
 
     Returns:
         The written files.
+
+    Raises:
+        ValueError: an extra name is neither an IP address nor a DNS name.
     """
+    for name in extra_names:
+        _check_name(name, "extra_names")
     from cryptography import x509
     from cryptography.hazmat.primitives import hashes, serialization
     from cryptography.hazmat.primitives.asymmetric import ec
@@ -253,10 +292,7 @@ def init_certs(directory: str, extra_names: Sequence[str] = (), days: int = 825)
                                  serialization.NoEncryption())
 
     def san(name: str) -> x509.GeneralName:
-        try:
-            return x509.IPAddress(ipaddress.ip_address(name))
-        except ValueError:
-            return x509.DNSName(name)
+        return x509.IPAddress(ipaddress.ip_address(name)) if _is_ip(name) else x509.DNSName(name)
 
     ca_key = ec.generate_private_key(ec.SECP256R1())
     ca_name = x509.Name([x509.NameAttribute(NameOID.COMMON_NAME, "Tandem cluster CA")])

@@ -1,6 +1,7 @@
 """Test-wide setup: Triton runs under its CPU interpreter when no GPU is present; Redis fixtures
 (the shared Redis at 127.0.0.1:6379 under a unique test-only key prefix, deleted afterwards,
-and private ``redis-server`` processes that a test may kill and restart)."""
+and private ``redis-server`` processes that a test may kill and restart). Shared helpers live
+in ``tests/helpers``, not here."""
 
 import os
 import shutil
@@ -16,10 +17,11 @@ import pytest  # noqa: E402
 import redis  # noqa: E402
 import torch  # noqa: E402
 
-from cli.redis_server import RedisServer  # noqa: E402
+# The helpers' asserts report their values as the tests' do (before any helper is imported).
+pytest.register_assert_rewrite("tests.helpers")
 
-# The shared Redis every test machine runs (.ci/run starts it).
-REDIS_URL = "redis://127.0.0.1:6379/0"
+from cli.redis_server import RedisServer  # noqa: E402
+from tests.helpers.shared_redis import REDIS_URL, delete_keys  # noqa: E402
 
 if not torch.cuda.is_available():
     os.environ.setdefault("TRITON_INTERPRET", "1")
@@ -35,11 +37,9 @@ def key_prefix():
         pytest.fail("no Redis at 127.0.0.1:6379: redis-server --daemonize yes --bind 127.0.0.1 "
                     "--port 6379 --save '' --appendonly no")
     prefix = f"test-{uuid.uuid4().hex}"
-    yield prefix
-    keys = list(client.scan_iter(match=f"tandem:{prefix}:*", count=1000))
-    if keys:
-        client.delete(*keys)
     client.close()
+    yield prefix
+    delete_keys(REDIS_URL, prefix)
 
 
 @pytest.fixture

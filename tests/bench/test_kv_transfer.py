@@ -8,6 +8,7 @@ import torch
 
 from bench.kv_transfer import transfer_metrics
 
+pytestmark = pytest.mark.slow
 GPU = [pytest.mark.gpu, pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")]
 
 

@@ -1,22 +1,21 @@
-"""The ``tandem`` command line, the servers' flags, the health probe and the compose file,
-without a cluster: every error is one line and a non-zero exit."""
+"""The ``tandem`` command line, the servers' flags and the health probe, without a cluster: every
+error is one line and a non-zero exit, and what the recipes write to files is whole lines."""
 
 from __future__ import annotations
 
+import ipaddress
 import os
-import shutil
 import subprocess
 import sys
-from pathlib import Path
 
 import pytest
 
 from cli.launcher import free_port
 from cluster.settings import WorkerSettings, from_args, settings_fields
 from decode_worker.settings import DecodeWorkerSettings
+from gateway.auth import hash_key
 from gateway.settings import GatewaySettings
-
-ROOT = Path(__file__).resolve().parents[2]
+from tests.helpers.paths import ROOT
 
 
 def tandem(*args: str, stdin: str = "", timeout_s: float = 60) -> subprocess.CompletedProcess:
@@ -112,40 +111,49 @@ def test_healthcheck_fails_on_a_closed_port():
     assert probe.returncode == 1
 
 
-@pytest.mark.skipif(shutil.which("docker-compose") is None, reason="docker-compose not installed")
-def test_compose_file_is_valid_and_workers_have_no_host_ports():
-    compose = ["docker-compose", "-f", str(ROOT / "docker-compose.yml"), "config"]
-    env = {k: v for k, v in os.environ.items() if k != "TANDEM_REDIS_PASSWORD"}
-    refused = subprocess.run(compose, capture_output=True, text=True, timeout=60, env=env)
-    assert refused.returncode != 0 and "TANDEM_REDIS_PASSWORD" in refused.stderr  # no Redis without one
-    out = subprocess.run(compose, capture_output=True, text=True, timeout=60,
-                         env={**env, "TANDEM_REDIS_PASSWORD": "s3cret"})
-    assert out.returncode == 0, out.stderr
-    import yaml
+def test_apikey_writes_whole_lines_to_files_that_the_documented_recipe_reads(tmp_path):
+    """``tandem apikey NAME > key.txt 2> keys-file.txt`` then ``export TANDEM_API_KEYS=$(cat
+    keys-file.txt)``, with a tenant name long enough that a line wrapped at 80 columns would break."""
+    tenant = "tenant-with-a-rather-long-name"
+    env = {k: v for k, v in os.environ.items() if k != "COLUMNS" and not k.startswith("TANDEM_")}
+    with open(tmp_path / "key.txt", "w") as out, open(tmp_path / "keys-file.txt", "w") as err:
+        made = subprocess.run([sys.executable, "-m", "cli", "apikey", tenant, "--max-streams", "4"], stdout=out,
+                              stderr=err, cwd=ROOT, env=env, timeout=60)
+    assert made.returncode == 0
+    key = (tmp_path / "key.txt").read_text()
+    assert key.count("\n") == 1
+    assert (tmp_path / "keys-file.txt").read_text() == f"{hash_key(key.strip())}:{tenant}:4\n"
+    read = subprocess.run(["bash", "-c", 'export TANDEM_API_KEYS=$(cat keys-file.txt) && exec "$0" -c "$1"',
+                           sys.executable, "from gateway.auth import ApiKeys; from gateway.settings import "
+                           "GatewaySettings; print(ApiKeys.parse(GatewaySettings().api_keys, 'k').tenant("
+                           "open('key.txt').read().strip()))"],
+                          cwd=tmp_path, env={**env, "PYTHONPATH": str(ROOT)}, capture_output=True, text=True, timeout=60)
+    assert read.returncode == 0, read.stderr
+    assert read.stdout.strip() == f"Tenant(name='{tenant}', max_streams=4)"
 
-    services = yaml.safe_load(out.stdout)["services"]
-    assert set(services) == {"redis", "certs", "gateway", "prefill", "decode", "prefill-tp2", "decode-tp2"}
-    # a two-GPU host: each worker on its own GPU; the tp2 profile's workers on both, at TP=2
-    placement = {"prefill": (["0"], None), "decode": (["1"], None), "prefill-tp2": (["0", "1"], "2"),
-                 "decode-tp2": (["0", "1"], "2")}
-    for worker, (gpus, tp) in placement.items():
-        assert "ports" not in services[worker] and "container_name" not in services[worker]
-        [device] = services[worker]["deploy"]["resources"]["reservations"]["devices"]
-        assert device["driver"] == "nvidia" and device["device_ids"] == gpus
-        assert services[worker]["environment"].get("TANDEM_TENSOR_PARALLEL_SIZE") == tp
-        assert services[worker].get("profiles") == (["tp2"] if tp else None)
-    def host_and_target(port) -> tuple[str, int]:  # a long-syntax dict or "[host:]published:target[/tcp]"
-        if isinstance(port, dict):
-            return port.get("host_ip", ""), int(port["target"])
-        parts = port.split("/")[0].split(":")
-        return (parts[0] if len(parts) == 3 else ""), int(parts[-1])
 
-    published = dict(host_and_target(p)[::-1] for p in services["gateway"]["ports"])
-    assert published == {50051: "", 9400: "127.0.0.1"}  # gRPC on every interface, metrics on loopback
-    for name in ("gateway", "prefill", "decode", "prefill-tp2", "decode-tp2"):
-        env_of = services[name]["environment"]
-        assert env_of["TANDEM_REDIS_PASSWORD"] == "s3cret" and env_of["TANDEM_TLS_DIR"] == "/certs"
-        # each role sees its own certificate volume only, read-only
-        sources = [v.get("source", "") if isinstance(v, dict) else str(v).split(":")[0] for v in services[name]["volumes"]]
-        assert [s for s in sources if s.startswith("certs")] == [f"certs-{name.removesuffix('-tp2')}"], sources
-    assert services["redis"]["environment"]["REDISCLI_AUTH"] == "s3cret"
+@pytest.mark.parametrize("how", ["flag", "variable"])
+def test_certs_init_gives_the_gateway_certificate_the_names_its_clients_dial(tmp_path, how):
+    from cryptography import x509
+
+    names = "gw.example.com, 203.0.113.7"
+    args, env = (["--san", names], {}) if how == "flag" else ([], {"TANDEM_GATEWAY_SANS": names})
+    directory = tmp_path / ("a-directory-whose-path-is-longer-than-eighty-columns-once-" * 2)
+    made = subprocess.run([sys.executable, "-m", "cli", "certs", "init", str(directory), *args], capture_output=True,
+                          text=True, cwd=ROOT, env={**os.environ, **env}, timeout=60)
+    assert made.returncode == 0, made.stderr
+    assert set(made.stdout.splitlines()) == {str(p) for p in directory.iterdir()}  # one whole path a line
+    for role in ("gateway", "prefill", "decode"):
+        san = x509.load_pem_x509_certificate((directory / f"{role}.pem").read_bytes()).extensions.get_extension_for_class(
+            x509.SubjectAlternativeName).value
+        dialed = ("gw.example.com" in san.get_values_for_type(x509.DNSName),
+                  ipaddress.ip_address("203.0.113.7") in san.get_values_for_type(x509.IPAddress))
+        assert dialed == ((True, True) if role == "gateway" else (False, False)), role
+
+
+def test_certs_init_refuses_a_name_that_is_no_host_in_one_line(tmp_path):
+    made = tandem("certs", "init", str(tmp_path / "ca"), "--san", "gw.example.com,not a host")
+    assert made.returncode == 2, made
+    [line] = made.stderr.strip().splitlines()
+    assert "--san / TANDEM_GATEWAY_SANS" in line and "'not a host'" in line
+    assert not (tmp_path / "ca").exists()

@@ -19,9 +19,11 @@ from gateway.auth import hash_key
 from gateway.server import Gateway, load_served_model
 from gateway.settings import GatewaySettings
 
-from tests.cli.test_cli import ROOT
-from tests.gateway.gateway_helpers import ServerThread, register_workers, unregister_all
+from tests.helpers.paths import ROOT
+from tests.helpers.gateway import ServerThread, register_workers
+from tests.helpers.shared_redis import delete_keys
 
+pytestmark = pytest.mark.slow
 KEY = "key-of-carol"
 
 
@@ -43,7 +45,7 @@ def gateway(tmp_path_factory, redis_url):
             assert _eventually_serving(address, str(certs / "ca.pem"))
             yield address, str(certs / "ca.pem")
     finally:
-        unregister_all(redis_url, prefix)
+        delete_keys(redis_url, prefix)
 
 
 def _eventually_serving(address: str, ca: str) -> bool:

@@ -9,7 +9,7 @@ from hypothesis import strategies as st
 
 from engine.block_hash import hash_blocks, hash_seed
 from engine.core.block_pool import BlockPool
-from tests.worker_config import CONFIG
+from tests.helpers.worker_config import CONFIG
 from cluster.prefix_index import PrefixIndex, leading_run, net_events
 from cluster.heartbeat import Heartbeat
 from cluster.registry import ClusterNamespace, Role, WorkerInfo, WorkerLoad, WorkerRegistry, redis_client

@@ -14,7 +14,7 @@ from cluster.translate import worker_config_from_proto, worker_config_to_proto
 from cluster.worker import published_config
 from engine import EngineConfig, EngineCore
 from engine.core.core_proc import engine_info
-from tests.engine.model_helpers import save_tiny_llama
+from tests.helpers.models import save_tiny_llama
 
 
 def published(core: EngineCore):

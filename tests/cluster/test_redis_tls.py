@@ -16,7 +16,7 @@ import redis
 
 from cluster.registry import ClusterNamespace, Role, WorkerInfo, WorkerLoad, WorkerRegistry, redis_client
 from cluster.tls import init_certs
-from tests.worker_config import CONFIG
+from tests.helpers.worker_config import CONFIG
 
 PASSWORD = "s3cret"
 

@@ -9,7 +9,7 @@ import random
 import pytest
 
 from engine.core.block_pool import BlockPool
-from tests.worker_config import CONFIG
+from tests.helpers.worker_config import CONFIG
 from cluster.prefix_index import PrefixIndex
 from cluster.heartbeat import Heartbeat
 from cluster.registry import (

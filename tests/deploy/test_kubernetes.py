@@ -1,4 +1,4 @@
-"""deploy/kubernetes, checked offline: every overlay renders (tests/deploy/kustomize_render.py;
+"""deploy/kubernetes, checked offline: every overlay renders (tests/helpers/kustomize_render.py;
 ``kubectl kustomize`` agrees where kubectl exists) and validates against the Kubernetes schemas
 (kubernetes-validate, strict), and the invariants of the compose file hold: one published port,
 each role mounts only its own key (and no Secret holds the CA's), NVLink multicast off in every
@@ -33,9 +33,9 @@ from gateway.server import SERVICE_NAME as GATEWAY_SERVICE
 from gateway.settings import GatewaySettings
 from prefill_worker.server import PrefillServicer
 
-from tests.deploy.kustomize_render import Unsupported, render
+from tests.helpers.kustomize_render import Unsupported, render
+from tests.helpers.paths import ROOT
 
-ROOT = Path(__file__).resolve().parents[2]
 OVERLAYS = ("small", "large")
 # The oldest release whose grpc probes are GA (1.27) and the newest kubernetes-validate ships.
 KUBERNETES_VERSIONS = ("1.27", "1.37")

@@ -14,7 +14,7 @@ import pytest
 
 from protos.tandem.v1 import gateway_pb2
 
-from .cluster_helpers import SP, collect, shared_redis_cluster
+from tests.helpers.cluster import SP, collect, shared_redis_cluster
 
 pytestmark = pytest.mark.slow
 LARGE_PROMPT = "hello world " * 333_000  # about 4 MB, under max_request_bytes (4 MiB)

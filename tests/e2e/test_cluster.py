@@ -20,7 +20,7 @@ from engine import SamplingParams
 from engine.llm import LLM
 from protos.tandem.v1 import gateway_pb2
 
-from .cluster_helpers import SP, collect, free_blocks, settled_free_blocks, shared_redis_cluster, stats, wait_free_blocks
+from tests.helpers.cluster import SP, collect, free_blocks, settled_free_blocks, shared_redis_cluster, stats, wait_free_blocks
 
 pytestmark = pytest.mark.slow
 PROMPTS = [

@@ -8,7 +8,7 @@ import sys
 
 import pytest
 
-pytestmark = pytest.mark.slow
+pytestmark = [pytest.mark.slow, pytest.mark.smoke]  # the end-to-end cluster of `make test-fast`
 
 
 def test_the_demo_answers_a_real_prompt_and_reports_its_start_up():

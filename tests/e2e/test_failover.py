@@ -22,7 +22,7 @@ import pytest
 
 from protos.tandem.v1 import gateway_pb2
 
-from .cluster_helpers import (
+from tests.helpers.cluster import (
     EXACT_RESUME, SP, ClosedLoop, collect, free_blocks, shared_redis_cluster, stats, stream_killing_its_decode_worker,
     wait_free_blocks,
 )

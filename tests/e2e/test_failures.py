@@ -17,7 +17,7 @@ import redis
 from protos.tandem.v1 import gateway_pb2
 from cli.redis_server import RedisServer
 
-from .cluster_helpers import SP, collect, free_blocks, gateway_stub, log_text, start_cluster, stats, \
+from tests.helpers.cluster import SP, collect, free_blocks, gateway_stub, log_text, start_cluster, stats, \
     wait_free_blocks
 
 pytestmark = pytest.mark.slow

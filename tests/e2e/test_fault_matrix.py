@@ -41,7 +41,7 @@ from cli.launcher import free_port
 from cli.redis_server import RedisServer
 from protos.tandem.v1 import gateway_pb2
 
-from .cluster_helpers import SP, collect, gateway_stub, settled_free_blocks, start_cluster, stats, wait_free_blocks
+from tests.helpers.cluster import SP, collect, gateway_stub, settled_free_blocks, start_cluster, stats, wait_free_blocks
 
 pytestmark = pytest.mark.slow
 LEASE_S = 5.0

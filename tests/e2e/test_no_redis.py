@@ -9,7 +9,7 @@ import pytest
 
 from protos.tandem.v1 import gateway_pb2
 
-from .cluster_helpers import SP, collect, free_blocks, gateway_stub, log_text, start_cluster, wait_free_blocks
+from tests.helpers.cluster import SP, collect, free_blocks, gateway_stub, log_text, start_cluster, wait_free_blocks
 
 pytestmark = pytest.mark.slow
 

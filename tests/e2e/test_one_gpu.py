@@ -18,9 +18,9 @@ from prometheus_client.parser import text_string_to_metric_families
 
 from engine import LLM, SamplingParams
 from protos.tandem.v1 import gateway_pb2
-from tests.engine.model_helpers import save_tiny_llama
+from tests.helpers.models import save_tiny_llama
 
-from .cluster_helpers import SP, collect, free_blocks, gateway_stub, start_cluster, wait_free_blocks
+from tests.helpers.cluster import SP, collect, free_blocks, gateway_stub, start_cluster, wait_free_blocks
 
 pytestmark = [pytest.mark.slow, pytest.mark.gpu,
               pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")]

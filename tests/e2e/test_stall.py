@@ -16,7 +16,7 @@ import pytest
 
 from protos.tandem.v1 import gateway_pb2
 
-from .cluster_helpers import SP, ClosedLoop, shared_redis_cluster, stats
+from tests.helpers.cluster import SP, ClosedLoop, shared_redis_cluster, stats
 
 pytestmark = pytest.mark.slow
 STALL_S = 2.0

@@ -20,9 +20,9 @@ import torch
 
 from engine import LLM, SamplingParams
 from protos.tandem.v1 import gateway_pb2
-from tests.engine.model_helpers import save_tiny_llama
+from tests.helpers.models import save_tiny_llama
 
-from .cluster_helpers import SP, child_pids, collect, free_blocks, gateway_stub, log_text, start_cluster, wait_free_blocks
+from tests.helpers.cluster import SP, child_pids, collect, free_blocks, gateway_stub, log_text, start_cluster, wait_free_blocks
 
 pytestmark = pytest.mark.slow
 

@@ -13,8 +13,8 @@ import pytest
 
 from protos.tandem.v1 import gateway_pb2
 
-from .cluster_helpers import EXACT_RESUME, SP, collect, shared_redis_cluster, stream_killing_its_decode_worker
-from .otlp_receiver import OtlpReceiver, ReceivedSpan
+from tests.helpers.cluster import EXACT_RESUME, SP, collect, shared_redis_cluster, stream_killing_its_decode_worker
+from tests.helpers.otlp_receiver import OtlpReceiver, ReceivedSpan
 
 pytestmark = pytest.mark.slow
 

@@ -13,7 +13,7 @@ import transformers
 from engine import EngineConfig, EngineCore, SamplingParams
 from engine.runner.cuda_graphs import CUDAGraphRunner, is_long_tail, round_up_table
 from engine.runner.piecewise_graphs import PiecewiseCUDAGraphs
-from tests.engine.model_helpers import make_hf_model
+from tests.helpers.models import make_hf_model
 
 
 @pytest.fixture(scope="module")

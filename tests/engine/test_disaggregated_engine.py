@@ -4,7 +4,7 @@ import pytest
 
 from engine import EngineConfig, EngineCore, SamplingParams
 from engine.core.block_pool import NoFreeBlocksError
-from tests.engine.engine_helpers import prefill_then_decode, run_until_finished
+from tests.helpers.engine import prefill_then_decode, run_until_finished
 
 pytestmark = pytest.mark.slow
 PROMPTS = ["The history of the printing press began", "List three prime numbers and explain why"]

@@ -8,8 +8,8 @@ import torch
 
 from engine import EngineConfig, EngineCore, SamplingParams
 from engine.runner.devices import check_kv_cache_dtype
-from tests.engine.engine_helpers import prefill_then_decode, run_until_finished
-from tests.engine.model_helpers import save_tiny_llama, tokens
+from tests.helpers.engine import prefill_then_decode, run_until_finished
+from tests.helpers.models import save_tiny_llama, tokens
 
 GREEDY = SamplingParams(max_tokens=16, temperature=0, ignore_eos=True, logprobs=1)
 

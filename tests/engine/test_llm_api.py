@@ -3,7 +3,7 @@
 import pytest
 
 from engine import LLM, SamplingParams
-from tests.engine.conftest import CHATS
+from tests.helpers.prompts import CHATS
 
 pytestmark = pytest.mark.slow
 PROMPTS = ["The quick brown fox", "Once upon a time, in a small village,", "import numpy as np\n"]

@@ -21,8 +21,8 @@ from engine.loading.loader import load_model
 from engine.loading.model_config import ModelConfig
 from engine.models.llama import LlamaForCausalLM
 from engine.loading.presets import PRESETS
-from tests.engine.conftest import hf_greedy
-from tests.engine.model_helpers import ATOL, TINY, PagedRunner, hf_logits, make_hf_model, tokens
+from tests.helpers.models import hf_greedy
+from tests.helpers.models import ATOL, TINY, PagedRunner, hf_logits, make_hf_model, tokens
 
 
 @pytest.fixture()

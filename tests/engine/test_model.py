@@ -15,7 +15,7 @@ from engine.layers.linear import PackedLinear, pack_linears, packed_linear_avail
 from engine.layers.rotary import RotaryEmbedding
 from engine.loading.loader import load_model
 from engine.loading.model_config import ModelConfig
-from tests.engine.model_helpers import (
+from tests.helpers.models import (
     ATOL, LLAMA3_ROPE, TINY, PagedRunner, hf_logits, make_hf_model, tokens,
 )
 

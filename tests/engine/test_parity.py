@@ -3,9 +3,8 @@
 import pytest
 
 from engine import LLM, SamplingParams
-from tests.engine.conftest import (
-    CHATS, MAX_NEW_TOKENS, PLAIN_PROMPTS, SHARED_PREFIX_CHATS, hf_greedy,
-)
+from tests.helpers.models import hf_greedy
+from tests.helpers.prompts import CHATS, MAX_NEW_TOKENS, PLAIN_PROMPTS, SHARED_PREFIX_CHATS
 
 pytestmark = pytest.mark.slow
 GREEDY = SamplingParams(max_tokens=MAX_NEW_TOKENS, temperature=0, ignore_eos=True)
@@ -26,7 +25,7 @@ def prompts(hf_model):
 @pytest.fixture(scope="module")
 def expected(hf_model, prompts):
     model, _ = hf_model
-    return [hf_greedy(model, p) for p in prompts]
+    return [hf_greedy(model, p, MAX_NEW_TOKENS) for p in prompts]
 
 
 def _generate(llm: LLM, prompts, params=GREEDY):

@@ -15,7 +15,7 @@ import torch
 from engine import LLM, EngineConfig, EngineCore, SamplingParams
 from engine.parallel.distributed import RankFailedError
 
-from tests.engine.model_helpers import save_tiny_llama
+from tests.helpers.models import save_tiny_llama
 
 PROMPTS = [[1, 5, 7, 9, 11, 2, 3], [4, 4, 4, 4, 90, 91, 92, 17, 3, 2, 1, 5, 6, 7, 8, 9, 10, 11, 12, 13],
            [60, 61, 62, 63] * 9, [60, 61, 62, 63] * 9 + [5, 6]]  # the last two share a prefix
@@ -39,6 +39,7 @@ def run(model: str, tp: int, prompts, params, kv_cache_dtype: str = "auto") -> l
         llm.engine.shutdown()
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("kv_cache_dtype", ["auto", "fp8_e4m3"])  # fp8: the ranks' pools shared as float8
 def test_tp2_tokens_and_logprobs_equal_tp1(tiny_llama: str, kv_cache_dtype: str) -> None:
     params = [SamplingParams(max_tokens=24, temperature=0, logprobs=3, ignore_eos=True)] * len(PROMPTS)
@@ -58,6 +59,7 @@ def test_size_that_does_not_divide_the_heads_is_refused(tiny_llama: str) -> None
         EngineCore(tiny_llama, EngineConfig(num_blocks=8, tensor_parallel_size=3))
 
 
+@pytest.mark.slow
 def test_a_dead_rank_fails_the_next_step_and_never_hangs(tiny_llama: str) -> None:
     engine = EngineCore(tiny_llama, EngineConfig(block_size=8, num_blocks=16, tensor_parallel_size=2))
     try:

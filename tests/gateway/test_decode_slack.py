@@ -7,7 +7,7 @@ import math
 import pytest
 
 from gateway.decode_slack import DecodeSlack
-from tests.gateway.gateway_helpers import Clock
+from tests.helpers.gateway import Clock
 
 
 def test_the_least_slack_of_a_workers_streams_is_its_budget():

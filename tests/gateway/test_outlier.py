@@ -13,8 +13,8 @@ from cluster.registry import ClusterNamespace, Role, WorkerInfo, WorkerLoad, Wor
 from engine.block_hash import hash_blocks
 from gateway.outlier import OutlierDetector
 from gateway.router import ClusterView
-from tests.gateway.gateway_helpers import Clock
-from tests.worker_config import BLOCK_SIZE, CONFIG
+from tests.helpers.gateway import Clock
+from tests.helpers.worker_config import BLOCK_SIZE, CONFIG
 
 PROMPT = list(range(3 * BLOCK_SIZE))
 H = hash_blocks(PROMPT, BLOCK_SIZE, CONFIG.hash_seed)

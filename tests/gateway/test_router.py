@@ -14,7 +14,7 @@ from hypothesis import strategies as st
 
 from engine.block_hash import hash_blocks
 from engine.core.block_pool import BlockPool
-from tests.worker_config import BLOCK_SIZE, CONFIG
+from tests.helpers.worker_config import BLOCK_SIZE, CONFIG
 from cluster.prefix_index import PrefixIndex
 from cluster.heartbeat import Heartbeat
 from cluster.registry import ClusterNamespace, Role, WorkerInfo, WorkerLoad, WorkerRegistry, redis_client

@@ -23,7 +23,8 @@ from protos.grpc.reflection.v1 import reflection_pb2 as v1, reflection_pb2_grpc 
 from protos.grpc.reflection.v1alpha import reflection_pb2 as v1alpha, reflection_pb2_grpc as v1alpha_grpc
 from protos.tandem.v1 import gateway_pb2, gateway_pb2_grpc
 
-from tests.gateway.gateway_helpers import ServerThread, register_workers, unregister_all
+from tests.helpers.gateway import ServerThread, register_workers
+from tests.helpers.shared_redis import delete_keys
 
 SERVING, NOT_SERVING = health_pb2.HealthCheckResponse.SERVING, health_pb2.HealthCheckResponse.NOT_SERVING
 
@@ -41,7 +42,7 @@ def gateway(redis_url):
         with grpc.insecure_channel(f"127.0.0.1:{server.port}") as channel:
             server.channel = channel
             yield server
-    unregister_all(redis_url, prefix)
+    delete_keys(redis_url, prefix)
 
 
 def wait_status(health, status: int, timeout_s: float = 5.0) -> None:

@@ -18,7 +18,8 @@ from gateway.server import Gateway, load_served_model
 from gateway.settings import GatewaySettings
 from protos.tandem.v1 import gateway_pb2, gateway_pb2_grpc
 
-from tests.gateway.gateway_helpers import ServerThread, register_workers, unregister_all
+from tests.helpers.gateway import ServerThread, register_workers
+from tests.helpers.shared_redis import delete_keys
 
 SP = gateway_pb2.SamplingParams
 MAX_MODEL_LEN = 64
@@ -42,7 +43,7 @@ def stub(redis_url):
             with grpc.insecure_channel(f"127.0.0.1:{server.port}") as channel:
                 yield gateway_pb2_grpc.GatewayStub(channel), model
     finally:
-        unregister_all(redis_url, prefix)
+        delete_keys(redis_url, prefix)
 
 
 def _generate_error(stub, request) -> grpc.RpcError:

@@ -9,7 +9,7 @@ from hypothesis import strategies as st
 
 import kernels
 import kernels.reference as reference
-from paged_inputs import DEVICE, FP8, layer_views
+from tests.helpers.paged_inputs import DEVICE, FP8, layer_views
 
 
 def _interpretable(x: torch.Tensor, cache_dtype: torch.dtype) -> torch.Tensor:

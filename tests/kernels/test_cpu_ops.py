@@ -13,7 +13,7 @@ import kernels.reference as ref
 from engine.runner.kv_cache import KVCache
 from engine.loading.model_config import ModelConfig
 from kernels.cpu_ops import load
-from tests.kernels.paged_inputs import rel_err, shuffled_block_tables
+from tests.helpers.paged_inputs import rel_err, shuffled_block_tables
 
 
 @pytest.fixture(scope="module")
@@ -96,6 +96,7 @@ def test_builds_once_per_machine(tmp_path):
     assert list(tmp_path.glob("*.so")) == built and built[0].stat().st_mtime_ns == mtime
 
 
+@pytest.mark.slow
 def test_processes_starting_together_build_it_once(tmp_path):
     """``make run`` starts three processes that all need the kernels at once: one compiles, the
     others wait on the lock and load its library."""

@@ -11,7 +11,7 @@ import kernels
 import kernels.reference as reference
 import kernels.decode_attention as decode_attention
 from kernels.decode_attention import launch_paged_decode, launch_variants, num_kv_splits
-from paged_inputs import (
+from tests.helpers.paged_inputs import (
     DEVICE, FP8, REL_TOL, blocks_for, gpu_test, layer_views, rel_err, shuffled_block_tables,
 )
 

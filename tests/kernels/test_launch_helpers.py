@@ -5,7 +5,7 @@ import torch
 import triton
 
 from kernels._launch import KernelLaunch, cdiv, next_power_of_2
-from paged_inputs import DEVICE
+from tests.helpers.paged_inputs import DEVICE
 
 
 def test_next_power_of_2_is_tritons():

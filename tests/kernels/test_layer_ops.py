@@ -9,7 +9,7 @@ from hypothesis import strategies as st
 
 import kernels
 import kernels.reference as reference
-from paged_inputs import DEVICE, FP8, gpu_test, layer_views
+from tests.helpers.paged_inputs import DEVICE, FP8, gpu_test, layer_views
 
 # float32 rounds the same few ops in another order; half precision rounds once where the
 # reference rounds after every op.

@@ -10,7 +10,7 @@ from hypothesis import strategies as st
 import kernels
 import kernels.reference as reference
 from kernels.prefill_attention import launch_paged_prefill
-from paged_inputs import (
+from tests.helpers.paged_inputs import (
     DEVICE, FP8, REL_TOL, blocks_for, gpu_test, layer_views, rel_err, shuffled_block_tables,
 )
 

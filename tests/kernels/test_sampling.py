@@ -11,7 +11,7 @@ from hypothesis import strategies as st
 
 import kernels
 import kernels.reference as reference
-from paged_inputs import DEVICE, gpu_test
+from tests.helpers.paged_inputs import DEVICE, gpu_test
 
 
 def _batch(num_rows: int, vocab: int, seed: int, greedy_fraction: float = 0.3, filtered: bool = True):

@@ -1,28 +1,9 @@
-"""A prefill worker and a decode worker in one process, each with its own engine, on real
-grpc.aio servers on loopback ephemeral ports (and the shared Redis under a test key prefix)."""
+"""Fixtures of the worker tests: the engines the in-process workers (``tests/helpers/workers.py``) run."""
 
-from __future__ import annotations
-
-import contextlib
-from collections.abc import AsyncIterator
-from dataclasses import dataclass
-
-import grpc
 import pytest
 
-from decode_worker.server import DecodeServicer
-from decode_worker.settings import DecodeWorkerSettings
 from engine import EngineConfig, EngineCore
-from cluster.settings import WorkerSettings
-from engine.core.core_client import EngineCoreClient
-from gateway.server import Gateway, load_served_model
-from gateway.settings import GatewaySettings
-from cluster.metrics import WorkerMetrics
-from cluster.worker import WorkerServer
-from cluster.registry import Role
-from kvtransfer import GRPC_MESSAGE_OPTIONS
-from prefill_worker.server import PrefillServicer
-from protos.tandem.v1 import worker_pb2_grpc
+
 
 @pytest.fixture(scope="session")
 def engines() -> tuple[EngineCore, EngineCore]:
@@ -31,70 +12,3 @@ def engines() -> tuple[EngineCore, EngineCore]:
     prefill = EngineCore(None, EngineConfig(num_blocks=96, block_size=16, max_num_batched_tokens=128))
     decode = EngineCore(None, EngineConfig(num_blocks=64, block_size=16))
     return prefill, decode
-
-
-@dataclass
-class Worker:
-    server: WorkerServer
-    engine: EngineCoreClient
-    channel: grpc.aio.Channel
-    stub: object
-
-    @property
-    def address(self) -> str:
-        return self.server.address
-
-
-@dataclass
-class Pair:
-    prefill: Worker
-    decode: Worker
-
-
-def settings(role: Role, **overrides) -> WorkerSettings:
-    """The settings of a worker of ``role`` (a setting the role does not read is ignored)."""
-    cls = WorkerSettings if role is Role.PREFILL else DecodeWorkerSettings
-    return cls(**{"listen": "127.0.0.1:0", "redis_url": "", "drain_timeout_s": 5.0,
-                  "insecure": not overrides.get("tls_dir"), **overrides})
-
-
-@contextlib.asynccontextmanager
-async def worker(llm: EngineCore, role: Role, **overrides) -> AsyncIterator[Worker]:
-    engine = await EngineCoreClient.embed(llm)
-    s = settings(role, **overrides)
-    metrics = WorkerMetrics(str(role), engine.stats)
-    if role is Role.PREFILL:
-        servicer, stub_cls = PrefillServicer(engine, s, metrics), worker_pb2_grpc.PrefillWorkerStub
-    else:
-        servicer, stub_cls = DecodeServicer(engine, s, metrics), worker_pb2_grpc.DecodeWorkerStub
-    server = WorkerServer(s, role, engine, servicer, metrics)
-    await server.start()
-    channel = grpc.aio.insecure_channel(server.address, options=GRPC_MESSAGE_OPTIONS)
-    try:
-        yield Worker(server, engine, channel, stub_cls(channel))
-    finally:
-        await channel.close()
-        await server.shutdown()
-
-
-@contextlib.asynccontextmanager
-async def pair(engines, **overrides) -> AsyncIterator[Pair]:
-    async with worker(engines[0], Role.PREFILL, **overrides) as p, worker(engines[1], Role.DECODE, **overrides) as d:
-        yield Pair(p, d)
-
-
-@contextlib.asynccontextmanager
-async def gateway_over(engines, **settings) -> AsyncIterator[tuple[Pair, Gateway, str]]:
-    """A real gateway (plaintext, the pair's static addresses, every prompt through the prefill
-    worker unless ``settings`` say otherwise) in front of a :func:`pair`; yields the pair, the
-    gateway and its address."""
-    async with pair(engines) as p:
-        config = GatewaySettings(**{"listen": "127.0.0.1:0", "metrics_port": 0, "insecure": True,
-                                    "static_prefill": [p.prefill.address], "static_decode": [p.decode.address],
-                                    "refresh_interval_s": 0.1, "local_prefill_max_tokens": 0, **settings})
-        gateway = Gateway(config, load_served_model(config))
-        port = await gateway.start()
-        try:
-            yield p, gateway, f"127.0.0.1:{port}"
-        finally:
-            await gateway.stop(grace_s=1)

@@ -12,7 +12,7 @@ import pytest
 
 from protos.tandem.v1 import gateway_pb2, gateway_pb2_grpc, worker_pb2
 
-from .conftest import gateway_over
+from tests.helpers.workers import gateway_over
 
 pytestmark = pytest.mark.slow
 ADMIT_WAIT_S = 4.0

@@ -14,7 +14,7 @@ from gateway.server import Gateway, load_served_model
 from gateway.settings import GatewaySettings
 from protos.tandem.v1 import gateway_pb2, gateway_pb2_grpc
 
-from .conftest import pair
+from tests.helpers.workers import pair
 
 pytestmark = pytest.mark.slow
 

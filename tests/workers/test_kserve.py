@@ -20,7 +20,7 @@ from tritonclient.utils import InferenceServerException
 
 from protos.tandem.v1 import gateway_pb2, gateway_pb2_grpc
 
-from .conftest import gateway_over
+from tests.helpers.workers import gateway_over
 
 pytestmark = pytest.mark.slow
 PROMPT = "The capital of France is"

@@ -19,7 +19,7 @@ from gateway.placement import LOCAL_PREDICTED, REMOTE
 from gateway.static_cluster import static_worker_id
 from protos.tandem.v1 import gateway_pb2, gateway_pb2_grpc
 
-from .conftest import gateway_over
+from tests.helpers.workers import gateway_over
 
 pytestmark = pytest.mark.slow
 BACKLOG = 50_000  # prompt tokens queued on the prefill worker: 50 s at the pace set below

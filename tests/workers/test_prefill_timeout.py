@@ -20,7 +20,7 @@ from gateway.settings import GatewaySettings
 from gateway.static_cluster import static_worker_id
 from protos.tandem.v1 import gateway_pb2, gateway_pb2_grpc
 
-from .conftest import gateway_over, pair
+from tests.helpers.workers import gateway_over, pair
 
 pytestmark = pytest.mark.slow
 HOP_TIMEOUT_S = 0.5

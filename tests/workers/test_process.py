@@ -23,7 +23,9 @@ from protos.grpc.health.v1 import health_pb2, health_pb2_grpc
 
 from protos.tandem.v1 import gateway_pb2, worker_pb2, worker_pb2_grpc
 
-from tests.engine.model_helpers import save_tiny_llama
+from tests.helpers.models import save_tiny_llama
+
+pytestmark = pytest.mark.slow
 
 
 @pytest.mark.parametrize("module", ["prefill_worker", "decode_worker"])

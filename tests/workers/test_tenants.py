@@ -15,7 +15,7 @@ from gateway.settings import GatewaySettings
 from protos.grpc.health.v1 import health_pb2, health_pb2_grpc
 from protos.tandem.v1 import gateway_pb2, gateway_pb2_grpc
 
-from .conftest import pair
+from tests.helpers.workers import pair
 
 pytestmark = pytest.mark.slow
 

@@ -24,7 +24,7 @@ from gateway.settings import GatewaySettings
 from gateway.static_cluster import static_worker_id
 from protos.tandem.v1 import gateway_pb2, gateway_pb2_grpc
 
-from .conftest import pair
+from tests.helpers.workers import pair
 
 pytestmark = pytest.mark.slow
 

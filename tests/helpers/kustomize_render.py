@@ -1,5 +1,5 @@
 """Renders the kustomizations of deploy/kubernetes without kubectl, so that the manifests are
-checked offline on every machine (``python -m tests.deploy.kustomize_render DIR`` prints one).
+checked offline on every machine (``python -m tests.helpers.kustomize_render DIR`` prints one).
 
 Why a renderer of our own: no maintained Python package renders a kustomization on this
 project's Python (3.11). ``pykustomize`` (kustomize's Go library behind an FFI) requires

@@ -7,8 +7,6 @@ from __future__ import annotations
 import asyncio
 import threading
 
-import redis
-
 from cluster.registry import ClusterNamespace, Role, WorkerConfig, WorkerInfo, WorkerLoad, WorkerRegistry, redis_client
 from gateway.server import Gateway
 
@@ -63,15 +61,6 @@ def register_workers(redis_url: str, key_prefix: str, config: WorkerConfig, ttl_
         return workers
 
     return asyncio.run(main())
-
-
-def unregister_all(redis_url: str, key_prefix: str) -> None:
-    """Delete every key under ``key_prefix``."""
-    client = redis.Redis.from_url(redis_url)
-    keys = list(client.scan_iter(match=f"tandem:{key_prefix}:*"))
-    if keys:
-        client.delete(*keys)
-    client.close()
 
 
 class Clock:
