@@ -57,6 +57,10 @@ class GatewaySettings(TandemSettings):
     tokenizer_queue: int = Field(64, ge=0, description="prompts waiting for a tokenizer thread at most (more: "
                                                        "RESOURCE_EXHAUSTED)")
 
+    # OpenAI-compatible HTTP API (gateway.openai_api), beside the gRPC port, with its TLS and API keys.
+    http_addr: str = Field("", description="host:port of the OpenAI-compatible HTTP API (/v1/chat/completions, "
+                                           "/v1/completions, /v1/models, /health); empty: off")
+
     api_keys: Addresses = Field(default_factory=list, description="API keys as SHA256HEX:TENANT[:MAX_STREAMS],... "
                                                                   "(none here or in api_keys_file: the gateway is open)")
     api_keys_file: str = Field("", description="file of API keys, one SHA256HEX:TENANT[:MAX_STREAMS] per line")
