@@ -4,7 +4,8 @@ it) beside ``tandem.v1.Gateway``: a thin adapter over the shared request path.
 A request is translated (:mod:`gateway.kserve_io`) into a native ``GenerateRequest`` and runs
 through :meth:`gateway.frontend.FrontEnd.respond`: the same validation, limits,
 tenants (API keys, checked by the server's interceptor for every method), orchestration and
-metrics; its refusals name the KServe input (``text_input``, ``sampling_parameters.X``). ``ModelInfer`` answers one whole response; ``ModelStreamInfer`` is decoupled as in
+metrics; its refusals name the KServe input (``text_input``, ``sampling_parameters.X``).
+``ModelInfer`` answers one whole response; ``ModelStreamInfer`` is decoupled as in
 Triton: each request on the stream runs on its own, with ``stream`` true one response per
 step, the last carrying the ``triton_final_response`` parameter true (or, when the request sets
 ``triton_enable_empty_final_response``, an empty response after it does); a request's error

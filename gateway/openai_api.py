@@ -89,7 +89,9 @@ class OpenAIApi:
         tokenizer = frontend.model.tokenizer
         self.token_text = TokenText(tokenizer.decode if tokenizer is not None
                                     else lambda ids: f"token_id:{ids[0]}")
-        app = FastAPI(title="Tandem", docs_url=None, redoc_url=None, openapi_url=None)
+        # FastAPI's own OpenTelemetry off: the gateway traces requests itself (cluster.tracing).
+        app = FastAPI(title="Tandem", docs_url=None, redoc_url=None, openapi_url=None,
+                      telemetry={"tracing": False, "metrics": False, "logs": False, "operation_spans": False})
         app.add_exception_handler(StatusError, lambda request, exc: error_response(exc))
         app.add_exception_handler(HTTPException, lambda request, exc: error_response(
             StatusError(grpc.StatusCode.NOT_FOUND if exc.status_code == 404 else grpc.StatusCode.INVALID_ARGUMENT,
@@ -339,7 +341,8 @@ def _deadline(timeout: str | None) -> float | None:
     except ValueError:
         seconds = -1.0
     if not 0 < seconds < 1e8:
-        raise StatusError.invalid_argument("x-request-timeout", f"must be a positive number of seconds, got {timeout!r}")
+        raise StatusError.invalid_argument("x-request-timeout",
+                                           f"must be a positive number of seconds, got {timeout!r}")
     return asyncio.get_running_loop().time() + seconds
 
 

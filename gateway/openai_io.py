@@ -46,7 +46,8 @@ FINISH_REASONS = {gateway_pb2.FINISH_REASON_STOP: "stop", gateway_pb2.FINISH_REA
                   gateway_pb2.FINISH_REASON_ABORT: "abort"}
 
 
-def generate_request(request: ChatCompletionRequest | CompletionRequest, request_id: str) -> gateway_pb2.GenerateRequest:
+def generate_request(request: ChatCompletionRequest | CompletionRequest,
+                     request_id: str) -> gateway_pb2.GenerateRequest:
     """The native request of an OpenAI one.
 
     Raises:

@@ -24,10 +24,14 @@ class _Request(BaseModel):
 
 
 class StreamOptions(_Request):
+    """``stream_options``: ``include_usage`` adds a last chunk with the usage."""
+
     include_usage: bool = False
 
 
 class ResponseFormat(_Request):
+    """``response_format``: only ``text`` is served yet."""
+
     type: str = "text"
 
 
@@ -39,6 +43,8 @@ class TextPart(_Request):
 
 
 class ChatMessage(_Request):
+    """One message of ``messages``: its role and its text."""
+
     role: str
     content: str | list[TextPart] | None = None
 
@@ -79,6 +85,8 @@ class SamplingRequest(_Request):
 
 
 class ChatCompletionRequest(SamplingRequest):
+    """A ``POST /v1/chat/completions`` body."""
+
     messages: list[ChatMessage]
     max_completion_tokens: Count | None = None
     logprobs: bool = False
@@ -86,6 +94,8 @@ class ChatCompletionRequest(SamplingRequest):
 
 
 class CompletionRequest(SamplingRequest):
+    """A ``POST /v1/completions`` body (``prompt``: one text or one list of token ids)."""
+
     prompt: str | list[str] | list[UInt32] | list[list[UInt32]]
     logprobs: UInt32 | None = None
     echo: bool = False
@@ -97,10 +107,14 @@ class CompletionRequest(SamplingRequest):
 
 
 class PromptTokensDetails(BaseModel):
+    """``cached_tokens``: prompt tokens served from a prefix cache."""
+
     cached_tokens: int
 
 
 class Usage(BaseModel):
+    """Token counts of a whole request (all choices)."""
+
     prompt_tokens: int
     completion_tokens: int
     total_tokens: int
@@ -108,20 +122,28 @@ class Usage(BaseModel):
 
 
 class TopLogprob(BaseModel):
+    """A token's text, UTF-8 bytes and natural log-probability."""
+
     token: str
     logprob: float
     bytes: list[int]
 
 
 class TokenLogprob(TopLogprob):
+    """A generated token with its most likely alternatives."""
+
     top_logprobs: list[TopLogprob]
 
 
 class ChatLogprobs(BaseModel):
+    """A chat choice's log-probabilities, one entry per token."""
+
     content: list[TokenLogprob]
 
 
 class CompletionLogprobs(BaseModel):
+    """A completion choice's log-probabilities (``text_offset``: where each token starts in the text, characters)."""
+
     tokens: list[str] = []
     token_logprobs: list[float] = []
     top_logprobs: list[dict[str, float]] = []
@@ -129,16 +151,22 @@ class CompletionLogprobs(BaseModel):
 
 
 class AssistantMessage(BaseModel):
+    """A chat choice's message."""
+
     role: Literal["assistant"] = "assistant"
     content: str
 
 
 class Delta(BaseModel):
+    """What a chunk adds to a chat choice (``role`` on its first chunk)."""
+
     role: Literal["assistant"] | None = None
     content: str | None = None
 
 
 class ChatChoice(BaseModel):
+    """One choice of a chat completion."""
+
     index: int
     message: AssistantMessage
     logprobs: ChatLogprobs | None = None
@@ -146,6 +174,8 @@ class ChatChoice(BaseModel):
 
 
 class ChatChunkChoice(BaseModel):
+    """One choice's part in a chat completion chunk."""
+
     index: int
     delta: Delta
     logprobs: ChatLogprobs | None = None
@@ -153,6 +183,8 @@ class ChatChunkChoice(BaseModel):
 
 
 class CompletionChoice(BaseModel):
+    """One choice of a completion (or its part in a chunk)."""
+
     index: int
     text: str
     logprobs: CompletionLogprobs | None = None
@@ -160,6 +192,8 @@ class CompletionChoice(BaseModel):
 
 
 class ChatCompletion(BaseModel):
+    """The whole answer of ``/v1/chat/completions``."""
+
     id: str
     object: Literal["chat.completion"] = "chat.completion"
     created: int
@@ -169,6 +203,8 @@ class ChatCompletion(BaseModel):
 
 
 class ChatCompletionChunk(BaseModel):
+    """One event of a streamed chat completion (``usage`` only on the last, when asked for)."""
+
     id: str
     object: Literal["chat.completion.chunk"] = "chat.completion.chunk"
     created: int
@@ -189,6 +225,8 @@ class Completion(BaseModel):
 
 
 class Model(BaseModel):
+    """The served model, as ``/v1/models`` lists it."""
+
     id: str
     object: Literal["model"] = "model"
     created: int
@@ -197,11 +235,15 @@ class Model(BaseModel):
 
 
 class ModelList(BaseModel):
+    """``GET /v1/models``."""
+
     object: Literal["list"] = "list"
     data: list[Model]
 
 
 class ErrorDetail(BaseModel):
+    """What went wrong (``param``: the field a 400 names)."""
+
     message: str
     type: str
     param: str | None = None
@@ -209,4 +251,6 @@ class ErrorDetail(BaseModel):
 
 
 class ErrorResponse(BaseModel):
+    """OpenAI's error object."""
+
     error: ErrorDetail

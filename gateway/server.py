@@ -35,8 +35,6 @@ from gateway import kserve
 from gateway.auth import AuthInterceptor, TenantGate, tenant_var
 from gateway.frontend import FrontEnd
 from gateway.heap import return_large_buffers_to_the_os
-from gateway.http_server import HttpServer
-from gateway.openai_api import OpenAIApi
 from gateway.orchestrator import Orchestrator
 from gateway.outlier import OutlierDetector
 from gateway.placement import ServiceLevel
@@ -110,7 +108,7 @@ class Gateway:
         self.model = model or load_served_model(settings)
         self.port: int | None = None
         self.http_port: int | None = None  # the OpenAI-compatible HTTP API's, once started
-        self._http: HttpServer | None = None
+        self._http = None  # gateway.http_server.HttpServer, once started
         self.gate = self._tenant_gate()
         self._tls = (ClientCredentials(settings.tls_dir, "gateway", setting_name(GatewaySettings, "tls_dir"))
                      if settings.tls_dir else None)
@@ -162,10 +160,10 @@ class Gateway:
             raise StartupError(str(exc)) from None
         # gRPC's own limit sits above max_request_bytes so that a request between the two gets
         # INVALID_ARGUMENT naming "request" (larger ones: RESOURCE_EXHAUSTED from gRPC itself).
-        self._scaffold = ServerScaffold([SERVICE_NAME, kserve.SERVICE_NAME], [("grpc.max_receive_message_length", 2 * s.max_request_bytes),
-                                                         *server_keepalive_options(s.keepalive_time_s,
-                                                                                   s.keepalive_timeout_s)],
-                                        reflection=s.reflection, interceptors=[AuthInterceptor(self.gate)] if self.gate else [],
+        options = [("grpc.max_receive_message_length", 2 * s.max_request_bytes),
+                   *server_keepalive_options(s.keepalive_time_s, s.keepalive_timeout_s)]
+        self._scaffold = ServerScaffold([SERVICE_NAME, kserve.SERVICE_NAME], options, reflection=s.reflection,
+                                        interceptors=[AuthInterceptor(self.gate)] if self.gate else [],
                                         new_traces=True)
         gateway_pb2_grpc.add_GatewayServicer_to_server(self.servicer, self._scaffold.server)
         grpc_service_pb2_grpc.add_GRPCInferenceServiceServicer_to_server(kserve.KServeServicer(self.frontend),
@@ -189,13 +187,17 @@ class Gateway:
                     f"redis {s.redis_url}" if s.redis_url else f"static workers {s.static_prefill}+{s.static_decode}")
         return self.port
 
-    def _http_server(self) -> HttpServer:
-        """The OpenAI-compatible HTTP server, with the gRPC port's TLS and API keys.
+    def _http_server(self):
+        """The OpenAI-compatible HTTP server, with the gRPC port's TLS and API keys (FastAPI and
+        uvicorn are imported here: a gateway without the HTTP API never loads them).
 
         Raises:
             ValueError: no API key protects a non-loopback ``http_addr`` (``allow_open``), or
                 the TLS files cannot be read.
         """
+        from gateway.http_server import HttpServer
+        from gateway.openai_api import OpenAIApi
+
         s = self.settings
         host = s.http_addr.rpartition(":")[0].strip("[]")
         if self.gate is None and not s.allow_open and not _is_loopback(host):
