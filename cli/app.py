@@ -98,9 +98,10 @@ def decode_cmd(ctx: typer.Context) -> None:
 
 def _run_local(model: str | None, listen: str, prefill: int, decode: int, once: str | None, max_tokens: int,
                temperature: float, timeout_s: float, quiet: bool, quiet_after_ready: bool = False,
-               insecure: bool = False, **placement) -> int:
+               insecure: bool = False, http: str | None = None, **placement) -> int:
     """Start a LocalCluster, then answer ``once`` or serve until a signal; stop it. Returns an exit code.
-    ``placement`` (``gpus``, ``prefill_tp``, ``decode_tp``) goes to the LocalCluster.
+    ``placement`` (``gpus``, ``prefill_tp``, ``decode_tp``) goes to the LocalCluster; ``http``: the
+    address of the OpenAI-compatible HTTP API (``None``: a free loopback port, ``""``: off).
 
     Unless ``insecure``, a fresh CA and certificates are made in a temporary directory (removed
     on exit): the gateway serves TLS and its clients trust that directory's ``ca.pem``.
@@ -138,7 +139,8 @@ def _run_local(model: str | None, listen: str, prefill: int, decode: int, once: 
     stop = threading.Event()
     previous = {sig: signal.signal(sig, lambda *_: stop.set()) for sig in (signal.SIGTERM, signal.SIGINT)}
     try:
-        cluster = LocalCluster(model=model, gateway_addr=listen, num_prefill=prefill, num_decode=decode, sink=sink,
+        cluster = LocalCluster(model=model, gateway_addr=listen, http_addr=http, num_prefill=prefill,
+                               num_decode=decode, sink=sink,
                                tls_dir=tls_dir, **placement)
     except ValueError as exc:
         err_console.print(f"[red]{exc}[/red]")
@@ -151,6 +153,9 @@ def _run_local(model: str | None, listen: str, prefill: int, decode: int, once: 
         err_console.print(f"[bold green]cluster ready[/bold green]: gateway at {cluster.gateway_addr} "
                           f"({prefill} prefill + {decode} decode, redis {cluster.redis_url or 'none'}; "
                           f"metrics {ports})")
+        if cluster.http_addr:
+            err_console.print(f"OpenAI-compatible API at {'https' if tls_dir else 'http'}://{cluster.http_addr}/v1",
+                              highlight=False)
         phases = cluster.phases
         err_console.print(f"start-up: {time.perf_counter() - _LAUNCHED:.1f} s since launch (model files "
                           f"{phases['model_files_s']:.1f} s, processes ready {phases['processes_ready_s']:.1f} s)")
@@ -187,6 +192,7 @@ def serve_cmd(
     local: bool = typer.Option(False, "--local", help="Start Redis, workers and a gateway on this machine."),
     model: str = typer.Option(None, help="Model for every process (default SmolLM2-135M-Instruct)."),
     listen: str = typer.Option("127.0.0.1:50051", help="The gateway's address."),
+    http: str = typer.Option("127.0.0.1:8000", help="The gateway's OpenAI-compatible HTTP API address (\"\": off)."),
     prefill: int = typer.Option(1, min=0, help="Prefill workers (0: the decode workers prefill themselves)."),
     decode: int = typer.Option(1, min=1, help="Decode workers."),
     once: str = typer.Option(None, help="Answer this one chat prompt, then shut down."),
@@ -206,7 +212,7 @@ def serve_cmd(
                           "`tandem prefill` and `tandem decode` (see docs/deployment.md)")
         raise typer.Exit(2)
     raise typer.Exit(_run_local(model, listen, prefill, decode, once, max_tokens, temperature, timeout, quiet,
-                                insecure=insecure, gpus=gpus, prefill_tp=prefill_tp, decode_tp=decode_tp))
+                                insecure=insecure, http=http, gpus=gpus, prefill_tp=prefill_tp, decode_tp=decode_tp))
 
 
 @app.command("demo")

@@ -172,6 +172,8 @@ class LocalCluster:
     Args:
         model: model for all processes (``None``: the default).
         gateway_addr: the gateway's listen address (``None``: 127.0.0.1 on a free port).
+        http_addr: the address of its OpenAI-compatible HTTP API (``None``: 127.0.0.1 on a free
+            port; ``""``: off).
         num_prefill, num_decode: pool sizes.
         env: extra ``TANDEM_*`` settings for every process (e.g. ``TANDEM_NUM_BLOCKS``).
         worker_env: extra settings per worker name (``prefill-0``, ``decode-1``...).
@@ -196,8 +198,8 @@ class LocalCluster:
     (the offline engine: 125-133 and, batched, ~330).
     """
 
-    def __init__(self, model: str | None = None, gateway_addr: str | None = None, num_prefill: int = 1,
-                 num_decode: int = 1, env: dict[str, str] | None = None,
+    def __init__(self, model: str | None = None, gateway_addr: str | None = None, http_addr: str | None = None,
+                 num_prefill: int = 1, num_decode: int = 1, env: dict[str, str] | None = None,
                  worker_env: dict[str, dict[str, str]] | None = None, redis: str | None = "auto",
                  sink: Callable[[str, str], None] | None = None, log_dir: Path | None = None,
                  metrics: bool = True, tls_dir: str | None = None, gpus: int = 0, prefill_tp: int = 1,
@@ -205,6 +207,7 @@ class LocalCluster:
         self.model = model
         self.tls_dir = tls_dir
         self.gateway_addr = gateway_addr or f"127.0.0.1:{free_port()}"
+        self.http_addr = f"127.0.0.1:{free_port()}" if http_addr is None else http_addr
         self.num_prefill, self.num_decode = num_prefill, num_decode
         self.env = dict(env or {})
         names = [(f"prefill-{i}", prefill_tp) for i in range(num_prefill)] + [(f"decode-{i}", decode_tp)
@@ -254,7 +257,8 @@ class LocalCluster:
                     env = {**base, "TANDEM_WORKER_ID": f"{role}-{i}-{os.getpid()}", **self.worker_env.get(name, {})}
                     self.workers[name] = Child(name, [sys.executable, "-m", f"{role}_worker", "--listen", address,
                                                       *self._metrics_flag(name)], env, address)
-            argv = [sys.executable, "-m", "gateway", "--listen", self.gateway_addr, *self._metrics_flag("gateway")]
+            argv = [sys.executable, "-m", "gateway", "--listen", self.gateway_addr, "--http-addr", self.http_addr,
+                    *self._metrics_flag("gateway")]
             if not self.redis_url:
                 argv += ["--static-prefill", ",".join(w.address for n, w in self.workers.items() if n[0] == "p"),
                          "--static-decode", ",".join(w.address for n, w in self.workers.items() if n[0] == "d")]

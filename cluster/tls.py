@@ -24,6 +24,7 @@ import functools
 import ipaddress
 import os
 import re
+import ssl
 import time
 from collections.abc import Collection, Mapping, Sequence
 from dataclasses import dataclass
@@ -147,6 +148,33 @@ def server_credentials(directory: str, role: str, require_client_auth: bool, set
 
     return grpc.dynamic_ssl_server_credentials(configuration(watched.files), fetch,
                                                require_client_authentication=require_client_auth)
+
+
+class _RotatingContext(ssl.SSLContext):
+    """An ``ssl.SSLContext`` that re-reads its certificate when the files change: asyncio wraps
+    every new connection with :meth:`wrap_bio`, the moment gRPC's ``fetch`` is called at."""
+
+    watched: _WatchedFiles
+
+    def wrap_bio(self, *args, **kwargs):
+        if self.watched.changed() is not None:
+            # The files changed again meanwhile (mid-rotation): the next handshake takes that change.
+            with contextlib.suppress(ssl.SSLError, OSError):
+                self.load_cert_chain(self.watched.paths[1], self.watched.paths[2])
+        return super().wrap_bio(*args, **kwargs)
+
+
+def server_ssl_context(directory: str, role: str, setting: str) -> ssl.SSLContext:
+    """An HTTPS server's context from a TLS directory (``{role}.pem`` served, no client
+    certificate asked), re-read when its files change as :func:`server_credentials` is.
+
+    Raises:
+        ValueError: the files cannot be read now, or the key does not match the certificate.
+    """
+    context = _RotatingContext(ssl.PROTOCOL_TLS_SERVER)
+    context.watched = _WatchedFiles(directory, role, setting)
+    context.load_cert_chain(context.watched.paths[1], context.watched.paths[2])
+    return context
 
 
 class ClientCredentials:

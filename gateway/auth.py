@@ -3,11 +3,14 @@
 Keys are configured by their SHA-256 (hex), never in clear: ``HASH:TENANT[:MAX_STREAMS]`` entries
 in ``TANDEM_API_KEYS`` (comma-separated) and/or one per line in the file ``TANDEM_API_KEYS_FILE``
 (``#`` comments and blank lines ignored). A client sends its key as ``authorization: Bearer KEY``
-(or ``x-api-key: KEY``). :class:`AuthInterceptor` refuses every call without a known key with
+(or ``x-api-key: KEY``), in gRPC metadata or as an HTTP header. :class:`TenantGate` knows the
+keys and counts each tenant's calls in flight, on every port together; :class:`AuthInterceptor`
+applies it to the gRPC port: every call without a known key is refused with
 ``UNAUTHENTICATED`` (health stays open for probes) and a tenant's call beyond its concurrent
 limit with ``RESOURCE_EXHAUSTED`` (reflection needs a key but is not counted: a tenant limited
-to one stream can still use grpcurl, whose reflection stream stays open during the call); the servicer reads the caller's tenant from
-:data:`tenant_var`. With no key configured the gateway is open (the local demo) and every
+to one stream can still use grpcurl, whose reflection stream stays open during the call); the
+servicer reads the caller's tenant from :data:`tenant_var`. The HTTP port (:mod:`gateway.openai_api`)
+asks the same gate. With no key configured the gateway is open (the local demo) and every
 request is one anonymous tenant.
 """
 
@@ -19,13 +22,14 @@ import contextvars
 import functools
 import hashlib
 import re
-from collections.abc import Iterable
+from collections.abc import Iterable, Iterator
 from dataclasses import dataclass
 from pathlib import Path
 
 import grpc
 
 from cluster.interceptors import wrap_handler
+from protos.status import StatusError
 
 OPEN_METHOD_PREFIXES = ("/grpc.health.v1.Health/",)
 UNCOUNTED_METHOD_PREFIXES = ("/grpc.reflection.",)
@@ -111,8 +115,10 @@ class ApiKeys:
         return self._tenants.get(hash_key(key))
 
 
-def _key_of(metadata) -> str:
-    for name, value in metadata or ():
+def key_of(headers: Iterable[tuple[str, str]] | None) -> str:
+    """The API key in gRPC metadata or HTTP headers (lower-case names): ``authorization: Bearer
+    KEY`` or ``x-api-key: KEY``; ``""`` when there is none."""
+    for name, value in headers or ():
         if name == "authorization" and isinstance(value, str) and value.lower().startswith("bearer "):
             return value[7:].strip()
         if name == "x-api-key" and isinstance(value, str):
@@ -120,41 +126,72 @@ def _key_of(metadata) -> str:
     return ""
 
 
-class AuthInterceptor(grpc.aio.ServerInterceptor):
-    """API-key authentication and per-tenant concurrency limits (module docstring).
+class TenantGate:
+    """The known keys and the calls each tenant has in flight (all ports together).
 
     Args:
-        keys: the known keys (at least one; with none, install no interceptor).
+        keys: the known keys (at least one; with none, the gateway is open and has no gate).
     """
 
     def __init__(self, keys: ApiKeys) -> None:
         self.keys = keys
         self.in_flight: collections.Counter[str] = collections.Counter()
 
-    async def intercept_service(self, continuation, handler_call_details):
-        handler = await continuation(handler_call_details)
-        if handler is None or handler_call_details.method.startswith(OPEN_METHOD_PREFIXES):
-            return handler
-        key = _key_of(handler_call_details.invocation_metadata)
-        tenant = self.keys.tenant(key) if key else None
-        counted = not handler_call_details.method.startswith(UNCOUNTED_METHOD_PREFIXES)
-        return wrap_handler(handler, scope=functools.partial(self._admit, tenant, counted))
+    def tenant(self, key: str) -> Tenant:
+        """The tenant of ``key`` (as the client sent it).
 
-    @contextlib.asynccontextmanager
-    async def _admit(self, tenant: Tenant | None, counted: bool, context: grpc.aio.ServicerContext):
+        Raises:
+            StatusError: ``UNAUTHENTICATED`` for no key or an unknown one.
+        """
+        tenant = self.keys.tenant(key) if key else None
         if tenant is None:
-            await context.abort(grpc.StatusCode.UNAUTHENTICATED,
-                                "a valid API key is required (metadata authorization: Bearer KEY)")
-        if not counted:
-            tenant_var.set(tenant)
-            yield
-            return
+            raise StatusError(grpc.StatusCode.UNAUTHENTICATED,
+                              "a valid API key is required (authorization: Bearer KEY)")
+        return tenant
+
+    @contextlib.contextmanager
+    def admitted(self, tenant: Tenant) -> Iterator[None]:
+        """Count one call of ``tenant`` while the block runs.
+
+        Raises:
+            StatusError: ``RESOURCE_EXHAUSTED`` when the tenant has ``max_streams`` calls in flight.
+        """
         if tenant.max_streams and self.in_flight[tenant.name] >= tenant.max_streams:
-            await context.abort(grpc.StatusCode.RESOURCE_EXHAUSTED,
-                                f"tenant {tenant.name} already has {tenant.max_streams} calls in flight, its limit")
+            raise StatusError(grpc.StatusCode.RESOURCE_EXHAUSTED,
+                              f"tenant {tenant.name} already has {tenant.max_streams} calls in flight, its limit")
         self.in_flight[tenant.name] += 1
-        tenant_var.set(tenant)  # the call's own task: seen by its servicer, by no other call
         try:
             yield
         finally:
             self.in_flight[tenant.name] -= 1
+
+
+class AuthInterceptor(grpc.aio.ServerInterceptor):
+    """API-key authentication and per-tenant concurrency limits on the gRPC port (module docstring).
+
+    Args:
+        gate: the keys and the tenants' counts.
+    """
+
+    def __init__(self, gate: TenantGate) -> None:
+        self.gate = gate
+
+    async def intercept_service(self, continuation, handler_call_details):
+        handler = await continuation(handler_call_details)
+        if handler is None or handler_call_details.method.startswith(OPEN_METHOD_PREFIXES):
+            return handler
+        key = key_of(handler_call_details.invocation_metadata)
+        counted = not handler_call_details.method.startswith(UNCOUNTED_METHOD_PREFIXES)
+        return wrap_handler(handler, scope=functools.partial(self._admit, key, counted))
+
+    @contextlib.asynccontextmanager
+    async def _admit(self, key: str, counted: bool, context: grpc.aio.ServicerContext):
+        with contextlib.ExitStack() as admitted:
+            try:
+                tenant = self.gate.tenant(key)
+                if counted:
+                    admitted.enter_context(self.gate.admitted(tenant))
+            except StatusError as exc:
+                await context.abort(exc.code, exc.message)
+            tenant_var.set(tenant)  # the call's own task: seen by its servicer, by no other call
+            yield

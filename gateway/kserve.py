@@ -1,10 +1,11 @@
 """KServe v2 (``inference.GRPCInferenceService``, the Open Inference Protocol as Triton defines
-it) beside ``tandem.v1.Gateway``: a thin adapter over the native request path.
+it) beside ``tandem.v1.Gateway``: a thin adapter over the shared request path.
 
 A request is translated (:mod:`gateway.kserve_io`) into a native ``GenerateRequest`` and runs
-through :meth:`gateway.server.GatewayServicer.serve_request`: the same validation, limits,
+through :meth:`gateway.frontend.FrontEnd.respond`: the same validation, limits,
 tenants (API keys, checked by the server's interceptor for every method), orchestration and
-metrics. ``ModelInfer`` answers one whole response; ``ModelStreamInfer`` is decoupled as in
+metrics; its refusals name the KServe input (``text_input``, ``sampling_parameters.X``).
+``ModelInfer`` answers one whole response; ``ModelStreamInfer`` is decoupled as in
 Triton: each request on the stream runs on its own, with ``stream`` true one response per
 step, the last carrying the ``triton_final_response`` parameter true (or, when the request sets
 ``triton_enable_empty_final_response``, an empty response after it does); a request's error
@@ -19,22 +20,22 @@ import asyncio
 import time
 from collections.abc import AsyncIterator, Awaitable, Callable
 from importlib.metadata import PackageNotFoundError, version
-from typing import TYPE_CHECKING
 
 import grpc
 
 from gateway import kserve_io
+from gateway.auth import tenant_var
+from gateway.frontend import FrontEnd, renamed
 from gateway.kserve_io import INPUTS, OUTPUTS, InferRequest
 from protos.inference import grpc_service_pb2 as kserve, grpc_service_pb2_grpc, model_config_pb2
 from protos.status import StatusError
-
-if TYPE_CHECKING:  # the server module builds this servicer
-    from gateway.server import GatewayServicer
 
 SERVICE_NAME = kserve.DESCRIPTOR.services_by_name["GRPCInferenceService"].full_name
 MODEL_VERSION = "1"
 _CONFIG_TYPES = {"BYTES": model_config_pb2.TYPE_STRING, "BOOL": model_config_pb2.TYPE_BOOL,
                  "UINT32": model_config_pb2.TYPE_UINT32}
+# The native field an error names → the KServe input it came from.
+_KSERVE_NAMES = {"prompt": "text_input", "sampling.": "sampling_parameters."}
 
 
 def _server_version() -> str:
@@ -66,20 +67,20 @@ class _Statistics:
 
 
 class KServeServicer(grpc_service_pb2_grpc.GRPCInferenceServiceServicer):
-    """``inference.GRPCInferenceService`` over the gateway's native request path (module docstring).
+    """``inference.GRPCInferenceService`` over the gateway's shared request path (module docstring).
 
     Args:
-        native: the ``tandem.v1.Gateway`` servicer whose request path every inference takes.
+        frontend: the request path every inference takes.
     """
 
-    def __init__(self, native: GatewayServicer) -> None:
-        self.native = native
+    def __init__(self, frontend: FrontEnd) -> None:
+        self.frontend = frontend
         self.statistics = _Statistics()
 
     @property
     def model_name(self) -> str:
         """The served model's name (``GetModelInfo``'s ``model_id``)."""
-        return self.native.model.model_id
+        return self.frontend.model.model_id
 
     def _check_model(self, name: str, model_version: str) -> None:
         if name != self.model_name:
@@ -95,11 +96,11 @@ class KServeServicer(grpc_service_pb2_grpc.GRPCInferenceServiceServicer):
         return kserve.ServerLiveResponse(live=True)
 
     async def ServerReady(self, request, context) -> kserve.ServerReadyResponse:  # noqa: N802
-        return kserve.ServerReadyResponse(ready=self.native.view.routable)
+        return kserve.ServerReadyResponse(ready=self.frontend.routable)
 
     async def ModelReady(self, request, context) -> kserve.ModelReadyResponse:  # noqa: N802
         known = request.name == self.model_name and request.version in ("", MODEL_VERSION)
-        return kserve.ModelReadyResponse(ready=known and self.native.view.routable)
+        return kserve.ModelReadyResponse(ready=known and self.frontend.routable)
 
     async def ServerMetadata(self, request, context) -> kserve.ServerMetadataResponse:  # noqa: N802
         return kserve.ServerMetadataResponse(name="tandem", version=_server_version())
@@ -130,7 +131,7 @@ class KServeServicer(grpc_service_pb2_grpc.GRPCInferenceServiceServicer):
         return kserve.ModelStatisticsResponse(model_stats=[self.statistics.proto(self.model_name)])
 
     async def RepositoryIndex(self, request, context) -> kserve.RepositoryIndexResponse:  # noqa: N802
-        ready = self.native.view.routable
+        ready = self.frontend.routable
         return kserve.RepositoryIndexResponse(models=[kserve.RepositoryIndexResponse.ModelIndex(
             name=self.model_name, version=MODEL_VERSION, state="READY" if ready else "UNAVAILABLE",
             reason="" if ready else "no worker can serve a request")])
@@ -146,7 +147,7 @@ class KServeServicer(grpc_service_pb2_grpc.GRPCInferenceServiceServicer):
             response = await self._whole(request, infer, context.time_remaining)
         except StatusError as exc:
             self.statistics.record(False, started)
-            exc = kserve_io.in_kserve_terms(exc)
+            exc = renamed(exc, _KSERVE_NAMES)
             await context.abort(exc.code, exc.message)
         self.statistics.record(True, started)
         return response
@@ -181,7 +182,7 @@ class KServeServicer(grpc_service_pb2_grpc.GRPCInferenceServiceServicer):
                     infer_response=kserve_io.empty_final_response(request, self.model_name)))
         except StatusError as exc:
             self.statistics.record(False, started)
-            exc = kserve_io.in_kserve_terms(exc)
+            exc = renamed(exc, _KSERVE_NAMES)
             await write(kserve.ModelStreamInferResponse(
                 error_message=f"{exc.code.name}: {exc.message}",
                 infer_response=kserve.ModelInferResponse(model_name=self.model_name, id=request.id)))
@@ -201,7 +202,7 @@ class KServeServicer(grpc_service_pb2_grpc.GRPCInferenceServiceServicer):
             nonlocal prompt_tokens
             prompt_tokens = count
 
-        async for message in self.native.serve_request(infer.native_request, time_remaining, note):
+        async for message in self.frontend.respond(infer.native_request, tenant_var.get(), time_remaining, note):
             last = message.HasField("usage")
             yield kserve_io.infer_response(request, infer, self.model_name, message.text, message.finish_reason,
                                            prompt_tokens, len(message.token_ids), final=last and not empty_final)
@@ -209,7 +210,7 @@ class KServeServicer(grpc_service_pb2_grpc.GRPCInferenceServiceServicer):
     async def _whole(self, request, infer: InferRequest, time_remaining) -> kserve.ModelInferResponse:
         """The whole answer in one response (the prompt first unless ``exclude_input_in_output``)."""
         text, tokens, finish, prompt_tokens = [], 0, 0, 0
-        async for message in self.native.serve_request(infer.native_request, time_remaining):
+        async for message in self.frontend.respond(infer.native_request, tenant_var.get(), time_remaining):
             text.append(message.text)
             tokens += len(message.token_ids)
             finish = message.finish_reason or finish

@@ -251,12 +251,3 @@ def wants_empty_final_response(request: kserve.ModelInferRequest) -> bool:
     param = request.parameters.get("triton_enable_empty_final_response")
     return param is not None and param.bool_param
 
-
-def in_kserve_terms(error: StatusError) -> StatusError:
-    """A refusal of the native path, naming the KServe input instead of the native field
-    (``prompt`` → ``text_input``, ``sampling.X`` → ``sampling_parameters.X``)."""
-    message = error.message
-    for native, name in (("prompt:", "text_input:"), ("sampling.", "sampling_parameters.")):
-        if message.startswith(native):
-            return StatusError(error.code, name + message.removeprefix(native))
-    return error

@@ -117,7 +117,7 @@ class OutlierDetector:
 
     def down_signal(self, worker_id: str) -> asyncio.Event:
         """An event set while the health probe finds ``worker_id`` down: a caller waiting on the
-        worker can stop waiting as soon as the probe gives its verdict (:mod:`gateway.orchestrator`
+        worker can stop waiting as soon as the probe gives its verdict (:mod:`gateway.worker_calls`
         fails a call over this way before its own timeout)."""
         return self._records.setdefault(worker_id, _Record()).went_down
 

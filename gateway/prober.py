@@ -22,7 +22,7 @@ import grpc
 
 from cluster.health import SERVING
 from cluster.registry import Role, WorkerInfo
-from gateway.orchestrator import WorkerClients
+from gateway.worker_calls import WorkerClients
 from gateway.router import ClusterView
 from protos.grpc.health.v1 import health_pb2, health_pb2_grpc
 

@@ -1,9 +1,9 @@
-"""The public gRPC endpoint: ``tandem.v1.Gateway`` and KServe v2 (:mod:`gateway.kserve`, over the
-same request path) plus health, reflection and /metrics.
+"""The public gRPC endpoint: ``tandem.v1.Gateway`` and KServe v2 (:mod:`gateway.kserve`), with
+OpenAI's HTTP API on a port of its own (:mod:`gateway.openai_api`), plus health, reflection
+and /metrics.
 
-The servicer is a thin edge: it checks the request (:mod:`gateway.validation` for the input
-form, :mod:`cluster.translate` for the prompt and sampling, with the pool's limits), tokenizes
-it, and hands it to :class:`~gateway.orchestrator.Orchestrator`; statuses map as
+Each API is a thin adapter over the shared request path (:mod:`gateway.frontend`):
+:class:`GatewayServicer` hands ``Generate`` requests to it as they come; statuses map as
 docs/architecture.md says. :func:`serve` runs the process: it resolves the model's tokenizer
 and id (never the weights, never torch), keeps the routing view fresh, reports SERVING only
 while a request can be routed, and on SIGTERM/SIGINT reports NOT_SERVING, ends health watches,
@@ -16,192 +16,64 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import functools
+import ipaddress
 import logging
 import signal
-import time
-import uuid
-from collections.abc import AsyncIterator, Callable
-from dataclasses import dataclass
 
 import grpc
 
 from cluster import tracing
 from cluster.channels import ChannelCache, client_keepalive_options, server_keepalive_options
 from cluster.health import NOT_SERVING, SERVING
-from cluster.log import request_id_var
 from cluster.periodic import PeriodicTask
-from cluster.registry import ClusterNamespace, Role, WorkerConfig, WorkerRegistry, redis_client
-from cluster.server import Admission, ServerScaffold, StartupError, serve_metrics
-from cluster.settings import RequestLimits, setting_name
+from cluster.registry import ClusterNamespace, Role, WorkerRegistry, redis_client
+from cluster.server import ServerScaffold, StartupError, serve_metrics
+from cluster.settings import setting_name
 from cluster.shutdown import exit_if_shutdown_hangs, shutdown_step
-from cluster.tls import ClientCredentials, role_name, server_credentials
-from cluster.translate import REQUEST_ID_MAX_CHARS, check_prompt_ids, check_request_id, sampling_params_from_proto
-from engine.model_source import resolve_model
-from engine.tokenizer import Tokenizer
-from gateway import metrics
-from gateway.auth import AuthInterceptor, tenant_var
+from cluster.tls import ClientCredentials, role_name, server_credentials, server_ssl_context
 from gateway import kserve
-from gateway.heap import HeapTrimmer, return_large_buffers_to_the_os
-from gateway.orchestrator import Orchestrator, WorkerClients
+from gateway.auth import AuthInterceptor, TenantGate, tenant_var
+from gateway.frontend import FrontEnd
+from gateway.heap import return_large_buffers_to_the_os
+from gateway.orchestrator import Orchestrator
 from gateway.outlier import OutlierDetector
+from gateway.placement import ServiceLevel
 from gateway.prober import HealthProber
+from gateway.request import Intake
 from gateway.router import ClusterView
+from gateway.served_model import ServedModel, load_served_model
 from gateway.settings import GatewaySettings
 from gateway.tokenizer_pool import TokenizerPool
-from gateway.placement import ServiceLevel
-from gateway.validation import (check_input, check_prompt_bytes, check_request_size, check_service_level,
-                                input_field, render_prompt)
+from gateway.worker_calls import WorkerClients
 from protos.status import StatusError
 from protos.inference import grpc_service_pb2_grpc
 from protos.tandem.v1 import gateway_pb2, gateway_pb2_grpc
 
+__all__ = ["SERVICE_NAME", "Gateway", "GatewayServicer", "ServedModel", "load_served_model", "serve"]
+
 logger = logging.getLogger(__name__)
 
-# A call cancelled this close to its deadline was ended by the deadline (clocks and the network differ).
-_DEADLINE_SLACK_S = 0.25
 SERVICE_NAME = gateway_pb2.DESCRIPTOR.services_by_name["Gateway"].full_name
 # Worker channels carry the KV-free control plane only; prompts of max_model_len ids fit easily.
 _WORKER_CHANNEL_OPTIONS = [("grpc.max_receive_message_length", 64 << 20),
                            ("grpc.max_send_message_length", 64 << 20)]
 
 
-@dataclass(frozen=True)
-class ServedModel:
-    """What the gateway itself knows of the served model: its id and its tokenizer (``None``
-    for a model without one: then only token-id prompts are served, with no text)."""
-
-    model_id: str
-    tokenizer: Tokenizer | None
-
-
-def load_served_model(settings: GatewaySettings) -> ServedModel:
-    """Resolve ``settings.model`` to its id and tokenizer (no weights, no torch).
-
-    Raises:
-        ValueError: the model cannot be found (naming ``model``).
-    """
-    source = resolve_model(settings.model or None)
-    tokenizer = source.tokenizer()
-    if tokenizer is not None:
-        tokenizer.split_special_tokens = settings.chat_split_special_tokens
-    return ServedModel(source.model_id, tokenizer)
-
-
 class GatewayServicer(gateway_pb2_grpc.GatewayServicer):
-    """``tandem.v1.Gateway``: validation and translation; the request flow lives in the orchestrator.
+    """``tandem.v1.Gateway`` over the shared request path; the caller's tenant is the auth
+    interceptor's (:data:`gateway.auth.tenant_var`).
 
     Args:
-        model: the served model.
-        view: the routing state (the pool's settings come from it).
-        orchestrator: drives requests through the cluster.
-        limits: the request caps (the workers check the same ones).
-        max_request_bytes: serialized request size at most.
-        max_prompt_bytes: UTF-8 bytes of prompt text at most, checked before tokenization.
-        tokenizer_pool: where prompts are tokenized (bounded: RESOURCE_EXHAUSTED when full).
+        frontend: the request path.
     """
 
-    def __init__(self, model: ServedModel, view: ClusterView, orchestrator: Orchestrator, limits: RequestLimits,
-                 max_request_bytes: int, max_prompt_bytes: int, tokenizer_pool: TokenizerPool) -> None:
-        self.model = model
-        self.view = view
-        self.orchestrator = orchestrator
-        self.limits = limits
-        self.max_request_bytes = max_request_bytes
-        self.max_prompt_bytes = max_prompt_bytes
-        self.tokenizer_pool = tokenizer_pool
-        self.admission = Admission()
-        self.heap = HeapTrimmer()
-
-    def _pool(self) -> WorkerConfig:
-        pool = self.view.pool
-        if pool is None:
-            raise StatusError(grpc.StatusCode.UNAVAILABLE, "no worker has registered yet")
-        return pool
-
-    async def _tokenize(self, request) -> tuple[str, list[int]]:
-        """The request's input form and prompt token ids; sizes are checked before any
-        tokenizer work, which runs on the bounded pool (token ids need none). A large request
-        has the heap trimmed after it (:mod:`gateway.heap`)."""
-        size = request.ByteSize()
-        self.heap.request_arrived(size)
-        check_request_size(size, self.max_request_bytes)
-        which = check_input(request)
-        check_prompt_bytes(request, which, self.max_prompt_bytes)
-        if which == "token_ids":
-            return which, render_prompt(request, which, self.model.tokenizer)
-        return which, await self.tokenizer_pool.run(render_prompt, request, which, self.model.tokenizer)
-
-    async def serve_request(self, request: gateway_pb2.GenerateRequest, time_remaining: Callable[[], float | None],
-                            on_prompt: Callable[[int], None] | None = None) -> AsyncIterator[gateway_pb2.GenerateResponse]:
-        """The request path every public API shares (``tandem.v1.Gateway`` and KServe v2): the
-        checks, tokenization and orchestration of one Generate request, with its log lines and
-        metrics; the responses are streamed.
-
-        Args:
-            request: as the client sent it, or as a protocol adapter translated it.
-            time_remaining: seconds until the client's deadline (``None``: none).
-            on_prompt: called with the prompt's token count once it is checked, before routing.
-
-        Raises:
-            StatusError: the status the client gets (``INTERNAL`` for an unexpected error,
-                which is logged).
-        """
-        request_id = request.request_id or f"req-{uuid.uuid4().hex[:12]}"
-        started = time.monotonic()
-        status = grpc.StatusCode.OK
-        metrics.IN_FLIGHT.inc()
-        try:
-            check_request_id(request_id, REQUEST_ID_MAX_CHARS)  # before it is written in a log line
-            request_id_var.set(request_id)
-            tenant = tenant_var.get()
-            tracing.annotate({"tandem.request_id": request_id, "tandem.tenant": tenant.name if tenant else "-"})
-            self.admission.check()
-            with self.admission.track():
-                with tracing.span("validate_and_tokenize") as validated:
-                    which, prompt = await self._tokenize(request)
-                    pool = self._pool()
-                    check_prompt_ids(input_field(which), prompt, pool.max_model_len, pool.vocab_size)
-                    if on_prompt is not None:
-                        on_prompt(len(prompt))
-                    params = sampling_params_from_proto(request.sampling, len(prompt), pool, self.limits)
-                    slo = check_service_level(request)
-                    if params.stop and self.model.tokenizer is None:
-                        raise StatusError.invalid_argument("sampling.stop", "this model has no tokenizer to match text")
-                    tracing.annotate({"tandem.prompt_tokens": len(prompt), "tandem.n": params.n,
-                                      "tandem.max_tokens": params.max_tokens}, validated)
-                logger.info("generate: %d prompt tokens, n=%d, max_tokens=%d, tenant %s", len(prompt), params.n,
-                            params.max_tokens, tenant.name if tenant else "-")
-                stream = self.orchestrator.run(request_id, prompt, request.sampling, params, pool, time_remaining,
-                                               cache_salt=tenant.name if tenant else "", slo=slo)
-                async with contextlib.aclosing(stream):
-                    async for response in stream:
-                        yield response
-        except StatusError as exc:
-            status = exc.code
-            logger.info("generate failed: %s %s", exc.code.name, exc.message)
-            raise
-        except (asyncio.CancelledError, GeneratorExit):
-            # gRPC cancels the call both when the client goes and when its deadline passes; the
-            # client's own timer often fires first and its RST_STREAM arrives a little early.
-            left = time_remaining()
-            status = (grpc.StatusCode.DEADLINE_EXCEEDED if left is not None and left <= _DEADLINE_SLACK_S
-                      else grpc.StatusCode.CANCELLED)
-            logger.info("client %s", "deadline passed" if status == grpc.StatusCode.DEADLINE_EXCEEDED else "cancelled")
-            raise
-        except Exception:
-            status = grpc.StatusCode.INTERNAL
-            logger.exception("generate failed")
-            raise StatusError(status, "internal error (see the gateway log)") from None
-        finally:
-            metrics.IN_FLIGHT.dec()
-            metrics.REQUESTS.labels(status.name).inc()
-            metrics.E2E.observe(time.monotonic() - started)
-            if status == grpc.StatusCode.OK:
-                logger.info("generate done in %.3f s", time.monotonic() - started)
+    def __init__(self, frontend: FrontEnd) -> None:
+        self.frontend = frontend
 
     async def Generate(self, request: gateway_pb2.GenerateRequest, context: grpc.aio.ServicerContext) -> None:  # noqa: N802
         try:
-            async with contextlib.aclosing(self.serve_request(request, context.time_remaining)) as responses:
+            responses = self.frontend.respond(request, tenant_var.get(), context.time_remaining)
+            async with contextlib.aclosing(responses):
                 async for response in responses:
                     await context.write(response)
         except StatusError as exc:
@@ -209,17 +81,17 @@ class GatewayServicer(gateway_pb2_grpc.GatewayServicer):
 
     async def Tokenize(self, request: gateway_pb2.TokenizeRequest, context) -> gateway_pb2.TokenizeResponse:  # noqa: N802
         try:
-            _, ids = await self._tokenize(request)
+            _, ids = await self.frontend.intake.tokenize(request)
         except StatusError as exc:
             await context.abort(exc.code, exc.message)
         return gateway_pb2.TokenizeResponse(token_ids=ids)
 
     async def GetModelInfo(self, request, context) -> gateway_pb2.ModelInfo:  # noqa: N802
         try:
-            pool = self._pool()
+            pool = self.frontend.intake.pool()
         except StatusError as exc:
             await context.abort(exc.code, exc.message)
-        return gateway_pb2.ModelInfo(model_id=self.model.model_id, max_model_len=pool.max_model_len,
+        return gateway_pb2.ModelInfo(model_id=self.frontend.model.model_id, max_model_len=pool.max_model_len,
                                      block_size=pool.block_size, vocab_size=pool.vocab_size)
 
 
@@ -235,6 +107,9 @@ class Gateway:
         self.settings = settings
         self.model = model or load_served_model(settings)
         self.port: int | None = None
+        self.http_port: int | None = None  # the OpenAI-compatible HTTP API's, once started
+        self._http = None  # gateway.http_server.HttpServer, once started
+        self.gate = self._tenant_gate()
         self._tls = (ClientCredentials(settings.tls_dir, "gateway", setting_name(GatewaySettings, "tls_dir"))
                      if settings.tls_dir else None)
         # With TLS a worker must show a certificate of the role its registry entry claims.
@@ -245,17 +120,17 @@ class Gateway:
         self._redis = None
         self._clients = clients = WorkerClients(self._channels, self._prefill_channels)
         self.view = self._build_view()
-        self.orchestrator = Orchestrator(self.view, clients, self.model.tokenizer,
-                                         settings.admit_wait_s, settings.local_prefill_max_tokens,
+        self.orchestrator = Orchestrator(self.view, clients, settings.admit_wait_s, settings.local_prefill_max_tokens,
                                          settings.max_retries, settings.hop_timeout_s, settings.decode_stall_timeout_s,
                                          settings.prefill_timeout_s_per_token,
-                                         ServiceLevel(settings.slo_ttft_s, settings.slo_itl_s, settings.slo_tpot_s),
                                          adaptive_placement=settings.prefill_placement == "adaptive")
         self.prober = HealthProber(self.view, clients, settings.health_probe_interval_s,
                                    settings.health_probe_timeout_s)
         self.tokenizer_pool = TokenizerPool(settings.tokenizer_threads, settings.tokenizer_queue)
-        self.servicer = GatewayServicer(self.model, self.view, self.orchestrator, settings.limits,
-                                        settings.max_request_bytes, settings.max_prompt_bytes, self.tokenizer_pool)
+        intake = Intake(self.model, self.view, settings.limits, settings.max_request_bytes, settings.max_prompt_bytes,
+                        self.tokenizer_pool, ServiceLevel(settings.slo_ttft_s, settings.slo_itl_s, settings.slo_tpot_s))
+        self.frontend = FrontEnd(intake, self.orchestrator)
+        self.servicer = GatewayServicer(self.frontend)
         self._scaffold: ServerScaffold | None = None
         self._loops = [PeriodicTask(self._refresh, settings.refresh_interval_s, "refresh",
                                     first_after_s=settings.refresh_interval_s),
@@ -280,16 +155,18 @@ class Gateway:
             s.check_open_access()
             credentials = (server_credentials(s.tls_dir, "gateway", False, setting_name(GatewaySettings, "tls_dir"))
                            if self._tls else None)
+            http = self._http_server() if s.http_addr else None
         except ValueError as exc:
             raise StartupError(str(exc)) from None
         # gRPC's own limit sits above max_request_bytes so that a request between the two gets
         # INVALID_ARGUMENT naming "request" (larger ones: RESOURCE_EXHAUSTED from gRPC itself).
-        self._scaffold = ServerScaffold([SERVICE_NAME, kserve.SERVICE_NAME], [("grpc.max_receive_message_length", 2 * s.max_request_bytes),
-                                                         *server_keepalive_options(s.keepalive_time_s,
-                                                                                   s.keepalive_timeout_s)],
-                                        reflection=s.reflection, interceptors=self._auth(), new_traces=True)
+        options = [("grpc.max_receive_message_length", 2 * s.max_request_bytes),
+                   *server_keepalive_options(s.keepalive_time_s, s.keepalive_timeout_s)]
+        self._scaffold = ServerScaffold([SERVICE_NAME, kserve.SERVICE_NAME], options, reflection=s.reflection,
+                                        interceptors=[AuthInterceptor(self.gate)] if self.gate else [],
+                                        new_traces=True)
         gateway_pb2_grpc.add_GatewayServicer_to_server(self.servicer, self._scaffold.server)
-        grpc_service_pb2_grpc.add_GRPCInferenceServiceServicer_to_server(kserve.KServeServicer(self.servicer),
+        grpc_service_pb2_grpc.add_GRPCInferenceServiceServicer_to_server(kserve.KServeServicer(self.frontend),
                                                                          self._scaffold.server)
         self.port = self._scaffold.bind(s.listen, setting_name(GatewaySettings, "listen"), credentials)
         if s.health_port:
@@ -298,6 +175,11 @@ class Gateway:
             logger.warning("insecure: the API and the worker channels are plaintext (no %s)",
                            setting_name(GatewaySettings, "tls_dir"))
         await self._scaffold.start()
+        if http is not None:
+            self.http_port = await http.start()
+            self._http = http
+            logger.info("OpenAI-compatible HTTP API on %s://%s:%d/v1", "https" if self._tls else "http",
+                        s.http_addr.rpartition(":")[0].strip("[]"), self.http_port)
         await self._refresh()
         for loop in self._loops:
             loop.start()
@@ -305,13 +187,35 @@ class Gateway:
                     f"redis {s.redis_url}" if s.redis_url else f"static workers {s.static_prefill}+{s.static_decode}")
         return self.port
 
-    def _auth(self) -> list[AuthInterceptor]:
+    def _http_server(self):
+        """The OpenAI-compatible HTTP server, with the gRPC port's TLS and API keys (FastAPI and
+        uvicorn are imported here: a gateway without the HTTP API never loads them).
+
+        Raises:
+            ValueError: no API key protects a non-loopback ``http_addr`` (``allow_open``), or
+                the TLS files cannot be read.
+        """
+        from gateway.http_server import HttpServer
+        from gateway.openai_api import OpenAIApi
+
+        s = self.settings
+        host = s.http_addr.rpartition(":")[0].strip("[]")
+        if self.gate is None and not s.allow_open and not _is_loopback(host):
+            raise ValueError(f"{setting_name(GatewaySettings, 'http_addr')} is {s.http_addr} (not loopback) and no "
+                             f"API key is set: set {setting_name(GatewaySettings, 'api_keys')} or serve everyone "
+                             f"with {setting_name(GatewaySettings, 'allow_open')}")
+        context = (server_ssl_context(s.tls_dir, "gateway", setting_name(GatewaySettings, "tls_dir"))
+                   if self._tls else None)
+        api = OpenAIApi(self.frontend, self.gate, s.max_request_bytes)
+        return HttpServer(api.app, s.http_addr, setting_name(GatewaySettings, "http_addr"), context)
+
+    def _tenant_gate(self) -> TenantGate | None:
         keys = self.settings.load_api_keys()
         if not keys:
             logger.warning("no API keys configured: the gateway is open to every caller, as one tenant")
-            return []
+            return None
         logger.info("%d API keys: calls without one are UNAUTHENTICATED", len(keys))
-        return [AuthInterceptor(keys)]
+        return TenantGate(keys)
 
     def _build_view(self) -> ClusterView:
         s = self.settings
@@ -344,10 +248,12 @@ class Gateway:
         given ``grace_s`` (default ``drain_timeout_s``) to finish, then everything closed."""
         grace_s = self.settings.drain_timeout_s if grace_s is None else grace_s
         await shutdown_step("health NOT_SERVING", self.health.shutdown())
-        self.servicer.admission.open = False
+        self.frontend.admission.open = False
         await shutdown_step("stopping the refresh and the health probe",
                             asyncio.gather(*(loop.stop() for loop in self._loops)))
-        await self.servicer.admission.wait_idle(grace_s)
+        await self.frontend.admission.wait_idle(grace_s)
+        if self._http is not None:
+            await shutdown_step("stopping the HTTP server", self._http.stop(0.5))
         await shutdown_step("stopping the gRPC server", self._scaffold.stop(0.5))
         await shutdown_step("sending the last Aborts", self.orchestrator.drain_aborts())
         self.tokenizer_pool.close()
@@ -383,3 +289,10 @@ async def serve(settings: GatewaySettings) -> None:
     await gateway.stop()
     tracing.shutdown()
     logger.info("stopped")
+
+
+def _is_loopback(host: str) -> bool:
+    try:
+        return host == "localhost" or ipaddress.ip_address(host).is_loopback
+    except ValueError:  # a host name: it may resolve to any interface
+        return False

@@ -77,6 +77,10 @@ class GatewaySettings(ServerSettings):
     health_probe_timeout_s: float = Field(1.0, gt=0, description="seconds a health probe waits; no SERVING "
                                                                  "answer in time: not routed to until one comes")
 
+    # OpenAI-compatible HTTP API (gateway.openai_api), beside the gRPC port, with its TLS and API keys.
+    http_addr: str = Field("", description="host:port of the OpenAI-compatible HTTP API (/v1/chat/completions, "
+                                           "/v1/completions, /v1/models, /health); empty: off")
+
     api_keys: ApiKeyEntries = Field([], description="API keys as SHA256HEX:TENANT[:MAX_STREAMS],... (none here "
                                                     "or in api_keys_file: the gateway is open)")
     api_keys_file: str = Field("", description="file of API keys, one SHA256HEX:TENANT[:MAX_STREAMS] per line")

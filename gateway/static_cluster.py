@@ -38,7 +38,7 @@ class StaticRegistry:
     answers, which also carries its published config.
 
     Args:
-        clients: ``orchestrator.WorkerClients`` (channels shared with the request path).
+        clients: ``worker_calls.WorkerClients`` (channels shared with the request path).
         addresses: role → worker addresses.
         ns: the namespace (its ``ttl_s`` is what ``ClusterView`` reads).
     """
@@ -64,7 +64,7 @@ async def worker_stats(clients, role: Role, address: str) -> worker_pb2.WorkerSt
     """A worker's ``GetStats`` answer (``None``: it did not answer within ``_STATS_TIMEOUT_S``).
 
     Args:
-        clients: ``orchestrator.WorkerClients``.
+        clients: ``worker_calls.WorkerClients``.
     """
     stub = clients.prefill(address) if role == Role.PREFILL else clients.decode(address)
     try:

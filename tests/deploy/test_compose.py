@@ -210,7 +210,8 @@ def test_compose_file_is_valid_and_workers_have_no_host_ports():
         return (parts[0] if len(parts) == 3 else ""), int(parts[-1])
 
     published = dict(host_and_target(p)[::-1] for p in services["gateway"]["ports"])
-    assert published == {50051: "", 9400: "127.0.0.1"}  # gRPC on every interface, metrics on loopback
+    # gRPC and the OpenAI-compatible HTTP API on every interface, metrics on loopback
+    assert published == {50051: "", 8000: "", 9400: "127.0.0.1"}
     for name in ("gateway", *WORKERS):
         env_of = services[name]["environment"]
         assert env_of["TANDEM_REDIS_PASSWORD"] == "s3cret" and env_of["TANDEM_TLS_DIR"] == "/certs"

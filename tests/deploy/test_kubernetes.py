@@ -1,6 +1,6 @@
 """deploy/kubernetes, checked offline: every overlay renders (tests/helpers/kustomize_render.py;
 ``kubectl kustomize`` agrees where kubectl exists) and validates against the Kubernetes schemas
-(kubernetes-validate, strict), and the invariants of the compose file hold: one published port,
+(kubernetes-validate, strict), and the invariants of the compose file hold: one published Service (gRPC and HTTP),
 each role mounts only its own key (and no Secret holds the CA's), NVLink multicast off in every
 GPU container, every variable a real setting with docker-compose.yml's values, grpc probes on
 the health port for the services the servers serve, a grace period that covers the drain, a
@@ -171,14 +171,14 @@ def test_kubectl_kustomize_renders_the_same_objects(rendered, deploy_dir, overla
 
 # ---------------------------------------------------------------------- the invariants
 @pytest.mark.parametrize("overlay", OVERLAYS)
-def test_only_the_gateway_service_is_published_on_one_port(rendered, overlay):
+def test_only_the_gateway_service_is_published_on_its_grpc_and_http_ports(rendered, overlay):
     services = objects(rendered, overlay, "Service")
     published = {name for name, s in services.items() if s["spec"].get("type", "ClusterIP") != "ClusterIP"}
     assert published == {"gateway"}
     assert services["gateway"]["spec"]["type"] == "LoadBalancer"
-    [port] = services["gateway"]["spec"]["ports"]
     ports = {p["name"]: p["containerPort"] for p in container(rendered, overlay, "gateway")["ports"]}
-    assert (port["port"], ports[port["targetPort"]]) == (50051, 50051)
+    assert sorted((port["port"], ports[port["targetPort"]]) for port in services["gateway"]["spec"]["ports"]) == \
+        [(8000, 8000), (50051, 50051)]
     for name, deployment in objects(rendered, overlay, "Deployment").items():
         pod = deployment["spec"]["template"]["spec"]
         assert not (pod.get("hostNetwork") or pod.get("hostIPC") or pod.get("hostPID")), name

@@ -68,7 +68,7 @@ def test_tenants_are_authenticated_isolated_and_limited(engines):
 
                     # bob may have one call in flight
                     running = asyncio.create_task(generate(stub, "bob", max_tokens=200))
-                    while not gateway.servicer.admission.in_flight:
+                    while not gateway.frontend.admission.in_flight:
                         await asyncio.sleep(0.01)
                     with pytest.raises(grpc.aio.AioRpcError) as err:
                         await generate(stub, "bob")
