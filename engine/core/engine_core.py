@@ -475,7 +475,8 @@ class EngineCore:
             outputs.append(req.to_output())
             if req.finished:
                 self._retire(req)
-        stats = dataclasses.replace(result.stats, step_s=time.perf_counter() - started)
+        now = time.perf_counter()
+        stats = dataclasses.replace(result.stats, step_s=now - started, completed_at=now)
         self._step_totals[stats.kind] = self._step_totals.get(stats.kind, StepTotals()).add(stats)
         return StepOutput(outputs, True, stats)
 
