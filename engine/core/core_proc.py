@@ -80,8 +80,9 @@ class EngineCoreProc:
         self._iteration_started: float | None = None  # None while waiting for work
         self._stopped = threading.Event()
         self._utilities: dict[str, Callable] = {
-            "abort": self._abort, "release": core.release, "reserve_blocks": self._reserve_blocks,
-            "free_blocks": core.free_blocks, "abort_all": self._abort_all, "fail_all": self._fail_all,
+            "abort": self._abort, "release": core.release, "reserve_blocks": core.reserve_blocks,
+            "free_blocks": core.free_blocks, "abort_all": self._abort_all,
+            "fail_all": lambda reason: self._fail_requests("dead", reason),
             "num_free_blocks": lambda: core.num_free_blocks,
         }
 
@@ -139,7 +140,7 @@ class EngineCoreProc:
             step = self.core.step()
         except RankFailedError as exc:
             logger.error("engine step failed (%s); failing %d requests", exc, len(self.core.requests))
-            self._fail_all(f"the engine is down: {exc}")
+            self._fail_requests("dead", f"the engine is down: {exc}")
             self._publish()
             raise
         except Exception as exc:  # noqa: BLE001 (fails the requests, not the engine core)
@@ -190,10 +191,6 @@ class EngineCoreProc:
             self._publish()  # a reply follows every output its call caused (an abort's last)
             self._outputs.put(reply)
 
-    def _reserve_blocks(self, prompt_token_ids: list[int], cache_salt: str,
-                        block_hashes: list[bytes] | None) -> tuple[list[int], int]:
-        return self.core.reserve_blocks(prompt_token_ids, cache_salt, block_hashes)
-
     def _abort(self, request_id: str) -> bool:
         pinned = self.core.release(request_id)
         out = self.core.abort_request(request_id)
@@ -215,9 +212,6 @@ class EngineCoreProc:
                 self._deltas.append(RequestFailed(request_id, "dead", failure))
             self._sent.pop(request_id, None)
         return len(ids)
-
-    def _fail_all(self, reason: str) -> None:
-        self._fail_requests("dead", reason)
 
     def _fail_requests(self, kind: str, message: str) -> None:
         for request_id in list(self.core.requests):
