@@ -44,8 +44,8 @@ NEW_TOKENS = 160  # at batch 256 the last prompts are prefilled after ~64 steps:
 SKIP = 2
 PROFILED_STEPS = 20
 # Kinds of device activity by a word of the kernel's name (the first group that matches).
-KERNEL_GROUPS = {"gemm": ("gemm", "cutlass", "xmma", "nvjet", "sm90_", "cublas"), "attention": ("decode_attention",
-                 "prefill_attention", "attention"), "kv_write": ("write_kv", "cache_write", "rotary_write"),
+KERNEL_GROUPS = {"gemm": ("gemm", "cutlass", "xmma", "nvjet", "sm90_", "cublas"), "attention": ("decode_split",
+                 "decode_merge", "prefill_kernel", "attention"), "kv_write": ("write_kv", "cache_write", "rotary_write"),
                  "norm": ("norm",), "rotary": ("rotary", "rope"), "activation": ("silu", "act"),
                  "sampling": ("sample", "argmax", "topk", "sort", "softmax", "logsumexp", "reduce"),
                  "copy": ("memcpy", "memset", "copy")}

@@ -158,11 +158,15 @@ BENCHMARKS: dict[str, Benchmark] = {
             Column("start-up (s)", "startup_s"))),
     "decode_roofline": Benchmark(
         "GPU: decode step against the memory ceiling",
-        "`python -m bench.throughput`: a full-batch decode step's time and the share of the measured copy "
-        "bandwidth its weight and KV reads take.", columns=(
+        "`python -m bench.decode_roofline`: a full-batch decode step's time, the share of the measured copy "
+        "bandwidth its weight and KV reads take, how busy the GPU is over steady steps (profiler), and "
+        "the device time of a batch-128 step by kind of kernel.", columns=(
             Column("step b32 (ms)", "decode_step_ms_b32"), Column("step b128 (ms)", "decode_step_ms_b128"),
             Column("step b256 (ms)", "decode_step_ms_b256"), Column("bandwidth share b32", "bw_fraction_b32"),
-            Column("bandwidth share b256", "bw_fraction_b256")),
+            Column("bandwidth share b128", "bw_fraction_b128"), Column("bandwidth share b256", "bw_fraction_b256"),
+            Column("GPU busy b128", "gpu_busy_fraction_b128"), Column("GPU busy b256", "gpu_busy_fraction_b256"),
+            Column("b128 matmuls (ms)", "kernel_ms_b128_gemm"),
+            Column("b128 attention (ms)", "kernel_ms_b128_attention"), Column("b128 other (ms)", "kernel_ms_b128_other")),
         curve=Curve(r"decode_step_ms_b(?P<x>\d+)", "decode step", "batch size (sequences)", "step time (ms)")),
     "step_overhead": Benchmark(
         "GPU: a decode step and a mixed step",
