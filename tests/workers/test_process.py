@@ -191,13 +191,15 @@ def test_an_engine_core_that_dies_or_hangs_fails_its_streams_and_stops_its_worke
     """The engine core killed (SIGKILL) or frozen (SIGSTOP: its loop sends nothing more, as a hung
     step would): the stream in flight ends UNAVAILABLE (the gateway retries or resumes it
     elsewhere), and the worker exits with status 1, leaving no process behind."""
+    # (Long enough for any real step of this engine on a busy machine.)
     proc, address = _start_decode_worker("--model", "smollm2-135m", "--load-format", "dummy", "--num-blocks", "32",
-                                         env={"TANDEM_ENGINE_HANG_TIMEOUT_S": "3"})
+                                         env={"TANDEM_ENGINE_HANG_TIMEOUT_S": "10"})
     try:
         (core,) = _children(proc.pid)
         stream = _decode_stream(address, max_tokens=400)
-        first = next(stream)
-        assert first.token_ids
+        received = 0
+        while received < 3:  # decoding: every step from now on is a short one
+            received += len(next(stream).token_ids)
         os.kill(core, signal.SIGKILL if fault == "killed" else signal.SIGSTOP)
         with pytest.raises(grpc.RpcError) as err:
             for _ in stream:
