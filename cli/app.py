@@ -4,7 +4,8 @@ Servers: ``tandem gateway``, ``tandem prefill``, ``tandem decode`` (each reads `
 variables; flags win), ``tandem serve --local`` (a whole cluster on loopback until Ctrl-C) and
 ``tandem demo`` (the same, one chat prompt answered, then a clean shutdown). Clients of a
 running gateway: ``tandem generate "..."`` and ``tandem chat``. In-process engine:
-``tandem offline-chat``.
+``tandem offline-chat``. Capacity planning: ``tandem plan`` (prefill and decode workers for a workload
+and its SLOs, from measured rates).
 """
 
 from __future__ import annotations
@@ -17,6 +18,7 @@ import sys
 import threading
 import time
 from collections.abc import Callable
+from pathlib import Path
 
 import typer
 from rich.console import Console
@@ -352,6 +354,85 @@ def apikey_cmd(
     # Not through rich: a file gets whole lines, never wrapped at 80 columns.
     print(key)
     print(entry, file=sys.stderr)
+
+
+_REPO = Path(__file__).resolve().parents[1]
+
+
+def _positive(value: float) -> float:
+    if not value > 0:
+        raise typer.BadParameter(f"must be > 0, got {value}")
+    return value
+
+
+@app.command("plan")
+def plan_cmd(
+    gpus: int = typer.Option(..., min=1, help="GPUs of the host or cluster, all used."),
+    workload: str = typer.Option(
+        ..., help="A serving benchmark workload (random, long, interference, decode_heavy) or "
+                  "FRACTION:MIN-MAX:OUTPUT[,...]: shares of requests with prompts of MIN-MAX tokens and OUTPUT "
+                  "tokens generated."),
+    ttft: float = typer.Option(..., callback=_positive, help="TTFT objective, seconds."),
+    tpot: float = typer.Option(..., callback=_positive, help="TPOT objective, seconds."),
+    attainment: float = typer.Option(0.9, max=1.0, callback=_positive,
+                                     help="Share of the requests that must meet both objectives."),
+    rates: Path = typer.Option(_REPO / "deploy" / "plan" / "llama-3-8b-h200.json",
+                               help="Measured rates of the model on the GPU (deploy/plan/)."),
+    local_prefill_max_tokens: int = typer.Option(
+        256, min=0, help="The gateway's TANDEM_LOCAL_PREFILL_MAX_TOKENS: shorter prompts prefill on their "
+                         "decode worker."),
+    compose_override: Path = typer.Option(None, help="Write a Compose override of --compose-file for the layout."),
+    compose_file: Path = typer.Option(_REPO / "docker-compose.yml", help="The Compose file it overrides."),
+    kubernetes_overlay: Path = typer.Option(None, help="Write a kustomize overlay for the layout into this "
+                                                       "directory."),
+    kubernetes_dir: Path = typer.Option(_REPO / "deploy" / "kubernetes",
+                                        help="The directory of the base and secrets the overlay builds on."),
+    top: int = typer.Option(12, min=1, help="Candidates listed at most."),
+) -> None:
+    """Choose the prefill and decode workers (counts and TP sizes) of GPUS GPUs with the most
+    predicted goodput per GPU for a workload and its SLOs, from measured rates (cli/planner.py
+    describes the model); print the candidates compared and write the layout's Compose
+    override and/or Kubernetes overlay. Exits 1, saying why, when no layout can meet the
+    objectives."""
+    from rich.table import Table
+
+    from cli.plan_files import compose_override as override_text, kubernetes_overlay as overlay_files
+    from cli.planner import ImpossibleObjectives, Objectives, Rates, parse_workload, plan
+
+    try:
+        chosen = plan(gpus, parse_workload(workload), Rates.load(rates), Objectives(ttft, tpot, attainment),
+                      local_prefill_max_tokens)
+    except (ImpossibleObjectives, ValueError, OSError) as exc:
+        err_console.print(f"error: {exc}", style="red", markup=False, highlight=False, soft_wrap=True)
+        raise typer.Exit(1) from None
+    best = chosen.best
+    table = Table(title=f"{workload} on {gpus} GPUs at TTFT <= {ttft:g} s, TPOT <= {tpot * 1e3:g} ms "
+                        f"({attainment:.0%} of requests)")
+    for column in ("layout", "goodput (req/s)", "per GPU (req/s)", "bound past it"):
+        table.add_column(column, justify="left" if column in ("layout", "bound past it") else "right")
+    for c in chosen.candidates[:top]:
+        table.add_row(("* " if c is best else "  ") + c.layout.label, f"{c.goodput_rps:.3g}", f"{c.per_gpu_rps:.3g}",
+                      c.bound)
+    Console(width=120).print(table)
+    summary = (f"chosen: {best.layout.label}, predicted goodput {best.goodput_rps:.3g} req/s "
+               f"({best.per_gpu_rps:.3g} per GPU) for {workload} at TTFT <= {ttft:g} s, TPOT <= {tpot:g} s, "
+               f"from {rates.name}; written by `tandem plan`.")
+    print(summary)
+    if compose_override is not None:
+        try:
+            text = override_text(best.layout, compose_file, f"{summary}\n\n  docker compose -f {compose_file.name} "
+                                                            f"-f {compose_override.name} up -d")
+        except (OSError, KeyError) as exc:
+            err_console.print(f"error: cannot read the services of {compose_file}: {exc}", style="red", markup=False)
+            raise typer.Exit(1) from None
+        compose_override.write_text(text)
+        print(f"wrote {compose_override}")
+    if kubernetes_overlay is not None:
+        kubernetes_overlay.mkdir(parents=True, exist_ok=True)
+        for name, text in overlay_files(best.layout, kubernetes_overlay, kubernetes_dir,
+                                        f"{summary}\n\n  kubectl apply -k {kubernetes_overlay}").items():
+            (kubernetes_overlay / name).write_text(text)
+        print(f"wrote {kubernetes_overlay}/kustomization.yaml")
 
 
 _GATEWAY_ADDR = typer.Option("127.0.0.1:50051", envvar="TANDEM_GATEWAY_ADDR", show_envvar=True,

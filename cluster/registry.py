@@ -133,6 +133,10 @@ class WorkerConfig:
         device_ids: the GPUs the worker's ranks run on (``engine.runner.devices.device_ids``; none on a
             CPU or where not published): a prefill worker that shares one with a decode worker
             shares its compute too (``gateway.placement``).
+        serves_prefill: a decode worker that also serves ``tandem.v1.PrefillWorker`` on its
+            address: it prefills a prompt for another decode worker and sends it the KV, as a
+            prefill worker does (the gateway's ``lent`` placement, ``gateway.placement``); always
+            ``False`` for a prefill worker.
     """
 
     model_id: str
@@ -146,13 +150,14 @@ class WorkerConfig:
     quantization: str = "none"
     max_num_batched_tokens: int = 0
     device_ids: tuple[str, ...] = ()
+    serves_prefill: bool = False
 
     def differences(self, other: WorkerConfig) -> list[str]:
         """Names of the fields where ``other`` differs and may not: every field but
         ``max_model_len`` (workers with less KV memory may hold shorter sequences; a pool serves
         the shortest of its workers' lengths), the step's token budget, and the worker's own KV
         layout (tensor-parallel size, transports: :func:`kv_pairing_problem` says which pairs can
-        exchange KV)."""
+        exchange KV), its GPUs and whether it also serves prefill."""
         return [f.name for f in fields(self)
                 if f.name not in _PER_WORKER and getattr(self, f.name) != getattr(other, f.name)]
 
@@ -164,7 +169,7 @@ class WorkerConfig:
 
 # WorkerConfig fields in which the workers of a pool may differ.
 _CLEARED = {"max_model_len": 0, "tensor_parallel_size": 0, "kv_transports": (), "max_num_batched_tokens": 0,
-            "device_ids": ()}
+            "device_ids": (), "serves_prefill": False}
 _PER_WORKER = tuple(_CLEARED)
 
 
@@ -213,7 +218,7 @@ class WorkerInfo:
             "kv_cache_dtype": c.kv_cache_dtype, "hash_seed": c.hash_seed.hex(), "vocab_size": c.vocab_size,
             "tensor_parallel_size": c.tensor_parallel_size, "kv_transports": ",".join(c.kv_transports),
             "quantization": c.quantization, "max_num_batched_tokens": c.max_num_batched_tokens,
-            "device_ids": ",".join(c.device_ids),
+            "device_ids": ",".join(c.device_ids), "serves_prefill": int(c.serves_prefill),
             "running": load.running, "waiting": load.waiting, "free_blocks": load.free_blocks,
             "total_blocks": load.total_blocks,
         }
@@ -230,7 +235,8 @@ class WorkerInfo:
                               bytes.fromhex(f["hash_seed"]), int(f["vocab_size"]), int(f["tensor_parallel_size"]),
                               tuple(f["kv_transports"].split(",")), f["quantization"],
                               int(f.get("max_num_batched_tokens", 0)),  # (not in entries of older workers)
-                              tuple(filter(None, f.get("device_ids", "").split(","))))
+                              tuple(filter(None, f.get("device_ids", "").split(","))),
+                              f.get("serves_prefill", "0") == "1")
         load = WorkerLoad(int(f["running"]), int(f["waiting"]), int(f["free_blocks"]), int(f["total_blocks"]))
         return cls(f["worker_id"], Role(f["role"]), f["address"], config, load)
 

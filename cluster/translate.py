@@ -146,7 +146,7 @@ def worker_config_to_proto(config: WorkerConfig, role: Role) -> worker_pb2.Worke
         kv_cache_dtype=config.kv_cache_dtype, hash_seed=config.hash_seed, vocab_size=config.vocab_size,
         role=role.value, tensor_parallel_size=config.tensor_parallel_size, kv_transports=config.kv_transports,
         quantization=config.quantization, max_num_batched_tokens=config.max_num_batched_tokens,
-        device_ids=config.device_ids)
+        device_ids=config.device_ids, serves_prefill=config.serves_prefill)
 
 
 def worker_config_from_proto(msg: worker_pb2.WorkerConfig) -> WorkerConfig:
@@ -154,4 +154,4 @@ def worker_config_from_proto(msg: worker_pb2.WorkerConfig) -> WorkerConfig:
     the caller knows which pool it asked)."""
     return WorkerConfig(msg.model_id, msg.block_size, msg.max_model_len, msg.kv_cache_dtype, msg.hash_seed,
                         msg.vocab_size, msg.tensor_parallel_size, tuple(msg.kv_transports), msg.quantization,
-                        msg.max_num_batched_tokens, tuple(msg.device_ids))
+                        msg.max_num_batched_tokens, tuple(msg.device_ids), msg.serves_prefill)

@@ -1,14 +1,16 @@
 """One try of a request on one route: Admit on the decode worker, then the prefill where the
-placement puts it (Prefill on the prefill worker, or a Decode that prefills locally), and the
-release of everything the try still owes, whatever way it ends.
+placement puts it (Prefill on the prefill worker or on a decode worker lent to it, or a Decode
+that prefills locally), and the release of everything the try still owes, whatever way it ends.
 
 Conditional disaggregation: ``Admit`` tells how many leading prompt blocks the decode worker
 already holds; the decode worker prefills the rest itself (no KV moves) when the pool has no
 prefill worker, when at most ``local_prefill_max_tokens`` are left (Dynamo's static
 threshold), or when that is predicted to meet the request's latency objectives better than a
-prefill worker would (:mod:`gateway.placement`). A prefill's timeout (the Prefill call, or a
-local prefill's first Decode message) grows with the prompt at the worker's measured pace
-(:mod:`gateway.prefill_pace`), so a long prompt is not a failure.
+prefill worker would (:mod:`gateway.placement`); another decode worker that serves prefill
+(the route's lender) is called like a prefill worker when it is predicted to serve them better
+than both. A prefill's timeout (the Prefill call, or a local prefill's first Decode message)
+grows with the prompt at the worker's measured pace (:mod:`gateway.prefill_pace`), so a long
+prompt is not a failure.
 
 Release: the try's calls are cancelled, every worker that may still hold something of it is told
 to ``Abort`` (in the background: the caller may be a cancelled task) and the routing counts are
@@ -28,7 +30,7 @@ import grpc
 from cluster import tracing
 from cluster.registry import shares_device
 from gateway import metrics
-from gateway.placement import Placement, PlacementModel
+from gateway.placement import LENT, Lender, Placement, PlacementModel
 from gateway.prefill_pace import PrefillPace
 from gateway.request import CheckedRequest
 from gateway.router import ClusterView, Route
@@ -43,9 +45,10 @@ _ABORT_TIMEOUT_S = 2.0
 class Attempt:
     """Where one try of the request runs, and what is still owed for it.
 
-    ``*_counted``: the ClusterView still counts the request on that worker (``prefill_done``
-    / ``decode_done`` not yet called). ``*_holds``: the worker may still hold state of the
-    request (it gets an Abort at release). ``decode_call``: the Decode stream once started
+    ``route``: as routed; once placement lends the prefill to the route's lender, the route with
+    the lender as its prefill worker (:meth:`ClusterView.lend`). ``*_counted``: the ClusterView
+    still counts the request on that worker (``prefill_done`` / ``decode_done`` not yet called).
+    ``*_holds``: the worker may still hold state of the request (it gets an Abort at release). ``decode_call``: the Decode stream once started
     (already with the first message read, for a local prefill: ``first_messages``).
     """
 
@@ -121,11 +124,19 @@ class Attempts:
         local_tokens = len(prompt) - attempt.decode_cached_tokens
         remote_tokens = len(prompt) - route.cached_blocks * pool.block_size
         shared = route.prefill is not None and shares_device(route.prefill.config, route.decode.config)
+        lender = None if route.lender is None else Lender(
+            route.lender.worker_id, len(prompt) - route.lender_cached_blocks * pool.block_size,
+            route.lender.load.running, route.lender.config.max_num_batched_tokens)
         placement = self.placement.decide(route.prefill.worker_id if route.prefill else None, remote_tokens,
                                           route.decode.worker_id, local_tokens, route.decode.load.running, request.slo,
-                                          route.decode.config.max_num_batched_tokens, shared_device=shared)
+                                          route.decode.config.max_num_batched_tokens, shared_device=shared,
+                                          lender=lender)
         metrics.PLACEMENTS.labels(placement.kind).inc()
         tracing.annotate({"tandem.placement": placement.kind})
+        if placement.kind == LENT:  # the lender is called as the prefill worker from here on
+            attempt.route = route = self.view.lend(route, request.block_hashes)
+            attempt.prefill_counted = attempt.prefill_holds = True
+            remote_tokens = lender.tokens
         if placement.local:
             attempt.prefill_counted = attempt.prefill_holds = False
             self.view.prefill_done(route)
@@ -145,7 +156,7 @@ class Attempts:
                                                kv_transports=admitted.kv_transports)
         timeout_s = calls.hop_timeout(time_left, self.pace.timeout_s(
             route.prefill.worker_id, self.placement.queued(route.prefill.worker_id) + len(prompt)))
-        prefill = self.clients.prefill(route.prefill.address).Prefill(
+        prefill = self.clients.prefill_on(route.prefill).Prefill(
             worker_pb2.PrefillRequest(request_id=rid, prompt_token_ids=prompt, sampling=sampling,
                                       destination=destination, cache_salt=attempt.cache_salt),
             timeout=timeout_s)
@@ -156,7 +167,7 @@ class Attempts:
             measured.tokens = len(prompt) - response.num_cached_tokens
         attempt.prefill_counted = attempt.prefill_holds = False
         self.view.prefill_done(route)
-        metrics.PREFILLS.labels("remote", response.kv_transport).inc()
+        metrics.PREFILLS.labels(placement.kind if placement.kind == LENT else "remote", response.kv_transport).inc()
         return response
 
     def decode_call(self, attempt: Attempt, prompt: list[int], first_ids: list[int],
@@ -203,7 +214,7 @@ class Attempts:
         if attempt.decode_counted:
             self.view.decode_done(route)
         if attempt.prefill_holds:
-            self._abort(self.clients.prefill(route.prefill.address), rid, reason)
+            self._abort(self.clients.prefill_on(route.prefill), rid, reason)
         if attempt.decode_holds:
             self._abort(self.clients.decode(route.decode.address), rid, reason)
         attempt.prefill_counted = attempt.decode_counted = attempt.prefill_holds = attempt.decode_holds = False

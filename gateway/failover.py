@@ -88,7 +88,7 @@ class Failover:
                 self.attempts.release(attempt, f"{failure.stage} failed")
                 code = failure.code
                 level = logging.DEBUG if code == grpc.StatusCode.RESOURCE_EXHAUSTED else logging.WARNING
-                logger.log(level, "%s failed on %s: %s %s", failure.stage, _workers(route), code.name,
+                logger.log(level, "%s failed on %s: %s %s", failure.stage, _workers(attempt.route), code.name,
                            failure.details)
                 if code == grpc.StatusCode.RESOURCE_EXHAUSTED:
                     await capacity.wait(time_left, client_status(failure))
@@ -98,7 +98,7 @@ class Failover:
                     retries += 1
                     metrics.RETRIES.inc()
                     avoid = avoid | (frozenset({failure.culprit}) if failure.culprit
-                                     else _involved(route, failure.stage))
+                                     else _involved(attempt.route, failure.stage))
                     continue
                 raise client_status(failure) from failure
             except BaseException:
@@ -185,7 +185,8 @@ class _Backoff:
 
 def _involved(route: Route, stage: str) -> frozenset[str]:
     """The workers a failure at ``stage`` may be the fault of (a failed Prefill: either side,
-    its KV transfer goes to the decode worker)."""
+    its KV transfer goes to the decode worker; a lent prefill's side is the lender, the route's
+    prefill worker by then)."""
     if stage == "Prefill" and route.prefill is not None:
         return frozenset({route.prefill.worker_id, route.decode.worker_id})
     return frozenset({route.decode.worker_id})

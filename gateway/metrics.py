@@ -22,11 +22,13 @@ RESUMES = Counter("tandem_gateway_resumes", "Streams resumed on another decode w
 REFUSED_WORKERS = Gauge("tandem_gateway_refused_workers",
                         "Live workers refused because their model or cache settings disagree with the pool.")
 PREFILLS = Counter("tandem_gateway_prefills", "Prompts prefilled, by where (remote: a prefill worker; local: the "
-                   "decode worker itself) and the KV transport the blocks took.", ["where", "kv_transport"])
+                   "decode worker itself; lent: another decode worker) and the KV transport the blocks took.",
+                   ["where", "kv_transport"])
 PLACEMENTS = Counter("tandem_gateway_placements", "Prefills placed, by decision (gateway.placement): local_only (no "
                      "prefill worker), local_shared (the prefill worker shares the decode worker's GPU), local_short (few "
                      "tokens left after the decode worker's prefix hit), "
-                     "local_predicted (the decode worker predicted to meet the SLOs better), remote.", ["kind"])
+                     "local_predicted (the decode worker predicted to meet the SLOs better), lent (another decode "
+                     "worker predicted to meet them better), remote.", ["kind"])
 PREFILL_PREDICTION = Histogram("tandem_gateway_prefill_prediction_ratio",
                                "Measured over predicted time of each placed prefill whose worker's pace was known "
                                "(1: exact; the prediction's queue counts this gateway's prefills only).",

@@ -1,5 +1,6 @@
 """Where a request's prompt is prefilled: on a prefill worker (its KV then moves to the decode
-worker) or on the decode worker itself, chosen per request against service-level objectives.
+worker), on the decode worker itself, or on another decode worker lent to the prefill (its KV
+then moves as a prefill worker's does), chosen per request against service-level objectives.
 
 Disaggregation exists to keep time to first token (TTFT) and inter-token latency (ITL) inside
 their SLOs under load (DistServe, OSDI'24, "goodput"); a fixed split loses whenever the prefill
@@ -60,6 +61,22 @@ The decision (:attr:`Placement.kind`, the ``tandem_gateway_placements`` metric's
   of it, or (without one) the local TTFT is below ``local_gain`` of the remote one. The second
   moves a prompt off the prefill worker's queue, which later requests wait behind, before that
   queue reaches the objective.
+- ``lent``: in adaptive placement, another decode worker that serves prefill (its published
+  ``serves_prefill``; routing offers the least loaded one, :class:`Lender`) prefills the prompt
+  and sends its KV to the request's decode worker, as a prefill worker would: the prefill that
+  only the prefill pool could take otherwise gets every GPU of the pool. The lender is predicted
+  as a local prefill is, on its own state: ``(q_l + n_l) * p_l`` plus the steps of its own
+  sequences it rides, and it is taken only where it is *safe* for those sequences (it runs none,
+  or it is predicted to meet each ITL and TPOT objective set; with neither, only an idle one),
+  never in a static split. Where the prefill worker is usable, the lender competes with the
+  decode worker itself by the ``local_predicted`` rule against the remote prediction, and where
+  both pass, it is taken only when its TTFT is below ``local_gain`` of the local one (a KV
+  transfer, and the decode worker's own steps spared, against a near-equal prediction). Where no
+  prefill worker is usable (none, or only one on the decode worker's GPU) and more than
+  ``local_prefill_max_tokens`` are left, it is taken when the local prefill is predicted to break
+  the decode worker's objectives, or by the ``local_predicted`` rule against the local
+  prediction. Its pace, unmeasured, is taken to be the prefill worker's, else the decode
+  worker's own.
 - ``remote``: otherwise, whenever the prefill worker's pace is not measured yet, and always with
   ``adaptive`` off (``TANDEM_PREFILL_PLACEMENT=static``: a fixed split, the overrides above
   aside).
@@ -80,8 +97,8 @@ _SMOOTHING = 0.3  # weight of the newest step time in a decode worker's moving a
 # decode worker predicted clearly sooner takes it (module docstring, ``local_predicted``).
 _TTFT_HEADROOM = 0.5
 
-PLACEMENT_KINDS = LOCAL_ONLY, LOCAL_SHARED, LOCAL_SHORT, LOCAL_PREDICTED, REMOTE = (
-    "local_only", "local_shared", "local_short", "local_predicted", "remote")
+PLACEMENT_KINDS = LOCAL_ONLY, LOCAL_SHARED, LOCAL_SHORT, LOCAL_PREDICTED, LENT, REMOTE = (
+    "local_only", "local_shared", "local_short", "local_predicted", "lent", "remote")
 
 
 @dataclass(frozen=True)
@@ -111,13 +128,13 @@ class Placement:
     """Where one request's prompt is prefilled, and what was predicted.
 
     Attributes:
-        kind: ``local_only``, ``local_shared``, ``local_short``, ``local_predicted`` or ``remote``
-            (module docstring).
+        kind: ``local_only``, ``local_shared``, ``local_short``, ``local_predicted``, ``lent`` or
+            ``remote`` (module docstring).
         predicted_ttft_s: the chosen worker's predicted prefill time, seconds (``None``: its
             pace is not measured yet).
-        ride_s: of a local prefill's time, seconds, the decode worker's own steps it is
-            predicted to ride (module docstring; in ``predicted_ttft_s``); ``0`` for a remote
-            one and where nothing runs there.
+        ride_s: of a prefill's time on a decode worker (local or lent), seconds, that worker's
+            own steps it is predicted to ride (module docstring; in ``predicted_ttft_s``); ``0``
+            for a remote one and where nothing runs there.
     """
 
     kind: str
@@ -127,7 +144,44 @@ class Placement:
     @property
     def local(self) -> bool:
         """The decode worker prefills the prompt itself."""
+        return self.kind not in (REMOTE, LENT)
+
+    @property
+    def on_decode_worker(self) -> bool:
+        """A decode worker prefills the prompt (the request's own, or a lent one): the prefill
+        rides its steps."""
         return self.kind != REMOTE
+
+
+@dataclass(frozen=True)
+class Lender:
+    """A decode worker, not the request's, that serves prefill and could prefill its prompt.
+
+    Attributes:
+        worker_id: its id.
+        tokens: prompt tokens it would compute (not in its prefix cache).
+        running: sequences it runs (as it last reported).
+        step_tokens: its step token budget, its prefill chunk (``0``: unknown).
+    """
+
+    worker_id: str
+    tokens: int
+    running: int
+    step_tokens: int = 0
+
+
+@dataclass(frozen=True)
+class _Borrowed:
+    """A prefill predicted on a decode worker: its TTFT (``None``: not predictable), the steps it
+    rides, and whether it keeps that worker's sequences within their objectives (``_keeps``)."""
+
+    ttft_s: float | None
+    ride_s: float
+    keeps: bool | None
+
+    @property
+    def safe(self) -> bool:
+        return self.ttft_s is not None and bool(self.keeps)
 
 
 class PlacementModel:
@@ -170,7 +224,7 @@ class PlacementModel:
 
     def decide(self, remote_worker: str | None, remote_tokens: int, decode_worker: str, local_tokens: int,
                decode_running: int, slo: ServiceLevel, decode_step_tokens: int = 0,
-               shared_device: bool = False) -> Placement:
+               shared_device: bool = False, lender: Lender | None = None) -> Placement:
         """Place one prefill.
 
         Args:
@@ -183,34 +237,65 @@ class PlacementModel:
             decode_step_tokens: the decode worker's step token budget, its prefill chunk
                 (``0``: unknown, the whole prompt is taken as one step's work).
             shared_device: the prefill worker runs on a GPU the decode worker runs on.
+            lender: another decode worker routing offers to prefill the prompt (``None``: none).
         """
-        step_tokens = min(local_tokens, decode_step_tokens) if decode_step_tokens > 0 else local_tokens
-        local_pace = self.local_pace.s_per_token(decode_worker)
-        if local_pace is None and remote_worker is not None:
-            local_pace = self.pace.s_per_token(remote_worker)  # a prior (module docstring)
-        # The running sequences' steps wait while the local prefills, this one last, compute:
-        # the stall they absorb is their tokens' time; the prefill waits for their steps too.
-        stall = self._ttft(decode_worker, local_tokens, local_pace)
-        ride_s = self._ride_s(decode_worker, local_tokens, decode_running, decode_step_tokens)
-        local_ttft = None if stall is None else stall + ride_s
-        if remote_worker is None:
-            return Placement(LOCAL_ONLY, local_ttft, ride_s)
-        if self.adaptive and shared_device:
-            return Placement(LOCAL_SHARED, local_ttft, ride_s)
-        keeps = self._keeps(decode_worker, decode_running, slo, self._itl(decode_worker, step_tokens, local_pace),
-                            stall, self._ttft(decode_worker, 0, local_pace)) if self.adaptive else None
+        prior = self.pace.s_per_token(remote_worker) if remote_worker is not None else None
+        local = self._borrowed(decode_worker, local_tokens, decode_running, decode_step_tokens, slo, prior)
+        if remote_worker is None or (self.adaptive and shared_device):
+            lent = self._lent(lender, slo, prior or self.local_pace.s_per_token(decode_worker)) \
+                if local_tokens > self.local_prefill_max_tokens else None
+            if lent is not None and (local.keeps is False or self._sooner(lent.ttft_s, local.ttft_s, slo)):
+                return Placement(LENT, lent.ttft_s, lent.ride_s)
+            return Placement(LOCAL_ONLY if remote_worker is None else LOCAL_SHARED, local.ttft_s, local.ride_s)
+        keeps = local.keeps if self.adaptive else None
         remote_ttft = self.predict_ttft(remote_worker, remote_tokens)
         if local_tokens <= self.local_prefill_max_tokens and (
-                keeps is not False or self._only_local_meets_ttft(slo, local_ttft, remote_ttft)):
-            return Placement(LOCAL_SHORT, local_ttft, ride_s)
-        if not self.adaptive or local_ttft is None or remote_ttft is None or not keeps:
+                keeps is not False or self._only_local_meets_ttft(slo, local.ttft_s, remote_ttft)):
+            return Placement(LOCAL_SHORT, local.ttft_s, local.ride_s)
+        if not self.adaptive or remote_ttft is None:
             return Placement(REMOTE, remote_ttft)
+        lent = self._lent(lender, slo, prior)
+        sooner_local = local.safe and self._sooner(local.ttft_s, remote_ttft, slo)
+        if lent is not None and self._sooner(lent.ttft_s, remote_ttft, slo) and (
+                not sooner_local or lent.ttft_s < self.local_gain * local.ttft_s):
+            return Placement(LENT, lent.ttft_s, lent.ride_s)
+        if sooner_local:
+            return Placement(LOCAL_PREDICTED, local.ttft_s, local.ride_s)
+        return Placement(REMOTE, remote_ttft)
+
+    def _borrowed(self, worker_id: str, tokens: int, running: int, step_tokens: int, slo: ServiceLevel,
+                  prior: float | None) -> _Borrowed:
+        """A prefill of ``tokens`` on decode worker ``worker_id`` running ``running`` sequences,
+        at its net pace (``prior`` until it is measured): its prediction (module docstring)."""
+        pace = self.local_pace.s_per_token(worker_id)
+        pace = prior if pace is None else pace
+        # The running sequences' steps wait while the prefills there, this one last, compute:
+        # the stall they absorb is their tokens' time; the prefill waits for their steps too.
+        stall = self._ttft(worker_id, tokens, pace)
+        ride_s = self._ride_s(worker_id, tokens, running, step_tokens)
+        chunk = min(tokens, step_tokens) if step_tokens > 0 else tokens
+        keeps = self._keeps(worker_id, running, slo, self._itl(worker_id, chunk, pace), stall,
+                            self._ttft(worker_id, 0, pace))
+        return _Borrowed(None if stall is None else stall + ride_s, ride_s, keeps)
+
+    def _lent(self, lender: Lender | None, slo: ServiceLevel, prior: float | None) -> _Borrowed | None:
+        """``lender``'s prediction where adaptive placement may take it: predicted, and safe for
+        its own sequences (``None`` otherwise)."""
+        if lender is None or not self.adaptive:
+            return None
+        lent = self._borrowed(lender.worker_id, lender.tokens, lender.running, lender.step_tokens, slo, prior)
+        return lent if lent.safe else None
+
+    def _sooner(self, ttft_s: float | None, reference_s: float | None, slo: ServiceLevel) -> bool:
+        """Whether a borrowed decode worker's predicted ``ttft_s`` beats ``reference_s`` (the
+        remote prediction, or the local one where no prefill worker is usable) by the
+        ``local_predicted`` rule (module docstring)."""
+        if ttft_s is None or reference_s is None:
+            return ttft_s is not None
         if slo.ttft_s:
-            sooner = remote_ttft > slo.ttft_s and (local_ttft <= slo.ttft_s or local_ttft < remote_ttft) \
-                or remote_ttft > _TTFT_HEADROOM * slo.ttft_s and local_ttft < self.local_gain * remote_ttft
-        else:
-            sooner = local_ttft < self.local_gain * remote_ttft
-        return Placement(LOCAL_PREDICTED, local_ttft, ride_s) if sooner else Placement(REMOTE, remote_ttft)
+            return reference_s > slo.ttft_s and (ttft_s <= slo.ttft_s or ttft_s < reference_s) \
+                or reference_s > _TTFT_HEADROOM * slo.ttft_s and ttft_s < self.local_gain * reference_s
+        return ttft_s < self.local_gain * reference_s
 
     @staticmethod
     def _only_local_meets_ttft(slo: ServiceLevel, local_ttft: float | None, remote_ttft: float | None) -> bool:
@@ -283,10 +368,10 @@ class PlacementModel:
     def observe_prefill(self, worker_id: str, tokens: int, seconds: float, placement: Placement) -> None:
         """``worker_id`` computed ``tokens`` prompt tokens (the ones queued ahead included) in
         ``seconds`` for a prefill placed by ``placement``: its pace (:attr:`pace`, what the
-        timeouts allow) and, for a local prefill, its pace net of the decode steps it was
-        predicted to ride (:attr:`local_pace`, module docstring)."""
+        timeouts allow) and, for a prefill on a decode worker (local or lent), its pace net of
+        the decode steps it was predicted to ride (:attr:`local_pace`, module docstring)."""
         self.pace.observe(worker_id, tokens, seconds)
-        if placement.local:
+        if placement.on_decode_worker:
             self.local_pace.observe(worker_id, tokens, max(0.0, seconds - placement.ride_s))
 
     def observe_step(self, decode_worker: str, seconds: float) -> None:

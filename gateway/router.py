@@ -33,6 +33,13 @@ the blocks it does not hold. Prefill workers are optional: without one (or when 
 left after the decode worker's prefix hit) the decode worker prefills itself. A prefill worker is
 paired only with a decode worker it can send KV to (a transport in common: any tensor-parallel
 sizes pair up); the decode worker is picked first, then the best prefill worker of those.
+
+A route also offers a **lender**: another decode worker that serves prefill (its published
+``serves_prefill``), can send KV to the chosen one, runs on none of its GPUs, has room for the
+prompt's blocks it does not hold and is neither excluded, down nor ejected; the best of them by
+the prefill score (its cached prefix against the sequences it runs and queues). Placement
+(``gateway.placement``'s ``lent``) decides whether it prefills; only then is the request counted
+on it (:meth:`ClusterView.lend`).
 """
 
 from __future__ import annotations
@@ -192,6 +199,9 @@ class Route:
         cached_blocks: leading prompt blocks already in ``prefill``'s prefix cache.
         decode_cached_blocks: leading prompt blocks already in ``decode``'s prefix cache.
         prompt_blocks: blocks the prompt needs on ``decode``.
+        lender: another decode worker that could prefill the prompt for ``decode`` (module
+            docstring; ``None``: none), not counted on until :meth:`ClusterView.lend`.
+        lender_cached_blocks: leading prompt blocks already in ``lender``'s prefix cache.
     """
 
     prefill: WorkerInfo | None
@@ -199,6 +209,8 @@ class Route:
     cached_blocks: int
     decode_cached_blocks: int
     prompt_blocks: int
+    lender: WorkerInfo | None = None
+    lender_cached_blocks: int = 0
 
 
 class _InFlight:
@@ -406,7 +418,8 @@ class ClusterView:
                 excluded or down: the decode worker prefills instead. Nor is one on a GPU of
                 the chosen decode worker while another can take the request, whatever it
                 caches: two processes time-slice a GPU, so its prefill would stall the decode
-                worker's batch like a local one (``gateway.placement``'s ``local_shared``).
+                worker's batch like a local one (``gateway.placement``'s ``local_shared``). A
+                lender is never excluded, down or ejected (module docstring).
 
         Raises:
             ValueError: inconsistent arguments.
@@ -432,6 +445,7 @@ class ClusterView:
         paired = self._paired(prefills, decode)
         elsewhere = [w for w in paired if not shares_device(w.config, decode.config)]
         prefill = pick_prefill(elsewhere or paired, cached, pool.block_size, self.policy, self._rng)
+        lender = self._lender(decode, prompt_blocks, cached, exclude | down | ejected)
         for worker in (prefill, decode):
             if worker is not None:
                 self.index.note_routed(worker.worker_id, block_hashes)
@@ -439,11 +453,39 @@ class ClusterView:
             self._in_flight.add(prefill.worker_id, 1)
         self._in_flight.add(decode.worker_id, 1, prompt_blocks)
         return Route(prefill, decode, cached.get(prefill.worker_id, 0) if prefill else 0,
-                     cached.get(decode.worker_id, 0), prompt_blocks)
+                     cached.get(decode.worker_id, 0), prompt_blocks, lender,
+                     cached.get(lender.worker_id, 0) if lender else 0)
+
+    def _lender(self, decode: WorkerInfo, prompt_blocks: int, cached: Mapping[str, int],
+                avoided: frozenset[str]) -> WorkerInfo | None:
+        """The decode worker that could prefill for ``decode`` (module docstring), ``None`` if none."""
+        margin = self.policy.decode_margin_blocks
+        lenders = [w for w in self.workers(Role.DECODE)
+                   if w.config.serves_prefill and w.worker_id != decode.worker_id and w.worker_id not in avoided
+                   and not shares_device(w.config, decode.config)
+                   and w.load.free_blocks >= prompt_blocks - cached.get(w.worker_id, 0) + margin]
+        return pick_prefill(self._paired(lenders, decode), cached, self._pool.block_size, self.policy, self._rng)
+
+    def lend(self, route: Route, block_hashes: Sequence[bytes]) -> Route:
+        """Move ``route``'s prefill to its lender (placement chose ``lent``): the request is no
+        longer counted on its prefill worker but on the lender, which will cache the prompt's
+        blocks (``block_hashes``). Returns the route with the lender as its prefill worker (and
+        no lender); call :meth:`prefill_done` with it.
+
+        Raises:
+            ValueError: ``route`` has no lender.
+        """
+        if route.lender is None:
+            raise ValueError("the route has no lender")
+        self.prefill_done(route)
+        self.index.note_routed(route.lender.worker_id, block_hashes)
+        self._in_flight.add(route.lender.worker_id, 1)
+        return dataclasses.replace(route, prefill=route.lender, cached_blocks=route.lender_cached_blocks, lender=None,
+                                   lender_cached_blocks=0)
 
     def _paired(self, prefills: list[WorkerInfo], decode: WorkerInfo) -> list[WorkerInfo]:
-        """The prefill workers that can send their KV to ``decode``; logs each pair that cannot,
-        once (:func:`cluster.registry.kv_pairing_problem`)."""
+        """The workers of ``prefills`` (prefill workers, or lenders) that can send their KV to
+        ``decode``; logs each pair that cannot, once (:func:`cluster.registry.kv_pairing_problem`)."""
         paired = []
         for prefill in prefills:
             problem = kv_pairing_problem(prefill.config, decode.config)
@@ -451,7 +493,7 @@ class ClusterView:
                 paired.append(prefill)
             elif (prefill.worker_id, decode.worker_id) not in self._unpaired:
                 self._unpaired.add((prefill.worker_id, decode.worker_id))
-                logger.warning("not pairing prefill worker %s with decode worker %s: %s", prefill.worker_id,
+                logger.warning("not pairing %s worker %s with decode worker %s: %s", prefill.role, prefill.worker_id,
                                decode.worker_id, problem)
         return paired
 

@@ -53,6 +53,11 @@ class WorkerClients:
     def prefill(self, address: str) -> worker_pb2_grpc.PrefillWorkerStub:
         return worker_pb2_grpc.PrefillWorkerStub(self.prefill_channels.get(address))
 
+    def prefill_on(self, worker: WorkerInfo) -> worker_pb2_grpc.PrefillWorkerStub:
+        """``PrefillWorker`` on ``worker``, over the channels of its role: a prefill worker, or a
+        decode worker lent to a prefill (``gateway.placement``'s ``lent``)."""
+        return worker_pb2_grpc.PrefillWorkerStub(self.for_role(worker.role).get(worker.address))
+
     def for_role(self, role: Role) -> ChannelCache:
         """The cache of channels to workers of ``role``."""
         return self.prefill_channels if role == Role.PREFILL else self.channels

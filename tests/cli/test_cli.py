@@ -27,7 +27,7 @@ def tandem(*args: str, stdin: str = "", timeout_s: float = 60) -> subprocess.Com
 def test_cli_lists_every_command():
     result = tandem("--help")
     assert result.returncode == 0
-    for command in ("gateway", "prefill", "decode", "serve", "demo", "generate", "chat", "offline-chat"):
+    for command in ("gateway", "prefill", "decode", "serve", "demo", "generate", "chat", "offline-chat", "plan"):
         assert command in result.stdout
 
 

@@ -55,3 +55,11 @@ def test_a_gpu_worker_publishes_the_uuid_nvidia_smi_lists(tmp_path):
     listed = subprocess.run(["nvidia-smi", "-L"], capture_output=True, text=True, check=True).stdout
     uuids = re.findall(r"UUID: (GPU-[0-9a-f-]+)", listed)
     assert len(config.device_ids) == 1 and config.device_ids[0] in uuids
+
+
+def test_a_decode_worker_that_also_prefills_says_so_on_the_wire_and_still_joins_the_pool(tmp_path):
+    config = published(EngineCore(save_tiny_llama(tmp_path), EngineConfig(device="cpu", num_blocks=8)))
+    assert config.serves_prefill is False
+    lender = dataclasses.replace(config, serves_prefill=True)
+    assert worker_config_from_proto(worker_config_to_proto(lender, Role.DECODE)) == lender
+    assert lender.differences(config) == [] and lender.pool_key() == config.pool_key()

@@ -47,6 +47,9 @@ def test_heartbeat_registers_worker_with_its_load(key_prefix, redis_url):
             max_num_batched_tokens=512, device_ids=("GPU-0d7c2a", "GPU-5e91b4")))
         await registry.heartbeat(tp)  # the KV layout and weights a worker publishes read back as written
         assert (await registry.live_workers(Role.PREFILL))[2] == tp
+        lender = WorkerInfo("d1", Role.DECODE, "d1:5000", dataclasses.replace(CONFIG, serves_prefill=True))
+        await registry.heartbeat(lender)  # a decode worker that also prefills for others says so
+        assert [w.config.serves_prefill for w in await registry.live_workers(Role.DECODE)] == [False, True]
 
         busier = _worker("p0", running=5, waiting=3, free_blocks=10, total_blocks=100)
         assert await registry.heartbeat(busier) is False  # a refresh, not a new registration

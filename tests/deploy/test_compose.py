@@ -21,6 +21,7 @@ import pytest
 import yaml
 
 from cluster.tls import ROLES
+from tests.helpers.deploy import compose_config
 from tests.helpers.paths import ROOT
 
 IMAGE = "tandem:latest"
@@ -173,14 +174,6 @@ def test_the_certs_service_gives_each_role_its_own_files_and_the_gateway_the_hos
 
 
 # ------------------------------------------------------------------ docker-compose config
-def compose_config(*args: str, env: dict[str, str] | None = None) -> subprocess.CompletedProcess:
-    """``docker-compose [ARGS] config`` on the repository's file, ``TANDEM_*`` variables of this
-    process left out (``env``: the ones to set)."""
-    clean = {k: v for k, v in os.environ.items() if not k.startswith("TANDEM_")}
-    return subprocess.run(["docker-compose", "-f", str(ROOT / "docker-compose.yml"), *args, "config"],
-                          capture_output=True, text=True, timeout=60, env={**clean, **(env or {})})
-
-
 needs_compose = pytest.mark.skipif(shutil.which("docker-compose") is None, reason="docker-compose not installed")
 
 

@@ -28,11 +28,11 @@ from decode_worker.server import DecodeServicer
 from decode_worker.settings import DecodeWorkerSettings
 from engine.config import NVLINK_MULTICAST_OFF
 from gateway import metrics as gateway_metrics
-from gateway.auth import hash_key
 from gateway.server import SERVICE_NAME as GATEWAY_SERVICE
 from gateway.settings import GatewaySettings
 from prefill_worker.server import PrefillServicer
 
+from tests.helpers.deploy import kubernetes_copy
 from tests.helpers.kustomize_render import Unsupported, render
 from tests.helpers.paths import ROOT
 
@@ -66,15 +66,7 @@ def ca_dir(tmp_path_factory) -> Path:
 def deploy_dir(tmp_path_factory, ca_dir) -> Path:
     """A copy of deploy/kubernetes whose secrets/ holds what an operator puts there, and the
     CA's key besides (which must reach no Secret)."""
-    copy = tmp_path_factory.mktemp("deploy") / "kubernetes"
-    # Not the files a developer may have put in secrets/ for a real cluster: only the generator.
-    shutil.copytree(ROOT / "deploy" / "kubernetes", copy, ignore=lambda d, names: [
-        n for n in names if Path(d).name == "secrets" and n != "kustomization.yaml"])
-    for pem in ca_dir.iterdir():
-        shutil.copy(pem, copy / "secrets" / pem.name)
-    (copy / "secrets" / "redis.env").write_text("password=s3cret\n")
-    (copy / "secrets" / "api-keys.env").write_text(f"TANDEM_API_KEYS={hash_key('a-key')}:me\n")
-    return copy
+    return kubernetes_copy(tmp_path_factory.mktemp("deploy") / "kubernetes", ca_dir)
 
 
 @pytest.fixture(scope="module")

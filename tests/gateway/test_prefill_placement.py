@@ -6,7 +6,8 @@ import pytest
 
 from gateway.decode_slack import DecodeSlack
 from gateway.placement import (
-    LOCAL_ONLY, LOCAL_PREDICTED, LOCAL_SHARED, LOCAL_SHORT, REMOTE, PlacementModel, ServiceLevel,
+    LENT, LOCAL_ONLY, LOCAL_PREDICTED, LOCAL_SHARED, LOCAL_SHORT, REMOTE, Lender, Placement, PlacementModel,
+    ServiceLevel,
 )
 from gateway.prefill_pace import PrefillPace
 
@@ -243,3 +244,114 @@ def test_bad_knobs_are_refused():
         PlacementModel(PrefillPace(1, 1), 0, adaptive=True, local_gain=0)
     with pytest.raises(ValueError, match="local_prefill_max_tokens"):
         PlacementModel(PrefillPace(1, 1), local_prefill_max_tokens=-1, adaptive=True)
+
+
+LENDER = "decode-1"
+PACE = 1 / 38_000  # seconds per prompt token: a Llama-3-8B prefill worker on an H200 (deploy/plan/)
+
+
+def lender(tokens: int = 3000, running: int = 0) -> Lender:
+    return Lender(LENDER, tokens, running, step_tokens=2048)
+
+
+def busy_decode_worker(m: PlacementModel, now: list[float]) -> None:
+    """``DECODE`` runs streams at 20 ms a step, one 9.1 s past its first token and 200 tokens in,
+    expected at 256: 10.24 s may pass for its objective of 40 ms, 1.12 s of steps are left, so it
+    can absorb 20 ms of stall, less than a 3000-token prompt's 79 ms."""
+    m.slack = DecodeSlack(lambda: now[0])
+    with m.slack.decoding(DECODE, lambda: 256, horizon=256):  # one stream ended: streams run 256 tokens
+        pass
+    m.observe_step(DECODE, 0.020)
+
+
+def test_long_prompts_under_a_one_second_ttft_go_to_an_idle_decode_worker_when_the_prefill_gpu_is_full():
+    """The case of two GPUs of decode workers beside a prefill worker, long prompts at
+    TTFT <= 1 s / TPOT <= 40 ms: the prefill worker has 40k tokens queued (1.13 s with this one),
+    the request's own decode worker cannot absorb the stall; an idle decode worker that serves
+    prefill takes it, at the prefill worker's pace until its own is measured."""
+    now = [0.0]
+    m = model(prefill_s_per_token=PACE, decode_s_per_token=None)
+    busy_decode_worker(m, now)
+    m.started(PREFILL, 40_000)
+    slo = ServiceLevel(ttft_s=1.0, tpot_s=0.040)
+    with m.slack.decoding(DECODE, lambda: 200, horizon=256):
+        now[0] = 9.1
+        assert m.decide(PREFILL, 3000, DECODE, 3000, 32, slo, 2048).kind == REMOTE  # no lender: today's choice
+        lent = m.decide(PREFILL, 3000, DECODE, 3000, 32, slo, 2048, lender=lender())
+        assert lent.kind == LENT and not lent.local and lent.on_decode_worker
+        assert lent.predicted_ttft_s == pytest.approx(3000 * PACE) and lent.ride_s == 0  # nothing runs there
+        now[0] = 8.0  # 1.1 s of slack: the decode worker could take it, riding 2.5 of its steps (129 ms)...
+        assert m.decide(PREFILL, 3000, DECODE, 3000, 32, slo, 2048).kind == LOCAL_PREDICTED
+        # ...but the idle lender is more than 20% sooner (79 ms); with 2000 tokens queued there
+        # (132 ms) it is not, and the decode worker keeps the prompt, no KV moving
+        assert m.decide(PREFILL, 3000, DECODE, 3000, 32, slo, 2048, lender=lender()).kind == LENT
+        m.started(LENDER, 2000)
+        assert m.decide(PREFILL, 3000, DECODE, 3000, 32, slo, 2048, lender=lender()).kind == LOCAL_PREDICTED
+    # Whatever the lender's state, a static split never lends.
+    static = model(prefill_s_per_token=PACE, adaptive=False)
+    static.started(PREFILL, 40_000)
+    assert static.decide(PREFILL, 3000, DECODE, 3000, 32, slo, 2048, lender=lender()).kind == REMOTE
+    assert static.decide(None, 0, DECODE, 3000, 32, slo, 2048, lender=lender()).kind == LOCAL_ONLY
+
+
+def test_a_busy_decode_worker_is_lent_only_within_its_own_sequences_objectives():
+    """The lender runs 16 sequences at 20 ms a step: a 2048-token chunk of the prompt makes one of
+    its steps 74 ms, which a 40 ms ITL objective refuses; a TPOT objective lets its streams absorb
+    the 79 ms while each has the slack, and not once one has too little. (The request's decode
+    worker steps at 30 ms: 84 ms with the chunk.)"""
+    now = [0.0]
+    m = model(prefill_s_per_token=PACE, decode_s_per_token=None)
+    m.slack = DecodeSlack(lambda: now[0])
+    with m.slack.decoding(LENDER, lambda: 256, horizon=256):
+        pass
+    m.observe_step(LENDER, 0.020)
+    m.observe_step(DECODE, 0.030)
+    m.started(PREFILL, 40_000)
+    busy = lender(running=16)
+    assert m.decide(PREFILL, 3000, DECODE, 3000, 0, ServiceLevel(1.0, 0.040), 2048, lender=busy).kind == \
+        LOCAL_PREDICTED  # the request's own decode worker is idle: no need to lend
+    assert m.decide(PREFILL, 3000, DECODE, 3000, 8, ServiceLevel(1.0, 0.040), 2048, lender=busy).kind == REMOTE
+    assert m.decide(PREFILL, 3000, DECODE, 3000, 8, ServiceLevel(1.0, 0.074), 2048, lender=busy).kind == LENT
+    tpot = ServiceLevel(ttft_s=1.0, tpot_s=0.040)
+    assert m.decide(PREFILL, 3000, DECODE, 3000, 8, tpot, 2048, lender=busy).kind == REMOTE  # no stream known there
+    with m.slack.decoding(LENDER, lambda: 100, horizon=256):
+        now[0] = 5.0  # 10.24 - 5 - 3.12: 2.1 s of slack
+        placement = m.decide(PREFILL, 3000, DECODE, 3000, 8, tpot, 2048, lender=busy)
+        assert placement.kind == LENT  # riding two of its steps and half of the one running
+        assert placement.ride_s == pytest.approx(2.5 * 0.020)
+        assert placement.predicted_ttft_s == pytest.approx(3000 * PACE + 2.5 * 0.020)
+        now[0] = 7.1  # 0.02 s of slack, under the 79 ms stall
+        assert m.decide(PREFILL, 3000, DECODE, 3000, 8, tpot, 2048, lender=busy).kind == REMOTE
+        assert m.decide(PREFILL, 3000, DECODE, 3000, 8, ServiceLevel(), 2048, lender=busy).kind == REMOTE
+
+
+def test_without_a_prefill_worker_a_long_prompt_is_lent_when_its_decode_worker_cannot_take_it():
+    """Colocated decode workers that serve prefill for each other: a long prompt whose local
+    prefill breaks its decode worker's ITL objective goes to an idle one; a short one (at most
+    the threshold) stays, as does one the decode worker takes within its objectives, and one whose
+    local prediction is near the lender's."""
+    m = model(prefill_s_per_token=None, decode_s_per_token=PACE, local_prefill_max_tokens=256)
+    m.observe_step(DECODE, 0.010)
+    itl = ServiceLevel(ttft_s=1.0, itl_s=0.040)
+    # 2048 tokens in one step of its 32 sequences: 64 ms; the lender runs nothing (its pace: the
+    # decode worker's, measured, until its own is)
+    lent = m.decide(None, 0, DECODE, 3000, 32, itl, 2048, lender=lender())
+    assert lent.kind == LENT and lent.predicted_ttft_s == pytest.approx(3000 * PACE)
+    assert m.decide(None, 0, DECODE, 3000, 32, itl, 256, lender=lender()).kind == LOCAL_ONLY  # 17 ms chunks
+    assert m.decide(None, 0, DECODE, 200, 32, itl, 2048, lender=lender(200)).kind == LOCAL_ONLY
+    assert m.decide(None, 0, DECODE, 3000, 0, itl, 2048, lender=lender()).kind == LOCAL_ONLY  # idle itself
+    assert m.decide(None, 0, DECODE, 3000, 32, itl, 2048).kind == LOCAL_ONLY  # no lender
+    m.started(DECODE, 20_000)  # 0.6 s of local prefills queued: the idle lender is clearly sooner
+    assert m.decide(None, 0, DECODE, 3000, 0, ServiceLevel(), 2048, lender=lender()).kind == LENT
+    shared = model(prefill_s_per_token=PACE)  # the only prefill worker is on the decode worker's GPU
+    shared.observe_step(DECODE, 0.010)
+    assert shared.decide(PREFILL, 3000, DECODE, 3000, 32, itl, 2048, shared_device=True, lender=lender()).kind == LENT
+    assert shared.decide(PREFILL, 3000, DECODE, 3000, 32, itl, 2048, shared_device=True).kind == LOCAL_SHARED
+
+
+def test_a_lent_prefill_is_measured_net_of_the_lenders_steps_it_rode():
+    m = model()
+    placement = Placement(LENT, predicted_ttft_s=0.2, ride_s=0.05)
+    m.observe_prefill(LENDER, 1000, 0.25, placement)
+    assert m.local_pace.s_per_token(LENDER) == pytest.approx(0.2e-3)  # its prefill pace as a lender
+    assert m.pace.s_per_token(LENDER) == pytest.approx(0.25e-3)  # what its Prefill calls' timeouts allow

@@ -487,3 +487,53 @@ def test_a_prefill_worker_on_the_decode_workers_gpu_is_picked_only_when_no_other
         await client.aclose()
 
     asyncio.run(main())
+
+
+def test_a_route_offers_the_least_loaded_decode_worker_that_can_prefill_for_it_and_counts_it_once_lent(
+        key_prefix, redis_url):
+    """Lenders: decode workers that serve prefill. Of them routing offers the one with the best
+    prefill score that is not the request's decode worker, has room for the prompt, runs on none
+    of its GPUs, can send it KV and is not avoided; the request is counted on it only once
+    placement lends it the prefill, and no longer on the prefill worker."""
+    def config(gpu: str, *, lends: bool = True, transports: tuple[str, ...] = ("grpc",)):
+        return dataclasses.replace(CONFIG, device_ids=(gpu,), serves_prefill=lends, kv_transports=transports)
+
+    async def main():
+        client = redis_client(redis_url)
+        ns = _ns(key_prefix)
+        registry, index = WorkerRegistry(client, ns), PrefixIndex(client, ns)
+        room, busy = WorkerLoad(free_blocks=50, total_blocks=50), WorkerLoad(running=8, free_blocks=50, total_blocks=50)
+        for worker_id, cfg, load in (
+                ("d-own", config("GPU-a", lends=False), room),  # holds the prompt: the request's decode worker
+                ("l-idle", config("GPU-b"), room), ("l-busy", config("GPU-c"), busy),
+                ("l-full", config("GPU-d"), WorkerLoad(free_blocks=3, total_blocks=50)),
+                ("l-same-gpu", config("GPU-a"), room), ("l-nixl", config("GPU-e", transports=("nixl",)), room),
+                ("d-plain", config("GPU-f", lends=False), room)):
+            await registry.heartbeat(WorkerInfo(worker_id, Role.DECODE, f"{worker_id}:1", cfg, load))
+        await registry.heartbeat(WorkerInfo("p0", Role.PREFILL, "p0:1", config("GPU-g", lends=False)))
+        await index.publish("d-own", stored=H, removed=[])
+        view = ClusterView(registry, index, CONFIG.model_id, rng=random.Random(0), outliers=outliers())
+        await view.refresh()
+        route = await view.choose(H, len(PROMPT))
+        assert (route.prefill.worker_id, route.decode.worker_id, route.lender.worker_id) == ("p0", "d-own", "l-idle")
+        assert route.lender_cached_blocks == 0
+        assert {w.worker_id: w.load.num_seqs for w in view.workers(Role.DECODE)}["l-idle"] == 0  # offered, not counted
+        lent = view.lend(route, H)
+        assert (lent.prefill.worker_id, lent.decode, lent.lender) == ("l-idle", route.decode, None)
+        seqs = {w.worker_id: w.load.num_seqs for role in Role for w in view.workers(role)}
+        assert (seqs["p0"], seqs["l-idle"], seqs["d-own"]) == (0, 1, 1)
+        view.prefill_done(lent)
+        view.decode_done(lent)
+        assert all(w.load.num_seqs == 0 for w in view.workers(Role.PREFILL)) and \
+            {w.worker_id: w.load.num_seqs for w in view.workers(Role.DECODE)}["l-idle"] == 0
+        retry = await view.choose(H, len(PROMPT), exclude=frozenset({"l-idle"}))
+        assert retry.lender.worker_id == "l-busy"  # the next best; never an excluded one
+        view.prefill_done(retry)
+        view.decode_done(retry)
+        none_left = await view.choose(H, len(PROMPT), exclude=frozenset({"l-idle", "l-busy"}))
+        assert none_left.lender is None
+        with pytest.raises(ValueError, match="no lender"):
+            view.lend(none_left, H)
+        await client.aclose()
+
+    asyncio.run(main())

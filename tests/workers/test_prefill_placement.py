@@ -2,20 +2,22 @@
 decode worker is prefilled there (no KV moves) and gets the same tokens as one prefilled on
 the prefill worker; a request's own objectives override the gateway's; bad objectives are
 refused naming the field; with its only prefill worker refusing work (draining), a request is
-prefilled on the decode worker within its deadline."""
+prefilled on the decode worker within its deadline; a prompt lent to another decode worker's
+prefill service gets its KV to the request's decode worker and the same tokens."""
 
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import random
 import time
 
 import grpc
 import pytest
 
-from cluster.registry import Role
+from cluster.registry import Role, WorkerInfo, WorkerLoad
 from gateway import metrics
-from gateway.placement import LOCAL_PREDICTED, REMOTE
+from gateway.placement import LENT, LOCAL_PREDICTED, REMOTE
 from gateway.static_cluster import static_worker_id
 from protos.tandem.v1 import gateway_pb2, gateway_pb2_grpc
 
@@ -27,6 +29,11 @@ BACKLOG = 50_000  # prompt tokens queued on the prefill worker: 50 s at the pace
 
 def _placements(kind: str) -> float:
     return metrics.PLACEMENTS.labels(kind)._value.get()
+
+
+def _prefills(where: str) -> float:
+    return sum(s.value for family in metrics.PREFILLS.collect() for s in family.samples
+               if s.name.endswith("_total") and s.labels["where"] == where)
 
 
 def _request(prompt: list[int], **slo) -> gateway_pb2.GenerateRequest:
@@ -137,6 +144,57 @@ def test_a_request_whose_only_prefill_worker_is_draining_is_prefilled_on_the_dec
             assert messages[-1].usage.completion_tokens == 8
             assert p.decode.server.metrics.local_prefills._value.get() == local_prefills + 1
             # The Aborts of the failed try go out in the background.
+            deadline = time.monotonic() + 10
+            while (await p.prefill.engine.num_free_blocks(), await p.decode.engine.num_free_blocks()) != start:
+                assert time.monotonic() < deadline, "blocks not freed"
+                await asyncio.sleep(0.05)
+
+    asyncio.run(main())
+
+
+def test_a_prompt_lent_to_another_decode_worker_is_prefilled_there_and_decoded_on_its_own(engines, monkeypatch):
+    """The gateway's side of a decode worker lent to a prefill. No worker serves both roles yet,
+    so the lender routing offers (a decode worker that publishes ``serves_prefill``) has the real
+    prefill worker's address, where PrefillWorker is served as a lender will serve it. With the
+    prefill worker's queue 50 s long and the request's decode worker measured slow to prefill
+    (10 s a token), placement lends the prompt: Prefill is called on the lender over the decode workers'
+    channels, its KV reaches the request's decode worker, the tokens are the disaggregated ones,
+    the lender's pace is measured, and every count and block is given back."""
+    prompt = [random.Random(6).randrange(1000, 40000) for _ in range(100)]
+
+    async def main():
+        async with gateway_over(engines) as (p, gateway, address):
+            view, placement = gateway.view, gateway.orchestrator.placement
+            start = (await p.prefill.engine.num_free_blocks(), await p.decode.engine.num_free_blocks())
+            lender = WorkerInfo("decode-lender", Role.DECODE, p.prefill.address,
+                                dataclasses.replace(view.pool, serves_prefill=True), WorkerLoad(free_blocks=96))
+            choose = view.choose
+
+            async def offering_the_lender(*args, **kwargs):
+                return dataclasses.replace(await choose(*args, **kwargs), lender=lender)
+
+            monkeypatch.setattr(view, "choose", offering_the_lender)
+            async with grpc.aio.insecure_channel(address) as channel:
+                stub = gateway_pb2_grpc.GatewayStub(channel)
+
+                async def generate(request) -> list[int]:
+                    return [t for m in await asyncio.wait_for(_collect(stub, request), 120) for t in m.token_ids]
+
+                disaggregated = await generate(_request(prompt))  # paces not measured yet: the prefill worker
+                prefill_id = static_worker_id(Role.PREFILL, p.prefill.address)
+                gateway.orchestrator.pace.observe(prefill_id, 1000, 1.0)  # 1 ms a token: the lender's prior
+                placement.local_pace.observe(static_worker_id(Role.DECODE, p.decode.address), 1000, 10_000.0)
+                placement.started(prefill_id, BACKLOG)
+                lent, prefills = _placements(LENT), _prefills(LENT)
+                local_prefills = p.decode.server.metrics.local_prefills._value.get()
+                assert await generate(_request(prompt)) == disaggregated
+                placement.ended(prefill_id, BACKLOG)
+            assert _placements(LENT) == lent + 1
+            assert _prefills(LENT) == prefills + 1  # whichever KV transport the blocks took
+            assert p.decode.server.metrics.local_prefills._value.get() == local_prefills  # not prefilled there
+            assert placement.pace.s_per_token(lender.worker_id) is not None  # measured by its Prefill call
+            assert placement.queued(lender.worker_id) == 0
+            assert all(w.load.num_seqs == 0 for role in Role for w in view.workers(role))
             deadline = time.monotonic() + 10
             while (await p.prefill.engine.num_free_blocks(), await p.decode.engine.num_free_blocks()) != start:
                 assert time.monotonic() < deadline, "blocks not freed"

@@ -123,7 +123,7 @@ class GetStatsRequest(_message.Message):
     def __init__(self) -> None: ...
 
 class WorkerConfig(_message.Message):
-    __slots__ = ("model_id", "block_size", "max_model_len", "kv_cache_dtype", "hash_seed", "vocab_size", "role", "tensor_parallel_size", "kv_transports", "quantization", "max_num_batched_tokens", "device_ids")
+    __slots__ = ("model_id", "block_size", "max_model_len", "kv_cache_dtype", "hash_seed", "vocab_size", "role", "tensor_parallel_size", "kv_transports", "quantization", "max_num_batched_tokens", "device_ids", "serves_prefill")
     MODEL_ID_FIELD_NUMBER: _ClassVar[int]
     BLOCK_SIZE_FIELD_NUMBER: _ClassVar[int]
     MAX_MODEL_LEN_FIELD_NUMBER: _ClassVar[int]
@@ -136,6 +136,7 @@ class WorkerConfig(_message.Message):
     QUANTIZATION_FIELD_NUMBER: _ClassVar[int]
     MAX_NUM_BATCHED_TOKENS_FIELD_NUMBER: _ClassVar[int]
     DEVICE_IDS_FIELD_NUMBER: _ClassVar[int]
+    SERVES_PREFILL_FIELD_NUMBER: _ClassVar[int]
     model_id: str
     block_size: int
     max_model_len: int
@@ -148,7 +149,8 @@ class WorkerConfig(_message.Message):
     quantization: str
     max_num_batched_tokens: int
     device_ids: _containers.RepeatedScalarFieldContainer[str]
-    def __init__(self, model_id: _Optional[str] = ..., block_size: _Optional[int] = ..., max_model_len: _Optional[int] = ..., kv_cache_dtype: _Optional[str] = ..., hash_seed: _Optional[bytes] = ..., vocab_size: _Optional[int] = ..., role: _Optional[str] = ..., tensor_parallel_size: _Optional[int] = ..., kv_transports: _Optional[_Iterable[str]] = ..., quantization: _Optional[str] = ..., max_num_batched_tokens: _Optional[int] = ..., device_ids: _Optional[_Iterable[str]] = ...) -> None: ...
+    serves_prefill: bool
+    def __init__(self, model_id: _Optional[str] = ..., block_size: _Optional[int] = ..., max_model_len: _Optional[int] = ..., kv_cache_dtype: _Optional[str] = ..., hash_seed: _Optional[bytes] = ..., vocab_size: _Optional[int] = ..., role: _Optional[str] = ..., tensor_parallel_size: _Optional[int] = ..., kv_transports: _Optional[_Iterable[str]] = ..., quantization: _Optional[str] = ..., max_num_batched_tokens: _Optional[int] = ..., device_ids: _Optional[_Iterable[str]] = ..., serves_prefill: _Optional[bool] = ...) -> None: ...
 
 class WorkerStats(_message.Message):
     __slots__ = ("num_free_blocks", "num_total_blocks", "num_running", "num_waiting", "config")
