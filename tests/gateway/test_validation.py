@@ -100,7 +100,7 @@ def test_message_over_grpc_limit_is_refused_without_crashing(stub):
     error = _generate_error(stub[0], gateway_pb2.GenerateRequest(prompt="x" * (40 << 10)))
     assert error.code() == grpc.StatusCode.RESOURCE_EXHAUSTED
     # the server still answers afterwards
-    assert stub[0].GetModelInfo(gateway_pb2.GetModelInfoRequest(), timeout=5).max_model_len == MAX_MODEL_LEN
+    assert stub[0].GetModelInfo(gateway_pb2.GetModelInfoRequest(), timeout=30).max_model_len == MAX_MODEL_LEN
 
 
 @pytest.mark.parametrize("sampling", [SP(max_tokens=0), SP(n=0), SP(top_k=0), SP(top_k=-1), SP(max_tokens=10**6),
@@ -115,22 +115,22 @@ def test_defaults_and_caps_pass_validation(stub, sampling):
 
 def test_tokenize_matches_model_tokenizer_and_chat_template(stub):
     gateway, model = stub
-    assert list(gateway.Tokenize(gateway_pb2.TokenizeRequest(prompt="Hello world"), timeout=5).token_ids) == \
+    assert list(gateway.Tokenize(gateway_pb2.TokenizeRequest(prompt="Hello world"), timeout=30).token_ids) == \
         model.tokenizer.encode("Hello world")
     chat = gateway_pb2.ChatMessages(messages=[gateway_pb2.ChatMessage(role="user", content="Hi there")])
 
-    assert list(gateway.Tokenize(gateway_pb2.TokenizeRequest(chat=chat), timeout=5).token_ids) == \
+    assert list(gateway.Tokenize(gateway_pb2.TokenizeRequest(chat=chat), timeout=30).token_ids) == \
         model.tokenizer.apply_chat_template([{"role": "user", "content": "Hi there"}])
     with pytest.raises(grpc.RpcError) as info:
-        gateway.Tokenize(gateway_pb2.TokenizeRequest(), timeout=5)
+        gateway.Tokenize(gateway_pb2.TokenizeRequest(), timeout=30)
     assert info.value.code() == grpc.StatusCode.INVALID_ARGUMENT and info.value.details().startswith("input")
     with pytest.raises(grpc.RpcError) as info:  # the same byte cap as Generate, before tokenization
-        gateway.Tokenize(gateway_pb2.TokenizeRequest(prompt="é" * 2100), timeout=5)
+        gateway.Tokenize(gateway_pb2.TokenizeRequest(prompt="é" * 2100), timeout=30)
     assert info.value.code() == grpc.StatusCode.INVALID_ARGUMENT and info.value.details().startswith("prompt:")
 
 
 def test_model_info(stub):
-    info = stub[0].GetModelInfo(gateway_pb2.GetModelInfoRequest(), timeout=5)
+    info = stub[0].GetModelInfo(gateway_pb2.GetModelInfoRequest(), timeout=30)
     assert (info.model_id, info.max_model_len, info.block_size, info.vocab_size) == \
         (stub[1].model_id, MAX_MODEL_LEN, 16, 49152)
 
