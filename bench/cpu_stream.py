@@ -14,9 +14,9 @@ the prompts one at a time (one stream) and all at once (batched):
   runs only while it is measured (started and stopped in each round); with
   ``--stream-interval N`` also ``gateway_interval{N}``, the same cluster with
   ``TANDEM_STREAM_INTERVAL=N`` (a Decode message per N new tokens instead of per token); with
-  ``--baseline DIR`` also ``gateway_baseline``, the same cluster running the code of another
-  checkout (its processes import from ``DIR``: run the benchmark from a directory that holds no
-  checkout, with ``PYTHONPATH`` naming this one), to compare two versions of the code in one run;
+  ``--baseline DIR`` also ``gateway_baseline``, the same cluster of the checkout in ``DIR``
+  (another version of the code, started by its own launcher in a child process), so that two
+  versions are compared in one run;
 - ``llamacpp``: llama-cpp-python (the optional ``bench-cpu`` extra) on the same GGUF file,
   ``n_threads`` = the core count. One stream is ``Llama.generate`` (the token generator under
   ``create_completion``, which itself stops at EOS and has no way to ignore it; a logit bias
@@ -53,6 +53,7 @@ import asyncio
 import itertools
 import os
 import shutil
+import subprocess
 import sys
 import tempfile
 import time
@@ -232,37 +233,67 @@ class Transformers:
         return Run(tokens, time.perf_counter() - start, [])
 
 
+# The cluster of another checkout, started by that checkout's own launcher in a child process
+# (its flags may differ from this one's): the child prints the gateway's address, then waits for
+# its stdin to close before it stops the cluster.
+_BASELINE_CLUSTER = """
+import sys
+from cli.launcher import LocalCluster
+cluster = LocalCluster(tls_dir=sys.argv[1], sink=lambda name, line: None)
+cluster.start(timeout_s=600)
+print(cluster.gateway_addr, flush=True)
+sys.stdin.read()
+cluster.stop()
+"""
+
+
 class Gateway:
     """A local cluster as ``tandem serve --local`` starts it (gateway, one prefill and one decode
     worker, Redis, TLS with a fresh CA, their default settings), prefix caching off; started by
     :meth:`start` in each round and stopped after it is measured, so that it takes no CPU from
-    the other engines."""
+    the other engines. With ``baseline``, the cluster of the checkout in that directory, started
+    by its own launcher in a child process."""
 
-    def __init__(self, env: dict[str, str] | None = None) -> None:
+    def __init__(self, env: dict[str, str] | None = None, baseline: Path | None = None) -> None:
         self.env = {"TANDEM_ENABLE_PREFIX_CACHING": "false", **(env or {})}
+        self.baseline = baseline
         self.cluster = None
+        self.address = ""
         self.tls_dir = ""
         self.startup_s: list[float] = []
 
     def start(self) -> None:
-        from cli.launcher import LocalCluster
         from cluster.tls import init_certs
 
         self.tls_dir = tempfile.mkdtemp(prefix="tandem-bench-certs-")
         init_certs(self.tls_dir)
-        self.cluster = LocalCluster(
-            env=self.env, tls_dir=self.tls_dir,
-            sink=lambda name, line: print(f"[{name}] {line}", file=sys.stderr)
-            if "ERROR" in line or "Traceback" in line else None)
         started = time.perf_counter()
-        self.cluster.start(timeout_s=600)
+        if self.baseline is None:
+            from cli.launcher import LocalCluster
+
+            self.cluster = LocalCluster(
+                env=self.env, tls_dir=self.tls_dir,
+                sink=lambda name, line: print(f"[{name}] {line}", file=sys.stderr)
+                if "ERROR" in line or "Traceback" in line else None)
+            self.cluster.start(timeout_s=600)
+            self.address = self.cluster.gateway_addr
+        else:
+            env = {**os.environ, **self.env, "PYTHONPATH": str(self.baseline)}
+            self.cluster = subprocess.Popen([sys.executable, "-c", _BASELINE_CLUSTER, self.tls_dir], env=env,
+                                            cwd=self.baseline, stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True)
+            self.address = self.cluster.stdout.readline().strip()
+            if not self.address:
+                raise RuntimeError(f"the baseline cluster did not start (exit {self.cluster.wait()})")
         self.startup_s.append(time.perf_counter() - started)
         self._closed_loop([WARMUP], 4, 1)  # warm-up: a first request through every process
 
     def stop(self) -> None:
-        if self.cluster is not None:
+        if isinstance(self.cluster, subprocess.Popen):
+            self.cluster.stdin.close()
+            self.cluster.wait(timeout=120)
+        elif self.cluster is not None:
             self.cluster.stop()
-            self.cluster = None
+        self.cluster = None
         shutil.rmtree(self.tls_dir, ignore_errors=True)
 
     def one_stream(self, prompts: list[list[int]], new_tokens: int) -> Run:
@@ -275,7 +306,7 @@ class Gateway:
         from bench.serving import Request, closed_loop
 
         requests = [Request(list(p), new_tokens) for p in prompts]
-        results, elapsed = asyncio.run(closed_loop(self.cluster.gateway_addr, requests, concurrency,
+        results, elapsed = asyncio.run(closed_loop(self.address, requests, concurrency,
                                                    ca_file=os.path.join(self.tls_dir, "ca.pem")))
         failed = [r.error for r in results if r.error]
         if failed:
@@ -362,7 +393,7 @@ def main(argv: list[str] | None = None) -> Path:
             engines[f"gateway_interval{args.stream_interval}"] = Gateway(
                 {"TANDEM_STREAM_INTERVAL": str(args.stream_interval)})
         if args.baseline:
-            engines["gateway_baseline"] = Gateway({"PYTHONPATH": str(args.baseline.resolve())})
+            engines["gateway_baseline"] = Gateway(baseline=args.baseline.resolve())
 
     batch = f"batch{len(prompts)}"
     rounds: list[dict[str, float]] = []
