@@ -1,0 +1,314 @@
+"""What changes the logits before a token is sampled: structured output, bad words,
+``min_tokens``, ``logit_bias`` and the repetition, frequency and presence penalties
+(:class:`engine.sampling_params.SamplingParams` says what each does, and in which order).
+
+:class:`LogitsProcessors` owns every sequence's state for them, and nothing else does: a
+penalty slot on the device (:class:`engine.runner.penalties.PenaltyRows`) and a grammar
+matcher (:mod:`engine.runner.grammar`). A sequence's state is made when it joins the sampling
+batch (the first step that samples it after it was added or preempted), from the tokens on the
+host, and dropped when it ends or is preempted (:meth:`LogitsProcessors.release`, called by the
+scheduler), so a preempted sequence rebuilds its state from its tokens when it runs again: the
+same path as a decode worker continuing a request another worker prefilled, or a stream
+resumed elsewhere after the tokens already sent.
+
+Per step, everything is batched on the device with per-row parameters, gathered once per batch
+composition into a :class:`LogitsBatch` (index tensors; the model runner rebuilds it only when
+the sampled sequences change): the structured rows' token bitmask, one accumulating
+``index_put_`` for bias and bans, one gather-compute-scatter for the penalties. A batch without
+any of it has no ``LogitsBatch`` and costs nothing.
+
+A grammar matcher is brought up to date with the host's tokens when its row's bitmask is
+filled: it accepts the output tokens that reached the host since (at join: all of them, which
+replays the output into a fresh matcher). Under async scheduling a step's tokens reach the host
+only after the next step was launched, so the engine completes the step in flight before it
+launches one that samples a structured row (``EngineCore.step``): such steps lose the overlap,
+no other step does.
+"""
+
+from __future__ import annotations
+
+import logging
+from dataclasses import dataclass
+
+import numpy as np
+import torch
+
+from engine.core.sequence import Sequence
+from engine.runner.devices import upload
+from engine.runner.grammar import Grammars
+from engine.runner.penalties import ANY_TOKEN, TAIL_TOKENS, PenaltyRows, apply_penalties, bad_word_matches
+
+logger = logging.getLogger(__name__)
+
+
+@dataclass
+class _SequenceState:
+    output_start: int  # where the output begins in token_ids (resumed tokens count as output)
+    slot: int | None  # the penalty slot (penalties or a bad word of 2+ tokens)
+    matcher: object | None  # xgrammar.GrammarMatcher of the structured output
+    num_accepted: int = 0  # output tokens the matcher has been given
+
+
+@dataclass
+class LogitsBatch:
+    """One batch composition's logit processing, as index tensors on the logits' device.
+
+    Attributes:
+        penalties: the slots the indices below point into.
+        rows: ``[r]`` int64, the rows with any processing, ascending.
+        bans_rows, bans_tokens: ``[a]`` int64, the (row, token) pairs a step adds a value to:
+            first the static ones (``logit_bias``, one-token bad words), then one per
+            (row, bad word of 2+ tokens), then one per (row, stop token) of ``min_tokens``.
+        static_values: ``[s]`` float32, the static pairs' values (bias, ``-inf``).
+        word_slots, word_prefixes: ``[p]`` int64 and ``[p, TAIL_TOKENS]`` int64, each (row,
+            bad word)'s penalty slot and right-aligned prefix.
+        min_output_starts, min_tokens: ``[m]`` int64, each ``min_tokens`` pair's first output
+            position and its ``min_tokens``.
+        penalty_rows, penalty_slots: ``[k]`` int64, the penalized rows and their slots.
+        repetition, frequency, presence: ``[k]`` float32.
+        record_rows, record_slots: ``[q]`` int64, the rows whose sampled token goes into their
+            slot (every row with one).
+        structured: ``(sequence, state)`` of each structured row, in row order.
+        structured_rows, structured_in_rows: ``[c]`` int64, their rows, and where they are in ``rows``.
+        structured_banned: whether a structured row also has bans (which may leave it no token).
+    """
+
+    penalties: PenaltyRows
+    rows: torch.Tensor
+    bans_rows: torch.Tensor
+    bans_tokens: torch.Tensor
+    static_values: torch.Tensor
+    word_slots: torch.Tensor
+    word_prefixes: torch.Tensor
+    min_output_starts: torch.Tensor
+    min_tokens: torch.Tensor
+    penalty_rows: torch.Tensor
+    penalty_slots: torch.Tensor
+    repetition: torch.Tensor
+    frequency: torch.Tensor
+    presence: torch.Tensor
+    record_rows: torch.Tensor
+    record_slots: torch.Tensor
+    structured: list[tuple[Sequence, _SequenceState]]
+    structured_rows: torch.Tensor
+    structured_in_rows: torch.Tensor
+    structured_banned: bool
+
+    def apply(self, logits: torch.Tensor, positions: torch.Tensor, bitmask: torch.Tensor | None) -> torch.Tensor:
+        """Process ``logits`` in place; returns the processed rows as they came (``[r, vocab]``,
+        for the model's log-probabilities).
+
+        Args:
+            logits: ``[n, vocab]`` float32, one row per sampled sequence.
+            positions: ``[n]`` int64, the position of the token each row samples.
+            bitmask: ``[c, ceil(vocab / 32)]`` int32 on the device, the structured rows' allowed
+                tokens (:meth:`LogitsProcessors.fill_bitmask`), or ``None`` without any.
+        """
+        raw = logits.index_select(0, self.rows)
+        if bitmask is not None:
+            _masked_rows(logits, self.structured_rows, bitmask)
+        if self.bans_rows.numel():
+            values = [self.static_values]
+            if self.word_slots.numel():
+                banned = bad_word_matches(self.penalties.tails.index_select(0, self.word_slots), self.word_prefixes)
+                values.append(torch.where(banned, float("-inf"), 0.0))
+            if self.min_tokens.numel():
+                num_output = positions.index_select(0, self.bans_rows[-self.min_tokens.numel():]) - self.min_output_starts
+                values.append(torch.where(num_output < self.min_tokens, float("-inf"), 0.0))
+            logits.index_put_((self.bans_rows, self.bans_tokens), torch.cat(values), accumulate=True)
+        if self.penalty_rows.numel():
+            rows = self.penalty_rows
+            counts = self.penalties.counts.index_select(0, self.penalty_slots)
+            in_prompt = self.penalties.in_prompt.index_select(0, self.penalty_slots)
+            penalized = apply_penalties(logits.index_select(0, rows), counts, in_prompt, self.repetition,
+                                        self.frequency, self.presence)
+            logits.index_copy_(0, rows, penalized)
+        if bitmask is not None and self.structured_banned:
+            # A ban may take the grammar's last allowed tokens (min_tokens at a complete
+            # structure): such a row samples under its bitmask alone.
+            processed = logits.index_select(0, self.structured_rows)
+            alone = raw.index_select(0, self.structured_in_rows)
+            _masked_rows(alone, None, bitmask)
+            starved = processed.amax(dim=1, keepdim=True) == float("-inf")
+            logits.index_copy_(0, self.structured_rows, torch.where(starved, alone, processed))
+        return raw
+
+
+def _masked_rows(logits: torch.Tensor, rows: torch.Tensor | None, bitmask: torch.Tensor) -> None:
+    """Set the logits of tokens ``bitmask`` disallows to ``-inf`` (xgrammar's kernel: Triton on
+    CUDA, C++ on the CPU), in ``logits[rows]`` (``rows`` ``None``: every row, one bitmask row each)."""
+    import xgrammar
+
+    vocab = logits.shape[1]
+    if rows is None:
+        xgrammar.apply_token_bitmask_inplace(logits, bitmask, vocab_size=vocab)
+        return
+    sub = logits.index_select(0, rows)
+    xgrammar.apply_token_bitmask_inplace(sub, bitmask, vocab_size=vocab)
+    logits.index_copy_(0, rows, sub)
+
+
+class LogitsProcessors:
+    """Every sampled sequence's logit-processing state, and the batches built from it.
+
+    Args:
+        vocab_size: the logits' width.
+        device: the logits' device.
+        eos_token_ids: the model's end-of-sequence tokens (what ``min_tokens`` bans with the
+            request's ``stop_token_ids``, unless it ignores EOS).
+        grammars: compiles structured output and makes matchers.
+
+    Attributes:
+        version: counts releases; a batch built before the last one may hold a freed slot
+            (the model runner rebuilds it).
+    """
+
+    def __init__(self, vocab_size: int, device: torch.device, eos_token_ids: list[int], grammars: Grammars) -> None:
+        self.vocab_size = vocab_size
+        self.device = device
+        self.eos_token_ids = sorted(eos_token_ids)
+        self.grammars = grammars
+        self.penalties = PenaltyRows(vocab_size, device)
+        self.version = 0
+        self._states: dict[Sequence, _SequenceState] = {}
+        self._num_structured = 0
+        self._stop_only = grammars.stop_only_bitmask()
+        self._bitmask = torch.zeros(0, grammars.bitmask_words, dtype=torch.int32)
+
+    @property
+    def num_sequences(self) -> int:
+        """Sequences holding state (joined, not yet ended or preempted)."""
+        return len(self._states)
+
+    @property
+    def num_structured(self) -> int:
+        """Those of them with a grammar matcher."""
+        return self._num_structured
+
+    def release(self, seq: Sequence) -> None:
+        """Drop ``seq``'s state (it ended or was preempted); nothing happens for one without."""
+        state = self._states.pop(seq, None)
+        if state is None:
+            return
+        if state.slot is not None:
+            self.penalties.free(state.slot)
+        self._num_structured -= state.matcher is not None
+        self.version += 1
+
+    def batch(self, seqs: list[Sequence]) -> LogitsBatch | None:
+        """The processing of a step that samples ``seqs`` (row ``i`` samples ``seqs[i]``);
+        ``None`` when none of them has any. A sequence without state joins here (one that
+        ended while the step was in flight gets none: its token is dropped anyway).
+
+        Raises:
+            ValueError: a structured output xgrammar refuses (the engine checked it when the
+                request was added, so only a grammar that no longer compiles).
+        """
+        if not any(s.params.processes_logits for s in seqs):
+            return None
+        ints: dict[str, list] = {key: [] for key in (
+            "rows", "static_rows", "static_tokens", "word_rows", "word_last", "word_slots", "min_rows", "min_tokens_ids",
+            "min_starts", "min_limits", "penalty_rows", "penalty_slots", "record_rows", "record_slots",
+            "structured_rows", "structured_in_rows")}
+        floats: dict[str, list] = {key: [] for key in ("static_values", "repetition", "frequency", "presence")}
+        prefixes: list[list[int]] = []
+        structured: list[tuple[Sequence, _SequenceState]] = []
+        structured_banned = False
+        for row, seq in enumerate(seqs):
+            p = seq.params
+            if not p.processes_logits or seq.is_finished:
+                continue
+            state = self._states.get(seq) or self._join(seq)
+            ints["rows"].append(row)
+            for token, bias in p.logit_bias.items():
+                ints["static_rows"].append(row), ints["static_tokens"].append(token), floats["static_values"].append(bias)
+            for word in p.bad_words_token_ids:
+                if len(word) == 1:
+                    ints["static_rows"].append(row), ints["static_tokens"].append(word[0])
+                    floats["static_values"].append(float("-inf"))
+                else:
+                    ints["word_rows"].append(row), ints["word_last"].append(word[-1])
+                    ints["word_slots"].append(state.slot)
+                    prefixes.append([ANY_TOKEN] * (TAIL_TOKENS - len(word) + 1) + word[:-1])
+            if p.min_tokens:
+                stops = set(p.stop_token_ids) | (set() if p.ignore_eos else set(self.eos_token_ids))
+                for token in sorted(stops):
+                    ints["min_rows"].append(row), ints["min_tokens_ids"].append(token)
+                    ints["min_starts"].append(seq.num_prompt_tokens), ints["min_limits"].append(p.min_tokens)
+            if p.penalized:
+                ints["penalty_rows"].append(row), ints["penalty_slots"].append(state.slot)
+                floats["repetition"].append(p.repetition_penalty), floats["frequency"].append(p.frequency_penalty)
+                floats["presence"].append(p.presence_penalty)
+            if state.slot is not None:
+                ints["record_rows"].append(row), ints["record_slots"].append(state.slot)
+            if state.matcher is not None:
+                structured.append((seq, state))
+                ints["structured_rows"].append(row), ints["structured_in_rows"].append(len(ints["rows"]) - 1)
+                structured_banned |= bool(p.bad_words_token_ids) or p.min_tokens > 0
+        if not ints["rows"]:
+            return None
+        ints["bans_rows"] = ints.pop("static_rows") + ints.pop("word_rows") + ints.pop("min_rows")
+        ints["bans_tokens"] = ints.pop("static_tokens") + ints.pop("word_last") + ints.pop("min_tokens_ids")
+        device_ints = _upload_lists(ints, np.int64, self.device)
+        device_floats = _upload_lists(floats, np.float32, self.device)
+        word_prefixes = upload(torch.tensor(prefixes, dtype=torch.int64).reshape(-1, TAIL_TOKENS), self.device)
+        return LogitsBatch(
+            penalties=self.penalties, rows=device_ints["rows"], bans_rows=device_ints["bans_rows"], bans_tokens=device_ints["bans_tokens"],
+            static_values=device_floats["static_values"], word_slots=device_ints["word_slots"],
+            word_prefixes=word_prefixes, min_output_starts=device_ints["min_starts"],
+            min_tokens=device_ints["min_limits"], penalty_rows=device_ints["penalty_rows"],
+            penalty_slots=device_ints["penalty_slots"], repetition=device_floats["repetition"],
+            frequency=device_floats["frequency"], presence=device_floats["presence"],
+            record_rows=device_ints["record_rows"], record_slots=device_ints["record_slots"], structured=structured,
+            structured_rows=device_ints["structured_rows"], structured_in_rows=device_ints["structured_in_rows"],
+            structured_banned=structured_banned)
+
+    def _join(self, seq: Sequence) -> _SequenceState:
+        p = seq.params
+        output_start = seq.num_prompt_tokens - p.num_resumed_tokens
+        slot = None
+        if p.penalized or any(len(word) > 1 for word in p.bad_words_token_ids):
+            slot = self.penalties.allocate(seq.token_ids[:output_start], seq.token_ids[output_start:])
+        matcher = self.grammars.matcher(p.structured_output) if p.structured_output is not None else None
+        state = self._states[seq] = _SequenceState(output_start, slot, matcher)
+        self._num_structured += matcher is not None
+        return state
+
+    def fill_bitmask(self, batch: LogitsBatch) -> torch.Tensor | None:
+        """The structured rows' token bitmask for this step, on the device (``None`` without
+        any): each matcher first accepts the output tokens that reached the host since its last
+        fill. Every token a structured row sampled must be on the host (``EngineCore.step``
+        completes the step in flight first).
+        """
+        if not batch.structured:
+            return None
+        count = len(batch.structured)
+        if self._bitmask.shape[0] < count:
+            self._bitmask = torch.zeros(max(count, 2 * self._bitmask.shape[0]), self.grammars.bitmask_words,
+                                        dtype=torch.int32, pin_memory=self.device.type == "cuda")
+        host = self._bitmask
+        for i, (seq, state) in enumerate(batch.structured):
+            matcher = state.matcher
+            new = seq.token_ids[state.output_start + state.num_accepted:]
+            for token in new:
+                if not matcher.is_terminated() and not matcher.accept_token(token):
+                    logger.error("request %s sample %d: token %d is outside its structured output",
+                                 seq.request_id, seq.index, token)
+            state.num_accepted += len(new)
+            if matcher.is_terminated():
+                host[i].numpy()[:] = self._stop_only
+            else:
+                matcher.fill_next_token_bitmask(host, i)
+        return host[:count] if self.device.type == "cpu" else host[:count].to(self.device, non_blocking=True)
+
+    def record(self, batch: LogitsBatch, token_ids: torch.Tensor) -> None:
+        """Count each row's sampled token into its slot (on the device, behind the sampling)."""
+        if batch.record_rows.numel():
+            self.penalties.record(batch.record_slots, token_ids.index_select(0, batch.record_rows))
+
+
+def _upload_lists(lists: dict[str, list], dtype, device: torch.device) -> dict[str, torch.Tensor]:
+    """Each list as a 1-D tensor on ``device``, all of them in one copy (views of one tensor)."""
+    sizes = [len(values) for values in lists.values()]
+    packed = upload(torch.from_numpy(np.concatenate([np.asarray(v, dtype=dtype) for v in lists.values()])), device)
+    return dict(zip(lists, packed.split(sizes)))
