@@ -211,8 +211,8 @@ class PrefillServicer(worker_pb2_grpc.PrefillWorkerServicer):
     async def _prefill(self, request_id: str, prompt: list[int], params: SamplingParams,
                        destination: KVDestination, start: float, cache_salt: str) -> worker_pb2.PrefillResponse:
         # Stop strings are the gateway's business; the first token's draw does not depend on
-        # them or on max_tokens.
-        first_params = dataclasses.replace(params, max_tokens=1, stop=[])
+        # them or on max_tokens (min_tokens only says whether it may be EOS).
+        first_params = dataclasses.replace(params, max_tokens=1, min_tokens=min(params.min_tokens, 1), stop=[])
         final, transport = None, "-"
         prefill_context = tracing.current_context()  # the chunks' parent: the Prefill call's span
         try:

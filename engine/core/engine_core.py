@@ -46,11 +46,6 @@ logger = logging.getLogger(__name__)
 T = TypeVar("T")
 
 
-def _samples_structured(step: SchedulerOutput) -> bool:
-    """Whether ``step`` samples a sequence with a structured output."""
-    return any(s.samples and s.seq.params.structured_output is not None for s in step.scheduled)
-
-
 @dataclass
 class _Request:
     request_id: str
@@ -442,10 +437,10 @@ class EngineCore:
         are in flight at once: step N+1 is scheduled and launched while step N runs on the
         device, and step N's results are processed after that launch, so the device never
         waits for the host between them; a call then returns the outputs of the step launched
-        by the call before. Without it each call launches a step and completes it. A step that
-        samples a structured-output sequence whose state the sampler holds is launched only
-        once the step before it has completed (its grammar matcher needs that step's token):
-        such steps run without the overlap.
+        by the call before. Without it each call launches a step and completes it. While a
+        structured-output sequence runs (its grammar matcher held by the sampler), the step in
+        flight completes before the next one is scheduled (the matcher needs its token): those
+        steps run without the overlap.
 
         Returns:
             The outputs of every request that gained tokens, finished, or pinned more prompt
@@ -461,13 +456,13 @@ class EngineCore:
             raise RankFailedError(self.ranks.failure)
         launched, completed = False, None
         if len(self._in_flight) < self._depth:
+            if self._in_flight and self.runner.logits.num_structured:
+                # A structured sequence's token bitmask follows its output to the last token:
+                # the step in flight's tokens reach the host before the next step is scheduled.
+                completed = self._complete(*self._in_flight.popleft())
             started = time.perf_counter()
             step = self.scheduler.schedule()
             if not step.is_empty:
-                if self._in_flight and self.runner.logits.num_structured and _samples_structured(step):
-                    # A structured row's token bitmask follows its output to the last token:
-                    # the step in flight's tokens must be on the host first.
-                    completed = self._complete(*self._in_flight.popleft())
                 self._in_flight.append((step, self._guard(self.runner.launch, step), started))
                 launched = True
         if completed is not None:

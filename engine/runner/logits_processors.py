@@ -20,9 +20,9 @@ any of it has no ``LogitsBatch`` and costs nothing.
 A grammar matcher is brought up to date with the host's tokens when its row's bitmask is
 filled: it accepts the output tokens that reached the host since (at join: all of them, which
 replays the output into a fresh matcher). Under async scheduling a step's tokens reach the host
-only after the next step was launched, so the engine completes the step in flight before it
-launches one that samples a structured row (``EngineCore.step``): such steps lose the overlap,
-no other step does.
+only after the next step was launched, so while any sequence holds a matcher the engine
+completes the step in flight before it schedules the next (``EngineCore.step``): those steps
+lose the overlap, no other step does.
 """
 
 from __future__ import annotations
@@ -278,7 +278,8 @@ class LogitsProcessors:
         """The structured rows' token bitmask for this step, on the device (``None`` without
         any): each matcher first accepts the output tokens that reached the host since its last
         fill. Every token a structured row sampled must be on the host (``EngineCore.step``
-        completes the step in flight first).
+        completes the step in flight first, and with it the copy of the last bitmask from the
+        pinned buffer this one is written into).
         """
         if not batch.structured:
             return None

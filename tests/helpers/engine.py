@@ -3,6 +3,8 @@
 
 from __future__ import annotations
 
+import dataclasses
+
 from engine import EngineCore, RequestOutput, SamplingParams
 
 
@@ -20,7 +22,7 @@ def prefill_then_decode(prefill: EngineCore, decode: EngineCore, request_id: str
     its blocks are copied byte for byte into blocks ``decode`` reserved, and ``decode`` goes on
     from the first token. Returns ``decode``'s last output."""
     ids = prefill.tokenize(prompt)
-    first = params.__class__(**{**params.__dict__, "max_tokens": 1, "stop": []})
+    first = dataclasses.replace(params, max_tokens=1, min_tokens=min(params.min_tokens, 1), stop=[])
     prefill.add_request(request_id, ids, first, pin_prompt_blocks=True)
     first_out = run_until_finished(prefill, request_id)
     src = first_out.pinned_block_ids
