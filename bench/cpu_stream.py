@@ -38,7 +38,8 @@ first disagreement, averaged over prompts, ``llamacpp_exact_matches`` the output
 for token. Prints the JSON record and writes it under ``bench/results/cpu_stream/``.
 
 Usage: ``python -m bench.cpu_stream [--max-tokens 64] [--rounds 2] [--skip-gateway]
-[--skip-llamacpp] [--skip-transformers] [--stream-interval 8] [--baseline DIR]``; llama.cpp: ``pip install -e '.[bench-cpu]'``
+[--skip-llamacpp] [--skip-transformers] [--stream-interval 8] [--baseline DIR]``; llama.cpp:
+``pip install -e '.[bench-cpu]'``
 (builds llama.cpp from source). On CPUs with AMX (Intel Sapphire Rapids and later) llama.cpp's
 AMX matmul crashes this build in its first decode (ggml-org/llama.cpp#20824): build it without,
 ``CMAKE_ARGS="-DGGML_NATIVE=OFF -DGGML_AVX2=ON -DGGML_FMA=ON -DGGML_F16C=ON -DGGML_AVX512=ON

@@ -20,7 +20,9 @@ Metrics (``decode_roofline`` records, one per model):
   first one's start to the last one's end (the profiler adds a little launch overhead, so this
   errs low); ``gpu_busy_fraction`` is the one at the largest batch;
 - ``kernels_per_step_b{B}`` and ``kernel_ms_per_step_b{B}``: device activities per step and their
-  summed time.
+  summed time, and ``kernel_ms_b{B}_{group}`` that time by kind of kernel (``KERNEL_GROUPS``: the
+  matmuls, the paged attention, the KV write, norms, RoPE, the activation, sampling, copies,
+  the rest), which says where a step's device time goes.
 
 Usage: ``python -m bench.decode_roofline [--models llama-3-8b smollm2-135m] [--batches 32,128,256]``
 """
@@ -38,9 +40,21 @@ from bench.throughput import make_prompts
 from engine import EngineConfig, EngineCore, SamplingParams
 from engine.runner.kv_cache import KVCache
 
-NEW_TOKENS = 96
+NEW_TOKENS = 160  # at batch 256 the last prompts are prefilled after ~64 steps: ~90 steady steps
 SKIP = 2
 PROFILED_STEPS = 20
+# Kinds of device activity by a word of the kernel's name (the first group that matches).
+KERNEL_GROUPS = {"gemm": ("gemm", "cutlass", "xmma", "nvjet", "sm90_", "cublas"), "attention": ("decode_attention",
+                 "prefill_attention", "attention"), "kv_write": ("write_kv", "cache_write", "rotary_write"),
+                 "norm": ("norm",), "rotary": ("rotary", "rope"), "activation": ("silu", "act"),
+                 "sampling": ("sample", "argmax", "topk", "sort", "softmax", "logsumexp", "reduce"),
+                 "copy": ("memcpy", "memset", "copy")}
+
+
+def kernel_group(name: str) -> str:
+    """The :data:`KERNEL_GROUPS` kind of a kernel's name, ``"other"`` for none."""
+    lowered = name.lower()
+    return next((group for group, words in KERNEL_GROUPS.items() if any(w in lowered for w in words)), "other")
 
 
 def bytes_per_step(engine: EngineCore, kv_tokens: int) -> int:
@@ -92,10 +106,15 @@ def profiled(engine: EngineCore, batch: int) -> dict[str, float]:
         for _ in range(PROFILED_STEPS):
             engine.step()
         torch.cuda.synchronize()
-    spans = sorted((e.time_range.start, e.time_range.end) for e in prof.events()
-                   if e.device_type == torch.autograd.DeviceType.CUDA and e.time_range.end > e.time_range.start)
+    events = [e for e in prof.events()
+              if e.device_type == torch.autograd.DeviceType.CUDA and e.time_range.end > e.time_range.start]
+    spans = sorted((e.time_range.start, e.time_range.end) for e in events)
     if not spans:
         return {}
+    by_group: dict[str, float] = {}
+    for e in events:
+        group = kernel_group(e.name)
+        by_group[group] = by_group.get(group, 0.0) + (e.time_range.end - e.time_range.start) / PROFILED_STEPS / 1e3
     busy, start, end = 0.0, spans[0][0], spans[0][1]
     for s, e in spans[1:]:
         if s > end:
@@ -106,7 +125,8 @@ def profiled(engine: EngineCore, batch: int) -> dict[str, float]:
     busy += end - start
     window = max(e for _, e in spans) - spans[0][0]
     return {f"gpu_busy_fraction_b{batch}": busy / window, f"kernels_per_step_b{batch}": len(spans) / PROFILED_STEPS,
-            f"kernel_ms_per_step_b{batch}": sum(e - s for s, e in spans) / PROFILED_STEPS / 1e3}
+            f"kernel_ms_per_step_b{batch}": sum(e - s for s, e in spans) / PROFILED_STEPS / 1e3,
+            **{f"kernel_ms_b{batch}_{group}": ms for group, ms in sorted(by_group.items())}}
 
 
 def bench_model(name: str, batches: list[int], copy_tbps: float, gpu: str, async_scheduling: bool | None) -> None:

@@ -23,7 +23,7 @@ import torch
 
 from bench.common import gpu_tag, release_engine_memory, write_result
 from bench.stats import median
-from bench.throughput import full_batch_decodes, make_prompts, run_tandem
+from bench.throughput import decode_step_intervals, full_batch_decodes, make_prompts, run_tandem
 from engine import LLM
 from engine.runner.kv_cache import KVCache
 
@@ -47,7 +47,7 @@ def measure(kv_cache_dtype: str, prompts: list[list[int]], new_tokens: int, memo
                    "max_concurrent_seqs": engine.num_blocks // blocks_per_seq,
                    "output_tokens_per_s": tokens / seconds}
         if decodes:
-            step = median(s.step_s for s in decodes)
+            step = median(decode_step_intervals(stats, len(prompts)))
             kv_read = median(s.num_kv_slots_used for s in decodes) * block_bytes / engine.config.block_size
             metrics |= {"decode_step_ms": step * 1e3, "decode_kv_gbytes": kv_read / 1e9}
         return metrics

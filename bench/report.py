@@ -294,6 +294,9 @@ HEADLINES: tuple[Headline, ...] = (
               ("", "tandem_over_llamacpp_one_stream", "x"), ("", "tandem_over_llamacpp_batch16", "x llama.cpp"))),
     Headline("Offline throughput against transformers", "throughput",
              (("", "output_tokens_per_s", " tok/s"), ("", "speedup_vs_hf_static", "x HF generate"))),
+    Headline("Decode step at batch 128 against the memory ceiling", "decode_roofline",
+             (("", "decode_step_ms_b128", " ms"), ("", "bw_fraction_b128", " of the copy bandwidth"),
+              ("GPU busy", "gpu_busy_fraction_b128", ""))),
     Headline("Paged decode attention against contiguous SDPA", "kernels",
              (("64x2048", "paged_decode_vs_sdpa_64x2048", "x"), ("1x8192", "paged_decode_vs_sdpa_1x8192", "x"))),
     Headline("A step of 64 decodes and a 512-token prompt chunk", "step_overhead",
@@ -479,14 +482,19 @@ def benchmarks_markdown(records: list[Record]) -> tuple[str, dict[str, tuple[str
 
 
 def headline_markdown(records: list[Record]) -> str:
-    """README.md's table, between the markers (inclusive)."""
+    """README.md's table, between the markers (inclusive): each headline's newest row per model
+    (docs/benchmarks.md has every device's)."""
     closed, _ = serving_rows(records)
     out = []
     for headline in HEADLINES:
         rows = closed if headline.benchmark == "serving" else benchmark_rows(records, headline.benchmark)
+        newest: dict[str, Row] = {}  # per model, on whichever device measured it last
         for row in rows:
-            if not set(headline.where) <= set(row.variant):
-                continue
+            if set(headline.where) <= set(row.variant):
+                model = row.record.model
+                if model not in newest or row.record.date > newest[model].record.date:
+                    newest[model] = row
+        for row in newest.values():
             result = ", ".join(f"{label + ' ' if label else ''}{number(row.metrics[metric])}{unit}"
                                for label, metric, unit in headline.metrics if metric in row.metrics)
             out.append([headline.title, row.record.model, row.record.device, result, _link(row.record, Path())])

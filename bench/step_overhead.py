@@ -1,8 +1,9 @@
 """What one engine step costs beside a running batch: a decode step, and a mixed step (the same
 decode plus a prompt chunk), each as wall time and as the host time until its device work is
-queued (``ModelRunner.launch`` returned; synchronous scheduling): with every CUDA graph (``graphs``: decode graphs, and piecewise graphs
-for the mixed step), with decode graphs only (``decode_graphs``: the mixed step eager, ``cuda_graph_token_sizes``
-empty), and eagerly (``eager``), one engine after another in one process.
+queued (``ModelRunner.launch`` returned; synchronous scheduling): with every CUDA graph
+(``graphs``: decode graphs, and piecewise graphs for the mixed step), with decode graphs only
+(``decode_graphs``: the mixed step eager, ``cuda_graph_token_sizes`` empty), and eagerly
+(``eager``), one engine after another in one process.
 
 Where the host's launches take longer than the device's work, an eager mixed step's cost is
 its launches and not its tokens: this measures which, for the placement model's price of a

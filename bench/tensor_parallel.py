@@ -43,7 +43,7 @@ import torch
 from bench.agreement import agreement, greedy_rows
 from bench.common import REPO_ROOT, gpu_tag, write_result
 from bench.stats import median
-from bench.throughput import full_batch_decodes, make_prompts, run_tandem
+from bench.throughput import decode_step_intervals, make_prompts, run_tandem
 
 MODEL = "llama-3-8b"
 DECODE_BATCHES = (1, 8, 32)
@@ -80,16 +80,15 @@ def measure(tp: int, quick: bool, agreement_only: bool) -> dict:
     if not agreement_only:
         for batch in DECODE_BATCHES:
             _, _, stats = run_tandem(llm, make_prompts(batch, engine.vocab_size, seed=batch), 64)
-            out[f"decode_step_ms_b{batch}"] = 1e3 * median(s.step_s for s in full_batch_decodes(stats, batch))
+            out[f"decode_step_ms_b{batch}"] = 1e3 * median(decode_step_intervals(stats, batch))
             _log(f"TP={tp}: decode step at batch {batch}: {out[f'decode_step_ms_b{batch}']:.2f} ms")
         out["gpu_busy_ms_b1"] = gpu_busy_ms(llm, make_prompts(1, engine.vocab_size, seed=1))
         prompts = make_prompts(THROUGHPUT_REQUESTS // (8 if quick else 1), engine.vocab_size)
         run_tandem(llm, prompts, 16 if quick else NEW_TOKENS)  # the first run after start-up
         elapsed, tokens, stats = run_tandem(llm, prompts, 16 if quick else NEW_TOKENS)
         out["output_tokens_per_s"] = tokens / elapsed
-        full = full_batch_decodes(stats, len(prompts))
-        if full:
-            out[f"decode_step_ms_b{len(prompts)}"] = 1e3 * median(s.step_s for s in full)
+        if intervals := decode_step_intervals(stats, len(prompts)):
+            out[f"decode_step_ms_b{len(prompts)}"] = 1e3 * median(intervals)
         _log(f"TP={tp}: {out['output_tokens_per_s']:.0f} output tokens/s")
     print("RESULT " + json.dumps(out), flush=True)  # before the shutdown: a teardown that hangs loses nothing
     engine.shutdown()

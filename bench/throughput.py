@@ -84,6 +84,13 @@ def full_batch_decodes(stats: list[StepStats], batch: int, skip: int = 2) -> lis
     return steps[skip:] if len(steps) > skip else steps
 
 
+def decode_step_intervals(stats: list[StepStats], batch: int, skip: int = 2) -> list[float]:
+    """Seconds between the completions of consecutive steady decode steps of ``batch`` sequences
+    (:func:`full_batch_decodes`): a step's cost, also where steps overlap (async scheduling)."""
+    steps = [s for s in stats if s.num_seqs == s.num_decodes == batch]
+    return [b.completed_at - a.completed_at for a, b in zip(steps, steps[1:])][skip:]
+
+
 def kv_waste(stats: list[StepStats]) -> float:
     """Mean over steps of allocated-but-unused KV slots / allocated slots."""
     fractions = [1 - s.num_kv_slots_used / s.num_kv_slots_allocated for s in stats if s.num_kv_slots_allocated]
@@ -158,8 +165,9 @@ def bench_model(name: str, args, gpu: str) -> None:
     metrics["startup_cuda_graph_s"] = startup.cuda_graph_s
     metrics["kv_waste_fraction"] = kv_waste(stats)
     decodes = full_batch_decodes(stats, count)
+    if intervals := decode_step_intervals(stats, count):
+        metrics[f"decode_step_ms_b{count}"] = median(intervals) * 1e3
     if decodes:
-        metrics[f"decode_step_ms_b{count}"] = median(s.step_s for s in decodes) * 1e3
         metrics[f"decode_prepare_ms_b{count}"] = median(s.prepare_s for s in decodes) * 1e3
         metrics[f"decode_cuda_graph_size_b{count}"] = decodes[0].cuda_graph_size or 0
     metrics["steps"] = len(stats)

@@ -317,7 +317,8 @@ def run_worker(settings: WorkerSettings, role: Role,
         logger.info("OpenTelemetry tracing on (OTLP)")
 
     async def main() -> int:
-        use_device(resolve_device(settings.engine.device))  # this thread's GPU work (KV transfers) is on the worker's GPU
+        # This thread's GPU work (KV transfers) is on the worker's GPU.
+        use_device(resolve_device(settings.engine.device))
         # The engine core is the process's heavy PyTorch user, in a process of its own; this one
         # only copies KV blocks.
         torch.set_num_threads(1)

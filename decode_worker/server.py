@@ -208,17 +208,19 @@ class DecodeServicer(worker_pb2_grpc.DecodeWorkerServicer):
             async with contextlib.aclosing(outputs) as stream:
                 async for out in stream:
                     for c in out.outputs:
-                        i = c.index
-                        held = sent[i] > 0 and len(c.token_ids) - sent[i] < self.stream_interval
-                        if done[i] or (held and not c.finished):
+                        # The output grows in place while this generator waits on its yield:
+                        # what a message carries is fixed before it is sent.
+                        i, end, finished = c.index, len(c.token_ids), c.finished
+                        held = sent[i] > 0 and end - sent[i] < self.stream_interval
+                        if done[i] or (held and not finished):
                             continue
                         yield worker_pb2.DecodeResponse(
-                            index=i, token_ids=c.token_ids[sent[i]:],
+                            index=i, token_ids=c.token_ids[sent[i]:end],
                             logprobs=[token_logprobs(t, lp, params.logprobs)
-                                      for t, lp in zip(c.token_ids[sent[i]:], c.logprobs[sent[i]:])],
+                                      for t, lp in zip(c.token_ids[sent[i]:end], c.logprobs[sent[i]:end])],
                             finish_reason=finish_reason_to_proto(c.finish_reason))
-                        sent[i], done[i] = len(c.token_ids), c.finished
-                        if c.finished and sent[i] > 1:
-                            self.metrics.tpot.observe((time.perf_counter() - start) / (sent[i] - 1))
+                        sent[i], done[i] = end, finished
+                        if finished and end > 1:
+                            self.metrics.tpot.observe((time.perf_counter() - start) / (end - 1))
         except ValueError as exc:  # the engine refused the request (blocks already freed)
             raise StatusError(grpc.StatusCode.INVALID_ARGUMENT, str(exc)) from None

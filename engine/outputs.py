@@ -77,6 +77,8 @@ class StepStats:
         execute_s: the model runner's whole step, the wait for the sampled tokens included.
         step_s: the engine's whole step, from its scheduling to its outputs (under async
             scheduling the next step's launch included, which overlaps this step's device time).
+        completed_at: ``time.perf_counter()`` when the engine had the step's results: the
+            interval between two steps' is a step's cost when steps overlap.
         num_kv_slots_used: tokens in the scheduled sequences' KV cache after the step.
         num_kv_slots_allocated: slots of the blocks those sequences hold (``block_size`` each);
             ``1 - used / allocated`` is the step's reservation waste.
@@ -93,6 +95,7 @@ class StepStats:
     num_kv_slots_allocated: int
     step_s: float = 0.0
     piecewise_graph_tokens: int | None = None
+    completed_at: float = 0.0
 
     @property
     def kind(self) -> str:

@@ -82,7 +82,8 @@ class EngineCoreProc:
         self._stopped = threading.Event()
         self._utilities: dict[str, Callable] = {
             "abort": self._abort, "release": core.release, "reserve_blocks": self._reserve_blocks,
-            "free_blocks": core.free_blocks, "abort_all": self._abort_all, "fail_all": self._fail_all,
+            "free_blocks": core.free_blocks, "abort_all": self._abort_all,
+            "fail_all": lambda reason: self._fail_requests("dead", reason),
             "num_free_blocks": lambda: core.num_free_blocks,
         }
 
@@ -140,7 +141,7 @@ class EngineCoreProc:
             step = self.core.step()
         except RankFailedError as exc:
             logger.error("engine step failed (%s); failing %d requests", exc, len(self.core.requests))
-            self._fail_all(f"the engine is down: {exc}")
+            self._fail_requests("dead", f"the engine is down: {exc}")
             self._publish()
             raise
         except Exception as exc:  # noqa: BLE001 (fails the requests, not the engine core)
@@ -216,9 +217,6 @@ class EngineCoreProc:
                 self._deltas.append(RequestFailed(request_id, "dead", failure))
             self._sent.pop(request_id, None)
         return len(ids)
-
-    def _fail_all(self, reason: str) -> None:
-        self._fail_requests("dead", reason)
 
     def _fail_requests(self, kind: str, message: str) -> None:
         for request_id in list(self.core.requests):

@@ -502,12 +502,16 @@ class EngineCore:
         was in flight keeps nothing of it but, when preempted, its sampled token."""
         result = self._guard(pending.result)
         touched: dict[str, _Request] = {}
+        bs, caching = self.config.block_size, self.config.enable_prefix_caching
         for s in step.scheduled:
-            if s.stale:
+            computed = s.num_computed_after
+            # Only a step that fills a block (or pins one) has prefix-cache or pin work.
+            if s.start // bs == computed // bs and computed != s.seq.num_prompt_tokens or s.stale:
                 continue
-            self.kv_manager.cache_computed_blocks(s.seq, s.num_computed_after)
+            if caching:
+                self.kv_manager.cache_computed_blocks(s.seq, computed)
             req = self.requests[s.seq.request_id]
-            if req.pin_prompt_blocks and self._pin_computed_prompt_blocks(req, s.seq, s.num_computed_after):
+            if req.pin_prompt_blocks and self._pin_computed_prompt_blocks(req, s.seq, computed):
                 touched[req.request_id] = req
         self.scheduler.complete(step)
         for seq, token_id, logprobs in zip(result.sequences, result.token_ids, result.logprobs):
@@ -522,7 +526,8 @@ class EngineCore:
             outputs.append(req.to_output())
             if req.finished:
                 self._retire(req)
-        stats = dataclasses.replace(result.stats, step_s=time.perf_counter() - started)
+        now = time.perf_counter()
+        stats = dataclasses.replace(result.stats, step_s=now - started, completed_at=now)
         self._step_totals[stats.kind] = self._step_totals.get(stats.kind, StepTotals()).add(stats)
         return StepOutput(outputs, True, stats)
 

@@ -89,6 +89,8 @@ class KVCacheManager:
             num_new_tokens > 0 and num_computed % bs != 0
             and self.pool.ref_counts[seq.block_table[num_computed // bs]] > 1
         )
+        if not (num_new_blocks or cow or cached_blocks):
+            return True  # (most decode steps: room in the last block, which is the sequence's own)
         revived = sum(1 for b in cached_blocks if self.pool.ref_counts[b] == 0)
         if num_new_blocks + cow + revived > self.pool.num_free_blocks:
             return False

@@ -83,7 +83,8 @@ class FollowerRanks:
         self._callbacks: list[Callable[[str], None]] = []
         self._stopping = False
         self._procs = [subprocess.Popen(
-            [sys.executable, "-m", "engine.parallel.tp_follower", json.dumps({**spec, "rank": rank, "device": str(devices[rank])})],
+            [sys.executable, "-m", "engine.parallel.tp_follower",
+             json.dumps({**spec, "rank": rank, "device": str(devices[rank])})],
             env=env, stdin=subprocess.DEVNULL) for rank in range(1, world_size)]
         try:
             self._wait_joined()

@@ -164,10 +164,15 @@ class InputBuffers:
             raise ValueError(f"pad_to is for decode-only steps; this one has {num_seqs - nd} prefill chunks")
         sampled: list[Sequence] = []
         sample_rows: list[int] = []
+        new_tokens, start_list = [], []
         for row, s in enumerate(sched):
+            new_tokens.append(s.num_new_tokens)
+            start_list.append(s.start)
             if s.samples:
-                for seq in (s.seq, *s.forks):
-                    sampled.append(seq)
+                sampled.append(s.seq)
+                sample_rows.append(row)
+                for child in s.forks:
+                    sampled.append(child)
                     sample_rows.append(row)
         num_sampled = len(sampled)
         num_tokens = step.num_tokens + num_rows - num_seqs
@@ -176,8 +181,8 @@ class InputBuffers:
         if self._uploaded is not None:
             self._uploaded.synchronize()  # the previous step's copies have left the host arrays
 
-        query_lens = np.fromiter((s.num_new_tokens for s in sched), np.int64, num_seqs)
-        starts = np.fromiter((s.start for s in sched), np.int64, num_seqs)
+        query_lens = np.array(new_tokens, dtype=np.int64)
+        starts = np.array(start_list, dtype=np.int64)
         seq_lens = self.seq_lens.host[:num_rows]
         seq_lens[:num_seqs] = starts + query_lens
         seq_lens[num_seqs:] = 0
@@ -189,16 +194,19 @@ class InputBuffers:
 
         input_ids = self.input_ids.host[:num_tokens]
         block_tables = self.block_tables.host
-        num_in_flight = 0
+        decode_ids, in_flight_rows, in_flight_sampled = [], [], []
         for row, s in enumerate(sched[:nd]):  # a decode's one new token is at its start
             tokens = s.seq.token_ids
             if s.start < len(tokens):
-                input_ids[row] = tokens[s.start]
+                decode_ids.append(tokens[s.start])
             else:  # sampled by the step in flight: read on the device
-                input_ids[row] = 0
-                self.in_flight_rows.host[num_in_flight] = row
-                self.in_flight_sampled.host[num_in_flight] = s.seq.sample_row
-                num_in_flight += 1
+                decode_ids.append(0)
+                in_flight_rows.append(row)
+                in_flight_sampled.append(s.seq.sample_row)
+        input_ids[:nd] = decode_ids
+        num_in_flight = len(in_flight_rows)
+        self.in_flight_rows.host[:num_in_flight] = in_flight_rows
+        self.in_flight_sampled.host[:num_in_flight] = in_flight_sampled
         num_blocks = 0
         written = self._rows
         for row, s in enumerate(sched):

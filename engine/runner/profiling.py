@@ -146,7 +146,8 @@ def profile_memory(model: torch.nn.Module, config: EngineConfig, dtype: torch.dt
     cache = KVCache(model.config, 1, bs, dtype, device)  # a few MiB, left in the "in use" figure
 
     def run_largest_step() -> None:
-        ModelRunner(model, cache, tokens, seqs, max_model_len).launch(largest_step(tokens, seqs, max_model_len, bs)).result()
+        runner = ModelRunner(model, cache, tokens, seqs, max_model_len)
+        runner.launch(largest_step(tokens, seqs, max_model_len, bs)).result()
 
     def run_largest_graph() -> None:
         graphs = CUDAGraphRunner(model, cache, cuda_graph_batch_sizes, cdiv(max_model_len, bs), max_model_len)

@@ -26,7 +26,7 @@ import pytest
 from gateway.auth import hash_key
 from protos.tandem.v1 import gateway_pb2
 
-from .cluster_helpers import SP, collect, free_blocks, settled_free_blocks, shared_redis_cluster, wait_free_blocks
+from tests.helpers.cluster import SP, collect, free_blocks, settled_free_blocks, shared_redis_cluster, wait_free_blocks
 
 pytestmark = pytest.mark.slow
 KEY = "openai-test-key"
