@@ -160,7 +160,8 @@ class PrefillServicer(worker_pb2_grpc.PrefillWorkerServicer):
         prompt = list(request.prompt_token_ids)
         check_prompt_ids("prompt_token_ids", prompt, self.config.max_model_len, self.config.vocab_size)
         check_cache_salt(request.cache_salt)
-        params = sampling_params_from_proto(request.sampling, len(prompt), self.config, self.limits)
+        params = sampling_params_from_proto(request.sampling, len(prompt), self.config, self.limits,
+                                            request.num_resumed_tokens)
         dest = request.destination
         if not dest.address or not dest.reservation_id:
             raise StatusError.invalid_argument("destination", "address and reservation_id must be set")
