@@ -68,9 +68,12 @@ class LogitsBatch:
         repetition, frequency, presence: ``[k]`` float32.
         record_rows, record_slots: ``[q]`` int64, the rows whose sampled token goes into their
             slot (every row with one).
-        structured: ``(sequence, state)`` of each structured row, in row order.
+        structured: ``(row, sequence, state)`` of each structured row, in row order.
         structured_rows, structured_in_rows: ``[c]`` int64, their rows, and where they are in ``rows``.
         structured_banned: whether a structured row also has bans (which may leave it no token).
+        changes_values: whether a row has a bias or a penalty (they move the logits of tokens
+            that stay allowed; a mask or a ban only takes tokens away).
+        all_rows: whether ``rows`` is every row of the batch.
     """
 
     penalties: PenaltyRows
@@ -89,24 +92,36 @@ class LogitsBatch:
     presence: torch.Tensor
     record_rows: torch.Tensor
     record_slots: torch.Tensor
-    structured: list[tuple[Sequence, _SequenceState]]
+    structured: list[tuple[int, Sequence, _SequenceState]]
     structured_rows: torch.Tensor
     structured_in_rows: torch.Tensor
     structured_banned: bool
+    changes_values: bool
+    all_rows: bool
 
-    def apply(self, logits: torch.Tensor, positions: torch.Tensor, bitmask: torch.Tensor | None) -> torch.Tensor:
-        """Process ``logits`` in place; returns the processed rows as they came (``[r, vocab]``,
-        for the model's log-probabilities).
+    def apply(self, logits: torch.Tensor, positions: torch.Tensor, bitmask: torch.Tensor | None,
+              keep_rows: bool = False) -> tuple[torch.Tensor, torch.Tensor | None]:
+        """Process ``logits`` in place; returns, for the model's log-probabilities, the processed
+        rows' log-sum-exp as they came (``[r]``) and, where the caller asks (``keep_rows``: its
+        top-N log-probabilities) or the processing needs it (a bias or penalty moves the sampled
+        token's logit; a structured row with bans may fall back to its bitmask alone), the rows
+        as they came (``[r, vocab]``; else ``None``: the sampled token's logit is unchanged).
 
         Args:
             logits: ``[n, vocab]`` float32, one row per sampled sequence.
             positions: ``[n]`` int64, the position of the token each row samples.
-            bitmask: ``[c, ceil(vocab / 32)]`` int32 on the device, the structured rows' allowed
-                tokens (:meth:`LogitsProcessors.fill_bitmask`), or ``None`` without any.
+            bitmask: ``[n', ceil(vocab / 32)]`` int32 on the device, row ``i`` the allowed tokens
+                of row ``i`` where it is structured (:meth:`LogitsProcessors.fill_bitmask`), or
+                ``None`` without any.
+            keep_rows: return the rows as they came.
         """
-        raw = logits.index_select(0, self.rows)
+        before = logits if self.all_rows else logits.index_select(0, self.rows)
+        model_lse = torch.logsumexp(before, dim=-1)
+        raw = None
+        if keep_rows or self.changes_values or self.structured_banned:
+            raw = before.clone() if self.all_rows else before
         if bitmask is not None:
-            _masked_rows(logits, self.structured_rows, bitmask)
+            _mask(logits, bitmask, self.structured_rows)
         if self.bans_rows.numel():
             values = [self.static_values]
             if self.word_slots.numel():
@@ -128,24 +143,21 @@ class LogitsBatch:
             # structure): such a row samples under its bitmask alone.
             processed = logits.index_select(0, self.structured_rows)
             alone = raw.index_select(0, self.structured_in_rows)
-            _masked_rows(alone, None, bitmask)
+            _mask(alone, bitmask.index_select(0, self.structured_rows))
             starved = processed.amax(dim=1, keepdim=True) == float("-inf")
             logits.index_copy_(0, self.structured_rows, torch.where(starved, alone, processed))
-        return raw
+        return model_lse, raw
 
 
-def _masked_rows(logits: torch.Tensor, rows: torch.Tensor | None, bitmask: torch.Tensor) -> None:
-    """Set the logits of tokens ``bitmask`` disallows to ``-inf`` (xgrammar's kernel: Triton on
-    CUDA, C++ on the CPU), in ``logits[rows]`` (``rows`` ``None``: every row, one bitmask row each)."""
+def _mask(logits: torch.Tensor, bitmask: torch.Tensor, rows: torch.Tensor | None = None) -> None:
+    """Set to ``-inf`` the logits of the tokens ``bitmask`` disallows, in place, in the ``rows``
+    of ``logits`` (``None``: all), row ``i`` by bitmask row ``i`` (xgrammar's kernel: Triton on
+    CUDA, C++ on the CPU)."""
     import xgrammar
 
-    vocab = logits.shape[1]
-    if rows is None:
-        xgrammar.apply_token_bitmask_inplace(logits, bitmask, vocab_size=vocab)
-        return
-    sub = logits.index_select(0, rows)
-    xgrammar.apply_token_bitmask_inplace(sub, bitmask, vocab_size=vocab)
-    logits.index_copy_(0, rows, sub)
+    if rows is not None and logits.device.type == "cpu":
+        rows = rows.tolist()  # the C++ kernel takes a list
+    xgrammar.apply_token_bitmask_inplace(logits, bitmask, vocab_size=logits.shape[1], indices=rows)
 
 
 class LogitsProcessors:
@@ -212,8 +224,8 @@ class LogitsProcessors:
             "structured_rows", "structured_in_rows")}
         floats: dict[str, list] = {key: [] for key in ("static_values", "repetition", "frequency", "presence")}
         prefixes: list[list[int]] = []
-        structured: list[tuple[Sequence, _SequenceState]] = []
-        structured_banned = False
+        structured: list[tuple[int, Sequence, _SequenceState]] = []
+        structured_banned = changes_values = False
         for row, seq in enumerate(seqs):
             p = seq.params
             if not p.processes_logits or seq.is_finished:
@@ -235,6 +247,7 @@ class LogitsProcessors:
                 for token in sorted(stops):
                     ints["min_rows"].append(row), ints["min_tokens_ids"].append(token)
                     ints["min_starts"].append(seq.num_prompt_tokens), ints["min_limits"].append(p.min_tokens)
+            changes_values |= p.penalized or bool(p.logit_bias)
             if p.penalized:
                 ints["penalty_rows"].append(row), ints["penalty_slots"].append(state.slot)
                 floats["repetition"].append(p.repetition_penalty), floats["frequency"].append(p.frequency_penalty)
@@ -242,7 +255,7 @@ class LogitsProcessors:
             if state.slot is not None:
                 ints["record_rows"].append(row), ints["record_slots"].append(state.slot)
             if state.matcher is not None:
-                structured.append((seq, state))
+                structured.append((row, seq, state))
                 ints["structured_rows"].append(row), ints["structured_in_rows"].append(len(ints["rows"]) - 1)
                 structured_banned |= bool(p.bad_words_token_ids) or p.min_tokens > 0
         if not ints["rows"]:
@@ -261,7 +274,8 @@ class LogitsProcessors:
             frequency=device_floats["frequency"], presence=device_floats["presence"],
             record_rows=device_ints["record_rows"], record_slots=device_ints["record_slots"], structured=structured,
             structured_rows=device_ints["structured_rows"], structured_in_rows=device_ints["structured_in_rows"],
-            structured_banned=structured_banned)
+            structured_banned=structured_banned, changes_values=changes_values,
+            all_rows=len(ints["rows"]) == len(seqs))
 
     def _join(self, seq: Sequence) -> _SequenceState:
         p = seq.params
@@ -276,19 +290,20 @@ class LogitsProcessors:
 
     def fill_bitmask(self, batch: LogitsBatch) -> torch.Tensor | None:
         """The structured rows' token bitmask for this step, on the device (``None`` without
-        any): each matcher first accepts the output tokens that reached the host since its last
-        fill. Every token a structured row sampled must be on the host (``EngineCore.step``
+        any): row ``i`` for batch row ``i`` (rows that are not structured hold stale words
+        nobody reads), up to the last structured row. Each matcher first accepts the output
+        tokens that reached the host since its last fill. Every token a structured row sampled must be on the host (``EngineCore.step``
         completes the step in flight first, and with it the copy of the last bitmask from the
         pinned buffer this one is written into).
         """
         if not batch.structured:
             return None
-        count = len(batch.structured)
+        count = batch.structured[-1][0] + 1  # rows up to the last structured one
         if self._bitmask.shape[0] < count:
             self._bitmask = torch.zeros(max(count, 2 * self._bitmask.shape[0]), self.grammars.bitmask_words,
                                         dtype=torch.int32, pin_memory=self.device.type == "cuda")
         host = self._bitmask
-        for i, (seq, state) in enumerate(batch.structured):
+        for i, seq, state in batch.structured:
             matcher = state.matcher
             new = seq.token_ids[state.output_start + state.num_accepted:]
             for token in new:

@@ -159,20 +159,23 @@ def sample(logits: torch.Tensor, batch: SamplingBatch, step_seed: tuple[int, int
         processing, as the rows without processing have them).
     """
     processing = batch.processing
-    raw = processing.apply(logits, batch.positions, bitmask) if processing is not None else None
+    if processing is not None:
+        model_lse, raw = processing.apply(logits, batch.positions, bitmask, keep_rows=batch.max_logprobs > 0)
     thresholds = filter_thresholds(logits, batch)
     token_ids, logprobs, lse = ops_for(logits.device).sample_tokens(
         logits, batch.temperature, thresholds, batch.seeds, batch.sample_indices, batch.positions, step_seed,
         random=not batch.all_greedy,
     )
     model_logits = logits
-    if raw is not None:
+    if processing is not None:
         rows = processing.rows
-        raw_lse = torch.logsumexp(raw, dim=-1)
-        chosen = raw.gather(1, token_ids.index_select(0, rows)[:, None]).squeeze(1)
-        logprobs = logprobs.index_copy(0, rows, chosen - raw_lse)
+        sampled = token_ids.index_select(0, rows)
+        # A mask or a ban never takes the sampled token: its logit is the model's but for a bias
+        # or a penalty, whose rows ``apply`` returned as they came.
+        chosen = (raw.gather(1, sampled[:, None]).squeeze(1) if raw is not None else logits[rows, sampled])
+        logprobs = logprobs.index_copy(0, rows, chosen - model_lse)
         if batch.max_logprobs:
-            lse = lse.index_copy(0, rows, raw_lse)
+            lse = lse.index_copy(0, rows, model_lse)
             model_logits = logits.index_copy(0, rows, raw)
     top_ids = top_logprobs = None
     if batch.max_logprobs:

@@ -183,6 +183,28 @@ def test_sampling_draws_from_processed_logits_but_reports_the_models_logprobs():
     top = reference.topk(3, dim=-1)
     torch.testing.assert_close(out.top_logprobs, top.values)
     assert torch.equal(out.top_ids, top.indices)
+    # without top-N: a ban (the sampled token's logit untouched) and a penalty (moved)
+    banned = int(logits[0].argmax())
+    seqs = [_seq([1], [], SamplingParams(temperature=0, bad_words_token_ids=[[banned]])),
+            _seq([1], [4], SamplingParams(temperature=0, frequency_penalty=2.0), 1)]
+    batch = SamplingBatch.from_sequences(seqs, positions, processors.batch(seqs))
+    out = sample(logits.clone(), batch, (0, 0))
+    assert out.token_ids[0] != banned and out.top_ids is None
+    torch.testing.assert_close(out.logprobs, reference.gather(1, out.token_ids[:, None]).squeeze(1))
+
+
+def test_the_mask_applies_row_i_of_the_bitmask_to_row_i_of_the_listed_rows():
+    from engine.runner.logits_processors import _mask
+
+    words = -(-VOCAB // 32)
+    bitmask = torch.zeros(3, words, dtype=torch.int32)
+    bitmask[2, 0] = 0b1010  # row 2 allows tokens 1 and 3
+    bitmask[0, 1] = 1  # row 0 (not listed) would allow token 32 only
+    logits = _logits(3, seed=13)
+    masked = logits.clone()
+    _mask(masked, bitmask, torch.tensor([2]))
+    torch.testing.assert_close(masked[:2], logits[:2])
+    assert torch.isfinite(masked[2]).tolist() == [t in (1, 3) for t in range(VOCAB)]
 
 
 def test_state_is_freed_with_the_sequence_and_a_reused_slot_refilled():
@@ -223,3 +245,38 @@ def test_slots_grow_past_the_first_allocation():
 def test_bad_values_name_the_field(kwargs, field):
     with pytest.raises(ValueError, match=f"^{field} "):
         SamplingParams(**kwargs)
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
+def test_processing_on_cuda_equals_the_cpu_step_after_step():
+    """The same batch processed and recorded on both devices, three steps running, and the
+    bitmask kernel (xgrammar's Triton one on CUDA, its C++ one on the CPU)."""
+    from engine.runner.logits_processors import _mask
+
+    params = [SamplingParams(repetition_penalty=1.3, frequency_penalty=0.5, presence_penalty=0.2),
+              SamplingParams(temperature=0), SamplingParams(bad_words_token_ids=[[30], [31, 32]], min_tokens=3,
+                                                            stop_token_ids=[7], logit_bias={5: 2.0, 6: -100.0})]
+    results = []
+    for device in (torch.device("cpu"), torch.device("cuda")):
+        processors = LogitsProcessors(VOCAB, device, [EOS], Grammars(None, VOCAB, [EOS]))
+        seqs = [_seq([1, 2, 31], [31], p, i) for i, p in enumerate(params)]
+        batch = processors.batch(seqs)
+        outs = []
+        for step, tokens in enumerate(([31, 4, 31], [5, 5, 9], [8, 8, 31])):
+            logits = _logits(3, seed=20 + step).to(device)
+            batch.apply(logits, torch.tensor([5 + step] * 3, device=device), None)
+            processors.record(batch, torch.tensor(tokens, device=device))
+            outs.append(logits.cpu())
+        results.append(outs)
+    for cpu, cuda in zip(*results):
+        torch.testing.assert_close(cuda, cpu)
+    bitmask = torch.randint(-2**31, 2**31 - 1, (3, -(-VOCAB // 32)), dtype=torch.int32,
+                            generator=torch.Generator().manual_seed(3))
+    rows = torch.tensor([0, 2])
+    masked = [_logits(3, seed=30) for _ in range(2)]
+    _mask(masked[0], bitmask, rows)
+    on_cuda = masked[1].cuda()
+    _mask(on_cuda, bitmask.cuda(), rows.cuda())
+    torch.testing.assert_close(on_cuda.cpu(), masked[0])
+    assert torch.isinf(masked[0][0]).any() and not torch.isinf(masked[0][1]).any()

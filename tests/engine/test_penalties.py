@@ -192,3 +192,25 @@ def test_greedy_equals_transformers_generate_with_its_processors(real, name):
     if name == "min_tokens":
         out = out[:len(expected)]
     assert out == expected
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
+def test_on_cuda_with_async_scheduling_and_cuda_graphs(plain):
+    """The default CUDA engine (async scheduling: a step's counts are read by the step launched
+    before its tokens reach the host; decode CUDA graphs, the processing eager after them)."""
+    engine = _engine(device="cuda", dtype="float32")
+    assert engine.async_scheduling and engine.runner.graphs is not None
+    requests = {"bias": (PROMPTS[0], dataclasses.replace(GREEDY, logit_bias={77: 100.0})),
+                **{f"rep{i}": (p, dataclasses.replace(GREEDY, repetition_penalty=10.0)) for i, p in enumerate(PROMPTS)},
+                **{f"freq{i}": (p, dataclasses.replace(GREEDY, frequency_penalty=2.0, presence_penalty=2.0))
+                   for i, p in enumerate(PROMPTS)},
+                **_processed_requests()}
+    out = _run_all(engine, requests)
+    assert out["bias"][0] == [77] * GREEDY.max_tokens
+    for request_id, tokens in out.items():
+        if request_id.startswith(("rep", "freq")):
+            assert len(set(tokens[0])) == len(tokens[0]), request_id
+    words = out["words-1"][0]
+    assert 9 not in words and all(words[i:i + 2] != [5, 6] for i in range(len(words) - 1))
+    assert engine.runner.logits.num_sequences == 0

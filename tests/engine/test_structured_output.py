@@ -216,3 +216,26 @@ def test_aborted_and_stopped_samples_free_their_matchers(model_dir):
     while engine.has_steps_in_flight:
         engine.step()
     assert engine.runner.logits.num_sequences == 0 and engine.runner.logits.num_structured == 0
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not __import__("torch").cuda.is_available(), reason="needs a CUDA GPU")
+def test_on_cuda_with_async_scheduling_and_cuda_graphs(model_dir):
+    """The default CUDA engine (async scheduling, decode CUDA graphs): every kind follows its
+    spec, sampled and greedy, beside penalized and plain requests, and nothing is left held."""
+    engine = _engine(model_dir, device="cuda")
+    assert engine.async_scheduling and engine.runner.graphs is not None
+    free = engine.num_free_blocks
+    requests = {**_requests(), **{f"s{k}": v for k, v in _requests(1.0, n=2, kinds=BOUNDED).items()},
+                "plain": ("plain text", SamplingParams(max_tokens=40, temperature=0, ignore_eos=True)),
+                "forced": ("plain text", SamplingParams(max_tokens=20, temperature=0, ignore_eos=True,
+                                                        logit_bias={7: 100.0}, frequency_penalty=1.0))}
+    done = _outputs(_run_all(engine, requests))
+    for request_id, samples in done.items():
+        if request_id in ("plain", "forced"):
+            continue
+        kind = request_id.removeprefix("s").rsplit("-", 1)[0]
+        for tokens in samples:
+            assert tokens[-1] in engine.eos_token_ids and follows(kind, SPECS[kind], _text(engine, tokens)), request_id
+    assert done["forced"][0] == [7] * 20
+    assert engine.runner.logits.num_sequences == 0 and engine.num_free_blocks == free
