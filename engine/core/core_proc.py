@@ -281,7 +281,7 @@ class EngineCoreProc:
         if params is not None and params.structured_output is not None:
             try:
                 self.core.grammars.compile(params.structured_output)
-            except ValueError:
+            except Exception:  # noqa: BLE001 (the busy loop compiles it again and refuses the request)
                 pass
 
     def _send(self) -> None:

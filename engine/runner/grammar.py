@@ -60,7 +60,10 @@ class Grammars:
         with self._lock:
             if self._compiler is None:
                 import transformers
-                import xgrammar
+                try:
+                    import xgrammar
+                except ImportError as exc:  # a dependency (pyproject.toml): refuse the request, not the engine
+                    raise ValueError(f"structured_output needs the xgrammar package: {exc}") from None
 
                 # transformers' fast tokenizer over our tokenizers backend: what xgrammar reads the
                 # vocabulary, its byte encoding and its prefix-space rule from.
