@@ -321,7 +321,7 @@ HEADLINES: tuple[Headline, ...] = (
     Headline("Prefix caching, a shared 1024-token system prompt", "prefix_cache",
              (("throughput", "throughput_speedup", "x"), ("TTFT p50", "ttft_p50_speedup", "x"))),
     Headline("Answers under a JSON schema, 64 prompts with their own schemas", "structured_output",
-             (("valid", "constrained_valid_share", " constrained"), ("", "unconstrained_valid_share", " without"),
+             (("share valid", "constrained_valid_share", " constrained"), ("", "unconstrained_valid_share", " without"),
               ("sampler added at batch 64", "sampler_added_ms_batch64", " ms a step"))),
     Headline("Soak, a fault every 30 s", "soak",
              (("completed", "completed", ""), ("hung", "hung", ""), ("leaked blocks", "leaked_blocks", ""))),

@@ -9,7 +9,7 @@ import pytest
 import torch
 
 from engine import EngineConfig, EngineCore, SamplingParams
-from tests.helpers.engine import prefill_then_decode
+from tests.helpers.engine import prefill_then_decode, run_all
 from tests.helpers.models import hf_greedy, load_hf_smollm2
 
 TINY = {"model_type": "llama", "vocab_size": 256, "hidden_size": 64, "intermediate_size": 128,
@@ -23,14 +23,8 @@ def _engine(**config) -> EngineCore:
 
 
 def _run_all(engine: EngineCore, requests: dict) -> dict[str, list[list[int]]]:
-    for request_id, (prompt, params) in requests.items():
-        engine.add_request(request_id, prompt, params)
-    done = {}
-    while len(done) < len(requests):
-        for out in engine.step().outputs:
-            if out.finished:
-                done[out.request_id] = [c.token_ids for c in out.outputs]
-    return done
+    """Each request's samples' tokens, the requests run together."""
+    return {rid: [c.token_ids for c in out.outputs] for rid, out in run_all(engine, requests).items()}
 
 
 @pytest.fixture(scope="module")

@@ -12,7 +12,7 @@ import pytest
 
 from engine import EngineConfig, EngineCore, SamplingParams
 from engine.sampling_params import StructuredOutput
-from tests.helpers.engine import prefill_then_decode, run_until_finished
+from tests.helpers.engine import prefill_then_decode, run_all, run_until_finished
 from tests.helpers.models import save_tiny_llama_with_tokenizer
 
 SCHEMA = {"type": "object", "properties": {"name": {"type": "string", "maxLength": 6},
@@ -53,17 +53,6 @@ def _engine(model_dir, **config) -> EngineCore:
     return EngineCore(model_dir, EngineConfig(block_size=8, **{"num_blocks": 128, **config}))
 
 
-def _run_all(engine: EngineCore, requests: dict[str, tuple[str | list[int], SamplingParams]]) -> dict:
-    for request_id, (prompt, params) in requests.items():
-        engine.add_request(request_id, prompt, params)
-    done = {}
-    while len(done) < len(requests):
-        for out in engine.step().outputs:
-            if out.finished:
-                done[out.request_id] = out
-    return done
-
-
 def _text(engine: EngineCore, token_ids: list[int]) -> str:
     return engine.tokenizer.decode([t for t in token_ids if t not in engine.eos_token_ids])
 
@@ -82,7 +71,7 @@ def _outputs(done: dict) -> dict:
 def reference(model_dir):
     """Every spec's outputs on a synchronous engine, greedy and sampled (n=2)."""
     engine = _engine(model_dir)
-    return _outputs(_run_all(engine, _requests())), _outputs(_run_all(engine, _requests(1.0, n=2, kinds=BOUNDED)))
+    return _outputs(run_all(engine, _requests())), _outputs(run_all(engine, _requests(1.0, n=2, kinds=BOUNDED)))
 
 
 @pytest.mark.parametrize("sampled", [False, True], ids=["greedy", "sampled"])
@@ -101,9 +90,9 @@ def test_async_scheduling_gives_the_same_outputs_and_frees_everything(model_dir,
     assert engine.async_scheduling
     free = engine.num_free_blocks
     requests = {**_requests(), "plain": ("plain text", SamplingParams(max_tokens=40, temperature=0, ignore_eos=True))}
-    done = _outputs(_run_all(engine, requests))
+    done = _outputs(run_all(engine, requests))
     assert {k: v for k, v in done.items() if k != "plain"} == reference[0]
-    sampled = _outputs(_run_all(engine, _requests(1.0, n=2, kinds=BOUNDED)))
+    sampled = _outputs(run_all(engine, _requests(1.0, n=2, kinds=BOUNDED)))
     assert sampled == reference[1]
     assert engine.runner.logits.num_sequences == 0 and engine.runner.logits.num_structured == 0
     assert engine.num_free_blocks == free
@@ -112,14 +101,14 @@ def test_async_scheduling_gives_the_same_outputs_and_frees_everything(model_dir,
 def test_a_structured_request_leaves_its_batch_mates_alone(model_dir):
     engine = _engine(model_dir, async_scheduling=True)
     plain = SamplingParams(max_tokens=40, temperature=0, ignore_eos=True)
-    alone = _outputs(_run_all(engine, {"p": ("plain text", plain)}))["p"]
-    together = _outputs(_run_all(engine, {"p": ("plain text", plain), **_requests()}))
+    alone = _outputs(run_all(engine, {"p": ("plain text", plain)}))["p"]
+    together = _outputs(run_all(engine, {"p": ("plain text", plain), **_requests()}))
     assert together["p"] == alone
 
 
 def test_preempted_sequences_rebuild_their_matchers_exactly(model_dir, reference):
     engine = _engine(model_dir, num_blocks=24)
-    done = _run_all(engine, _requests())
+    done = run_all(engine, _requests())
     assert engine.stats().num_preemptions > 0
     assert _outputs(done) == reference[0]
     assert engine.runner.logits.num_sequences == 0
@@ -138,12 +127,12 @@ def test_a_resumed_stream_continues_where_it_stopped(model_dir, kind):
     """The prompt followed by the tokens already sent, counted as output, goes on exactly."""
     engine = _engine(model_dir)
     prompt, params = _requests(frequency_penalty=0.5)[f"{kind}-0"]
-    full = _outputs(_run_all(engine, {"full": (prompt, params)}))["full"][0]
+    full = _outputs(run_all(engine, {"full": (prompt, params)}))["full"][0]
     assert len(full) > 6
     sent = full[:len(full) // 2]
     ids = engine.tokenize(prompt) + sent
     resumed = dataclasses.replace(params, max_tokens=params.max_tokens - len(sent), num_resumed_tokens=len(sent))
-    rest = _outputs(_run_all(engine, {"rest": (ids, resumed)}))["rest"][0]
+    rest = _outputs(run_all(engine, {"rest": (ids, resumed)}))["rest"][0]
     assert sent + rest == full
 
 
@@ -230,7 +219,7 @@ def test_on_cuda_with_async_scheduling_and_cuda_graphs(model_dir):
                 "plain": ("plain text", SamplingParams(max_tokens=40, temperature=0, ignore_eos=True)),
                 "forced": ("plain text", SamplingParams(max_tokens=20, temperature=0, ignore_eos=True,
                                                         logit_bias={7: 100.0}, frequency_penalty=1.0))}
-    done = _outputs(_run_all(engine, requests))
+    done = _outputs(run_all(engine, requests))
     for request_id, samples in done.items():
         if request_id in ("plain", "forced"):
             continue

@@ -1,4 +1,4 @@
-"""Test helpers that drive engines: run a request to its end, and the disaggregated path
+"""Test helpers that drive engines: run a request (or a batch of them) to its end, and the disaggregated path
 (prefill on one engine, its blocks copied, decode on another) as the workers take it."""
 
 from __future__ import annotations
@@ -14,6 +14,19 @@ def run_until_finished(engine: EngineCore, request_id: str) -> RequestOutput:
         for out in engine.step().outputs:
             if out.request_id == request_id and out.finished:
                 return out
+
+
+def run_all(engine: EngineCore, requests: dict[str, tuple[str | list[int], SamplingParams]]) -> dict[str, RequestOutput]:
+    """Add every request (id → prompt, params) to ``engine`` and step until all have finished;
+    return each one's last output."""
+    for request_id, (prompt, params) in requests.items():
+        engine.add_request(request_id, prompt, params)
+    done = {}
+    while len(done) < len(requests):
+        for out in engine.step().outputs:
+            if out.finished:
+                done[out.request_id] = out
+    return done
 
 
 def prefill_then_decode(prefill: EngineCore, decode: EngineCore, request_id: str, prompt: str | list[int],
