@@ -138,7 +138,8 @@ def sampling_params_from_proto(msg: gateway_pb2.SamplingParams, prompt_len: int,
             max_tokens=max_tokens, stop=stops, stop_token_ids=list(msg.stop_token_ids), ignore_eos=msg.ignore_eos,
             n=n, logprobs=msg.logprobs, presence_penalty=msg.presence_penalty,
             frequency_penalty=msg.frequency_penalty, logit_bias=dict(msg.logit_bias),
-            min_tokens=min(msg.min_tokens, max_tokens), bad_words_token_ids=[list(w.ids) for w in msg.bad_words_token_ids],
+            min_tokens=min(msg.min_tokens, max_tokens),
+            bad_words_token_ids=[list(w.ids) for w in msg.bad_words_token_ids],
             structured_output=structured_output_from_proto(msg, limits), num_resumed_tokens=num_resumed_tokens,
             **kwargs)
     except ValueError as exc:
@@ -165,7 +166,8 @@ def structured_output_from_proto(msg: gateway_pb2.SamplingParams, limits: Reques
     if kind is None or (kind == "json_object" and not msg.json_object):
         return None
     value = list(msg.choice.choices) if kind == "choice" else getattr(msg, kind)
-    size = sum(len(c.encode()) for c in value) if kind == "choice" else len(value.encode()) if kind != "json_object" else 0
+    texts = value if kind == "choice" else [] if kind == "json_object" else [value]
+    size = sum(len(text.encode()) for text in texts)
     if size > limits.max_structured_output_bytes:
         raise StatusError.invalid_argument(f"sampling.{kind}", f"is {size} bytes, more than "
                                                               f"{limits.max_structured_output_bytes}")

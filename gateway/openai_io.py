@@ -116,7 +116,8 @@ def _structured_output(request: SamplingRequest, sampling: gateway_pb2.SamplingP
         chosen = {kind: getattr(request.structured_outputs, "json_" if kind == "json" else kind)
                   for kind in STRUCTURED_OUTPUTS}
         given += [(kind, value, f"structured_outputs.{kind}") for kind, value in chosen.items() if value is not None]
-    given += [(kind, getattr(request, name), name) for name, kind in GUIDED.items() if getattr(request, name) is not None]
+    given += [(kind, getattr(request, name), name) for name, kind in GUIDED.items()
+              if getattr(request, name) is not None]
     for kind, value, field in given:
         set_structured_output(sampling, kind, value, field)
     if not given:

@@ -128,7 +128,8 @@ class LogitsBatch:
                 banned = bad_word_matches(self.penalties.tails.index_select(0, self.word_slots), self.word_prefixes)
                 values.append(torch.where(banned, float("-inf"), 0.0))
             if self.min_tokens.numel():
-                num_output = positions.index_select(0, self.bans_rows[-self.min_tokens.numel():]) - self.min_output_starts
+                min_rows = self.bans_rows[-self.min_tokens.numel():]
+                num_output = positions.index_select(0, min_rows) - self.min_output_starts
                 values.append(torch.where(num_output < self.min_tokens, float("-inf"), 0.0))
             logits.index_put_((self.bans_rows, self.bans_tokens), torch.cat(values), accumulate=True)
         if self.penalty_rows.numel():
@@ -218,64 +219,61 @@ class LogitsProcessors:
         """
         if not any(s.params.processes_logits for s in seqs):
             return None
-        ints: dict[str, list] = {key: [] for key in (
-            "rows", "static_rows", "static_tokens", "word_rows", "word_last", "word_slots", "min_rows", "min_tokens_ids",
-            "min_starts", "min_limits", "penalty_rows", "penalty_slots", "record_rows", "record_slots",
-            "structured_rows", "structured_in_rows")}
-        floats: dict[str, list] = {key: [] for key in ("static_values", "repetition", "frequency", "presence")}
+        rows: list[int] = []
+        static: list[tuple[int, int, float]] = []  # (row, token, bias or -inf)
+        words: list[tuple[int, int, int]] = []  # (row, last token, slot) of bad words of 2+ tokens
         prefixes: list[list[int]] = []
+        mins: list[tuple[int, int, int, int]] = []  # (row, stop token, first output position, min_tokens)
+        penalized: list[tuple[int, int, float, float, float]] = []  # (row, slot, repetition, frequency, presence)
+        recorded: list[tuple[int, int]] = []  # (row, slot)
         structured: list[tuple[int, Sequence, _SequenceState]] = []
+        structured_in_rows: list[int] = []
         structured_banned = changes_values = False
         for row, seq in enumerate(seqs):
             p = seq.params
             if not p.processes_logits or seq.is_finished:
                 continue
             state = self._states.get(seq) or self._join(seq)
-            ints["rows"].append(row)
-            for token, bias in p.logit_bias.items():
-                ints["static_rows"].append(row), ints["static_tokens"].append(token), floats["static_values"].append(bias)
-            for word in p.bad_words_token_ids:
-                if len(word) == 1:
-                    ints["static_rows"].append(row), ints["static_tokens"].append(word[0])
-                    floats["static_values"].append(float("-inf"))
-                else:
-                    ints["word_rows"].append(row), ints["word_last"].append(word[-1])
-                    ints["word_slots"].append(state.slot)
-                    prefixes.append([ANY_TOKEN] * (TAIL_TOKENS - len(word) + 1) + word[:-1])
+            rows.append(row)
+            static += [(row, token, bias) for token, bias in p.logit_bias.items()]
+            static += [(row, word[0], float("-inf")) for word in p.bad_words_token_ids if len(word) == 1]
+            for word in (w for w in p.bad_words_token_ids if len(w) > 1):
+                words.append((row, word[-1], state.slot))
+                prefixes.append([ANY_TOKEN] * (TAIL_TOKENS - len(word) + 1) + word[:-1])
             if p.min_tokens:
                 stops = set(p.stop_token_ids) | (set() if p.ignore_eos else set(self.eos_token_ids))
-                for token in sorted(stops):
-                    ints["min_rows"].append(row), ints["min_tokens_ids"].append(token)
-                    ints["min_starts"].append(seq.num_prompt_tokens), ints["min_limits"].append(p.min_tokens)
-            changes_values |= p.penalized or bool(p.logit_bias)
+                mins += [(row, token, seq.num_prompt_tokens, p.min_tokens) for token in sorted(stops)]
             if p.penalized:
-                ints["penalty_rows"].append(row), ints["penalty_slots"].append(state.slot)
-                floats["repetition"].append(p.repetition_penalty), floats["frequency"].append(p.frequency_penalty)
-                floats["presence"].append(p.presence_penalty)
+                penalized.append((row, state.slot, p.repetition_penalty, p.frequency_penalty, p.presence_penalty))
             if state.slot is not None:
-                ints["record_rows"].append(row), ints["record_slots"].append(state.slot)
+                recorded.append((row, state.slot))
             if state.matcher is not None:
                 structured.append((row, seq, state))
-                ints["structured_rows"].append(row), ints["structured_in_rows"].append(len(ints["rows"]) - 1)
+                structured_in_rows.append(len(rows) - 1)
                 structured_banned |= bool(p.bad_words_token_ids) or p.min_tokens > 0
-        if not ints["rows"]:
+            changes_values |= p.penalized or bool(p.logit_bias)
+        if not rows:
             return None
-        ints["bans_rows"] = ints.pop("static_rows") + ints.pop("word_rows") + ints.pop("min_rows")
-        ints["bans_tokens"] = ints.pop("static_tokens") + ints.pop("word_last") + ints.pop("min_tokens_ids")
-        device_ints = _upload_lists(ints, np.int64, self.device)
-        device_floats = _upload_lists(floats, np.float32, self.device)
+        ints = _upload_lists({
+            "rows": rows, "bans_rows": _column(static, 0) + _column(words, 0) + _column(mins, 0),
+            "bans_tokens": _column(static, 1) + _column(words, 1) + _column(mins, 1), "word_slots": _column(words, 2),
+            "min_starts": _column(mins, 2), "min_tokens": _column(mins, 3), "penalty_rows": _column(penalized, 0),
+            "penalty_slots": _column(penalized, 1), "record_rows": _column(recorded, 0),
+            "record_slots": _column(recorded, 1), "structured_rows": _column(structured, 0),
+            "structured_in_rows": structured_in_rows}, np.int64, self.device)
+        floats = _upload_lists({"static_values": _column(static, 2), "repetition": _column(penalized, 2),
+                                "frequency": _column(penalized, 3), "presence": _column(penalized, 4)},
+                               np.float32, self.device)
         word_prefixes = upload(torch.tensor(prefixes, dtype=torch.int64).reshape(-1, TAIL_TOKENS), self.device)
         return LogitsBatch(
-            penalties=self.penalties, rows=device_ints["rows"], bans_rows=device_ints["bans_rows"], bans_tokens=device_ints["bans_tokens"],
-            static_values=device_floats["static_values"], word_slots=device_ints["word_slots"],
-            word_prefixes=word_prefixes, min_output_starts=device_ints["min_starts"],
-            min_tokens=device_ints["min_limits"], penalty_rows=device_ints["penalty_rows"],
-            penalty_slots=device_ints["penalty_slots"], repetition=device_floats["repetition"],
-            frequency=device_floats["frequency"], presence=device_floats["presence"],
-            record_rows=device_ints["record_rows"], record_slots=device_ints["record_slots"], structured=structured,
-            structured_rows=device_ints["structured_rows"], structured_in_rows=device_ints["structured_in_rows"],
-            structured_banned=structured_banned, changes_values=changes_values,
-            all_rows=len(ints["rows"]) == len(seqs))
+            penalties=self.penalties, rows=ints["rows"], bans_rows=ints["bans_rows"], bans_tokens=ints["bans_tokens"],
+            static_values=floats["static_values"], word_slots=ints["word_slots"], word_prefixes=word_prefixes,
+            min_output_starts=ints["min_starts"], min_tokens=ints["min_tokens"], penalty_rows=ints["penalty_rows"],
+            penalty_slots=ints["penalty_slots"], repetition=floats["repetition"], frequency=floats["frequency"],
+            presence=floats["presence"], record_rows=ints["record_rows"], record_slots=ints["record_slots"],
+            structured=structured, structured_rows=ints["structured_rows"],
+            structured_in_rows=ints["structured_in_rows"], structured_banned=structured_banned,
+            changes_values=changes_values, all_rows=len(rows) == len(seqs))
 
     def _join(self, seq: Sequence) -> _SequenceState:
         p = seq.params
@@ -292,9 +290,9 @@ class LogitsProcessors:
         """The structured rows' token bitmask for this step, on the device (``None`` without
         any): row ``i`` for batch row ``i`` (rows that are not structured hold stale words
         nobody reads), up to the last structured row. Each matcher first accepts the output
-        tokens that reached the host since its last fill. Every token a structured row sampled must be on the host (``EngineCore.step``
-        completes the step in flight first, and with it the copy of the last bitmask from the
-        pinned buffer this one is written into).
+        tokens that reached the host since its last fill. Every token a structured row sampled
+        must be on the host (``EngineCore.step`` completes the step in flight first, and with it
+        the copy of the last bitmask from the pinned buffer this one is written into).
         """
         if not batch.structured:
             return None
@@ -321,6 +319,10 @@ class LogitsProcessors:
         """Count each row's sampled token into its slot (on the device, behind the sampling)."""
         if batch.record_rows.numel():
             self.penalties.record(batch.record_slots, token_ids.index_select(0, batch.record_rows))
+
+
+def _column(entries: list[tuple], i: int) -> list:
+    return [entry[i] for entry in entries]
 
 
 def _upload_lists(lists: dict[str, list], dtype, device: torch.device) -> dict[str, torch.Tensor]:

@@ -240,7 +240,8 @@ def test_slots_grow_past_the_first_allocation():
     ({"repetition_penalty": 0.0}, "repetition_penalty"), ({"presence_penalty": 2.5}, "presence_penalty"),
     ({"frequency_penalty": -3}, "frequency_penalty"), ({"logit_bias": {1: 101.0}}, "logit_bias"),
     ({"min_tokens": 20, "max_tokens": 10}, "min_tokens"), ({"bad_words_token_ids": [[]]}, "bad_words_token_ids"),
-    ({"bad_words_token_ids": [list(range(33))]}, "bad_words_token_ids"), ({"num_resumed_tokens": -1}, "num_resumed_tokens"),
+    ({"bad_words_token_ids": [list(range(33))]}, "bad_words_token_ids"),
+    ({"num_resumed_tokens": -1}, "num_resumed_tokens"),
 ])
 def test_bad_values_name_the_field(kwargs, field):
     with pytest.raises(ValueError, match=f"^{field} "):

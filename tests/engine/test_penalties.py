@@ -181,7 +181,8 @@ def test_greedy_equals_transformers_generate_with_its_processors(real, name):
         processors = {"sequence_bias": {(t,): b for t, b in bias.items()}, "eos_token_id": None}
     expected = _hf_generate(hf, prompt, **processors)
     assert expected != plain  # the processor changed the output
-    params = dataclasses.replace(params, max_tokens=32, temperature=0, ignore_eos=params.ignore_eos or name != "min_tokens")
+    params = dataclasses.replace(params, max_tokens=32, temperature=0,
+                                 ignore_eos=params.ignore_eos or name != "min_tokens")
     out = _run_all(engine, {name: (prompt, params)})[name][0]
     if name == "min_tokens":
         out = out[:len(expected)]

@@ -16,7 +16,8 @@ def run_until_finished(engine: EngineCore, request_id: str) -> RequestOutput:
                 return out
 
 
-def run_all(engine: EngineCore, requests: dict[str, tuple[str | list[int], SamplingParams]]) -> dict[str, RequestOutput]:
+def run_all(engine: EngineCore,
+            requests: dict[str, tuple[str | list[int], SamplingParams]]) -> dict[str, RequestOutput]:
     """Add every request (id → prompt, params) to ``engine`` and step until all have finished;
     return each one's last output."""
     for request_id, (prompt, params) in requests.items():
