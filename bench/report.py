@@ -262,6 +262,20 @@ BENCHMARKS: dict[str, Benchmark] = {
             Column("decode SIGSTOP: failed", "decode_sigstop_failed"),
             Column("restarted decode worker's first request (s)", "decode_restart_first_request_s"),
             Column("4 MB prompts' delay (ms)", "large_prompt_burst_delay_s", 1e3))),
+    "structured_output": Benchmark(
+        "Structured output: JSON schemas",
+        "`python -m bench.structured_output`: 64 chat prompts, each with its own JSON schema (written in the "
+        "prompt too), greedy, up to 128 tokens; the share of answers that parse and validate (`jsonschema`) "
+        "with and without the constraint, and the sampler's median time per step (bitmask fill, mask, "
+        "sample) at batch 1 and 64.", columns=(
+            Column("valid, constrained", "constrained_valid_share"),
+            Column("valid, unconstrained", "unconstrained_valid_share"),
+            Column("parsed, unconstrained", "unconstrained_parse_share"),
+            Column("compile (ms)", "compile_ms_mean"),
+            Column("sampler b1 (ms)", "sampler_ms_batch1_unconstrained"),
+            Column("sampler b1 constrained (ms)", "sampler_ms_batch1_constrained"),
+            Column("sampler b64 (ms)", "sampler_ms_batch64_unconstrained"),
+            Column("sampler b64 constrained (ms)", "sampler_ms_batch64_constrained"))),
     "soak": Benchmark(
         "CPU: soak with faults",
         "`python -m bench.soak`: mixed traffic with a fault every 30 s (SIGKILL, SIGSTOP, SIGTERM of workers, "
@@ -310,6 +324,9 @@ HEADLINES: tuple[Headline, ...] = (
              (("from → to", "cuda:0 → cuda:1"), ("KV dtype", "bfloat16"))),
     Headline("Prefix caching, a shared 1024-token system prompt", "prefix_cache",
              (("throughput", "throughput_speedup", "x"), ("TTFT p50", "ttft_p50_speedup", "x"))),
+    Headline("Answers under a JSON schema, 64 prompts with their own schemas", "structured_output",
+             (("share valid", "constrained_valid_share", " constrained"), ("", "unconstrained_valid_share", " without"),
+              ("sampler added at batch 64", "sampler_added_ms_batch64", " ms a step"))),
     Headline("Soak, a fault every 30 s", "soak",
              (("completed", "completed", ""), ("hung", "hung", ""), ("leaked blocks", "leaked_blocks", ""))),
 )

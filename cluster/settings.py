@@ -56,6 +56,11 @@ class RequestLimits:
     max_stop: int = Field(16, ge=0, description="stop strings per request at most")
     max_stop_len: int = Field(256, ge=1, description="characters per stop string at most")
     max_stop_token_ids: int = Field(64, ge=0, description="stop token ids per request at most")
+    max_logit_bias: int = Field(300, ge=0, description="sampling.logit_bias entries per request at most")
+    max_bad_words: int = Field(64, ge=0, description="bad words' token sequences per request at most (a word "
+                                                     "counts once or twice: with and without a leading space)")
+    max_structured_output_bytes: int = Field(65536, ge=1, description="UTF-8 bytes of a structured output's "
+                                                                      "schema, regex, grammar or choices at most")
 
 
 def _nested_model(annotation: object) -> bool:

@@ -9,11 +9,11 @@ from __future__ import annotations
 
 import math
 import re
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 
 from cluster.registry import Role, WorkerConfig
 from cluster.settings import RequestLimits
-from engine.sampling_params import SamplingParams
+from engine.sampling_params import MAX_BAD_WORD_TOKENS, SamplingParams, StructuredOutput
 from engine.validation import check_prompt
 from protos.status import StatusError
 from protos.tandem.v1 import gateway_pb2, worker_pb2
@@ -68,22 +68,27 @@ def check_prompt_ids(field: str, prompt_token_ids: Sequence[int], max_model_len:
 
 
 def sampling_params_from_proto(msg: gateway_pb2.SamplingParams, prompt_len: int, config: WorkerConfig,
-                               limits: RequestLimits) -> SamplingParams:
+                               limits: RequestLimits, num_resumed_tokens: int = 0) -> SamplingParams:
     """``tandem.v1.SamplingParams`` → ``engine.SamplingParams``, checked against ``limits``.
 
     Proto defaults mean what gateway.proto says: ``max_tokens`` 0 = until a stop condition or
     ``max_model_len``; a larger ``max_tokens`` than ``max_model_len - prompt_len`` is clamped to
-    it (the sample then ends with LENGTH); ``n`` 0 = 1; unset optional fields take the engine's
-    defaults.
+    it (the sample then ends with LENGTH), and ``min_tokens`` with it; ``n`` 0 = 1; unset
+    optional fields take the engine's defaults; ``json_object`` false is no structured output.
+    ``bad_words`` are text, which the gateway tokenizes into ``bad_words_token_ids`` before this
+    (``gateway.request.with_bad_words_tokenized``): a worker refuses them. A structured output's text is
+    checked here (its size, a schema's JSON); whether it compiles, by the engine.
 
     Args:
         msg: as received.
         prompt_len: tokens in the (valid) prompt.
         config: the pool's settings (``max_model_len``, ``vocab_size``).
         limits: the request caps.
+        num_resumed_tokens: of the prompt, the output already sent (a resumed stream).
 
     Raises:
-        StatusError: ``INVALID_ARGUMENT`` naming ``sampling.<field>``.
+        StatusError: ``INVALID_ARGUMENT`` naming ``sampling.<field>`` (``num_resumed_tokens``
+            itself).
     """
     def fail(name: str, message: str) -> StatusError:
         return StatusError.invalid_argument(f"sampling.{name}", message)
@@ -101,25 +106,87 @@ def sampling_params_from_proto(msg: gateway_pb2.SamplingParams, prompt_len: int,
     for i, stop in enumerate(msg.stop):
         if len(stop) > limits.max_stop_len:
             raise fail(f"stop[{i}]", f"is {len(stop)} characters, more than {limits.max_stop_len}")
-    if len(msg.stop_token_ids) > limits.max_stop_token_ids:
-        raise fail("stop_token_ids", f"at most {limits.max_stop_token_ids} ids, got {len(msg.stop_token_ids)}")
-    for i, token in enumerate(msg.stop_token_ids):
-        if token >= config.vocab_size:
-            raise fail(f"stop_token_ids[{i}]", f"token id {token} is not below vocab_size={config.vocab_size}")
-    for name in ("temperature", "top_p", "min_p"):
-        if msg.HasField(name) and not math.isfinite(getattr(msg, name)):
+    _check_token_ids(fail, "stop_token_ids", msg.stop_token_ids, limits.max_stop_token_ids, config.vocab_size)
+    for name in ("temperature", "top_p", "min_p", "repetition_penalty", "presence_penalty", "frequency_penalty"):
+        if not math.isfinite(getattr(msg, name)):
             raise fail(name, f"must be a finite number, got {getattr(msg, name)}")
+    if len(msg.logit_bias) > limits.max_logit_bias:
+        raise fail("logit_bias", f"at most {limits.max_logit_bias} entries, got {len(msg.logit_bias)}")
+    for token, bias in msg.logit_bias.items():
+        if token >= config.vocab_size:
+            raise fail(f"logit_bias[{token}]", f"token id {token} is not below vocab_size={config.vocab_size}")
+        if not math.isfinite(bias):
+            raise fail(f"logit_bias[{token}]", f"must be a finite number, got {bias}")
+    if msg.bad_words:
+        raise fail("bad_words", "is text: the gateway sends it tokenized, as bad_words_token_ids")
+    if len(msg.bad_words_token_ids) > limits.max_bad_words:
+        raise fail("bad_words_token_ids", f"at most {limits.max_bad_words} token sequences, "
+                                          f"got {len(msg.bad_words_token_ids)}")
+    for i, word in enumerate(msg.bad_words_token_ids):
+        _check_token_ids(fail, f"bad_words_token_ids[{i}]", word.ids, MAX_BAD_WORD_TOKENS, config.vocab_size)
+    if msg.max_tokens and msg.min_tokens > msg.max_tokens:
+        raise fail("min_tokens", f"must be <= max_tokens={msg.max_tokens}, got {msg.min_tokens}")
+    if not 0 <= num_resumed_tokens < prompt_len:
+        raise StatusError.invalid_argument("num_resumed_tokens", f"must be below the prompt's {prompt_len} tokens, "
+                                                                 f"got {num_resumed_tokens}")
     room = config.max_model_len - prompt_len
-    kwargs = {name: getattr(msg, name) for name in ("temperature", "top_p", "top_k", "min_p", "seed")
-              if msg.HasField(name)}
+    max_tokens = min(msg.max_tokens, room) if msg.max_tokens else room
+    kwargs = {name: getattr(msg, name) for name in ("temperature", "top_p", "top_k", "min_p", "seed",
+                                                    "repetition_penalty") if msg.HasField(name)}
     try:
         return SamplingParams(
-            max_tokens=min(msg.max_tokens, room) if msg.max_tokens else room, stop=stops,
-            stop_token_ids=list(msg.stop_token_ids), ignore_eos=msg.ignore_eos, n=n,
-            logprobs=msg.logprobs, **kwargs)
-    except ValueError as exc:  # SamplingParams names the field first: "top_p must be in (0, 1], ..."
-        name, _, message = str(exc).partition(" ")
-        raise fail(name, message) from None
+            max_tokens=max_tokens, stop=stops, stop_token_ids=list(msg.stop_token_ids), ignore_eos=msg.ignore_eos,
+            n=n, logprobs=msg.logprobs, presence_penalty=msg.presence_penalty,
+            frequency_penalty=msg.frequency_penalty, logit_bias=dict(msg.logit_bias),
+            min_tokens=min(msg.min_tokens, max_tokens),
+            bad_words_token_ids=[list(w.ids) for w in msg.bad_words_token_ids],
+            structured_output=structured_output_from_proto(msg, limits), num_resumed_tokens=num_resumed_tokens,
+            **kwargs)
+    except ValueError as exc:
+        raise engine_refusal(exc) from None
+
+
+def engine_refusal(exc: ValueError) -> StatusError:
+    """The engine's refusal of sampling parameters (its message starts with the field: ``top_p
+    must be in (0, 1], ...``) as ``INVALID_ARGUMENT`` naming ``sampling.<field>``."""
+    name, _, message = str(exc).partition(" ")
+    return StatusError.invalid_argument(f"sampling.{name}", message)
+
+
+def structured_output_from_proto(msg: gateway_pb2.SamplingParams, limits: RequestLimits) -> StructuredOutput | None:
+    """``SamplingParams``' ``structured_output`` oneof as the engine's
+    :class:`~engine.sampling_params.StructuredOutput` (``None``: unset, or ``json_object`` false).
+
+    Raises:
+        StatusError: ``INVALID_ARGUMENT`` naming ``sampling.<field>``: more than
+            ``max_structured_output_bytes`` of text, no choice, an empty one, a schema that is
+            not JSON of an object or a boolean.
+    """
+    kind = msg.WhichOneof("structured_output")
+    if kind is None or (kind == "json_object" and not msg.json_object):
+        return None
+    value = list(msg.choice.choices) if kind == "choice" else getattr(msg, kind)
+    texts = value if kind == "choice" else [] if kind == "json_object" else [value]
+    size = sum(len(text.encode()) for text in texts)
+    if size > limits.max_structured_output_bytes:
+        raise StatusError.invalid_argument(f"sampling.{kind}", f"is {size} bytes, more than "
+                                                              f"{limits.max_structured_output_bytes}")
+    if kind == "choice" and not value:
+        raise StatusError.invalid_argument("sampling.choice", "must hold at least one choice")
+    try:
+        return StructuredOutput(**{kind: value})
+    except ValueError as exc:
+        raise engine_refusal(exc) from None
+
+
+def _check_token_ids(fail: Callable[[str, str], StatusError], field: str, ids: Sequence[int], max_count: int,
+                     vocab_size: int) -> None:
+    """Refuse more than ``max_count`` ids, or one not below ``vocab_size``, naming ``field``."""
+    if len(ids) > max_count:
+        raise fail(field, f"at most {max_count} ids, got {len(ids)}")
+    for i, token in enumerate(ids):
+        if token >= vocab_size:
+            raise fail(f"{field}[{i}]", f"token id {token} is not below vocab_size={vocab_size}")
 
 
 def token_logprobs(token_id: int, logprobs: dict[int, float], num_top: int) -> gateway_pb2.TokenLogprobs:

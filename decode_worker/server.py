@@ -25,8 +25,8 @@ from cluster.log import request_id_var
 from cluster.metrics import WorkerMetrics
 from cluster.registry import Role
 from cluster.translate import (
-    check_cache_salt, check_prompt_ids, check_request_id, finish_reason_to_proto, sampling_params_from_proto,
-    token_logprobs, worker_config_to_proto,
+    check_cache_salt, check_prompt_ids, check_request_id, engine_refusal, finish_reason_to_proto,
+    sampling_params_from_proto, token_logprobs, worker_config_to_proto,
 )
 from cluster.worker import Admission, kv_transport, published_config, request_outcome
 from decode_worker.settings import DecodeWorkerSettings
@@ -105,12 +105,15 @@ class DecodeServicer(worker_pb2_grpc.DecodeWorkerServicer):
             prompt = list(request.prompt_token_ids)
             check_prompt_ids("prompt_token_ids", prompt, self.config.max_model_len, self.config.vocab_size)
             check_cache_salt(request.cache_salt)
+            params = sampling_params_from_proto(request.sampling, len(prompt), self.config, self.limits)
             if request_id in self._decoding:
                 raise StatusError(grpc.StatusCode.ALREADY_EXISTS, f"request {request_id!r} is already decoding")
             try:
-                block_ids, num_cached = await self.engine.reserve_blocks(prompt, request.cache_salt)
+                block_ids, num_cached = await self.engine.reserve_blocks(prompt, request.cache_salt, params)
             except NoFreeBlocksError as exc:
                 raise StatusError(grpc.StatusCode.RESOURCE_EXHAUSTED, f"no room for the prompt's KV: {exc}") from None
+            except ValueError as exc:  # the engine refuses the parameters (a grammar it cannot compile)
+                raise engine_refusal(exc) from None
             try:
                 reservation = self.table.reserve(request_id, block_ids, num_cached=num_cached,
                                                  prompt_key=prompt_key(prompt, request.cache_salt))
@@ -185,7 +188,8 @@ class DecodeServicer(worker_pb2_grpc.DecodeWorkerServicer):
         prompt = list(request.prompt_token_ids)
         check_prompt_ids("prompt_token_ids", prompt, self.config.max_model_len, self.config.vocab_size)
         check_cache_salt(request.cache_salt)
-        params = sampling_params_from_proto(request.sampling, len(prompt), self.config, self.limits)
+        params = sampling_params_from_proto(request.sampling, len(prompt), self.config, self.limits,
+                                            request.num_resumed_tokens)
         first = list(request.first_token_ids)
         wanted = 0 if request.local_prefill else params.n
         if len(first) != wanted:

@@ -36,7 +36,7 @@ from gateway.request import CheckedRequest
 from gateway.router import ClusterView, Route
 from gateway.worker_calls import TimeLeft, WorkerCalls, remaining
 from protos.status import StatusError
-from protos.tandem.v1 import gateway_pb2, worker_pb2
+from protos.tandem.v1 import worker_pb2
 
 _ABORT_TIMEOUT_S = 2.0
 
@@ -115,7 +115,8 @@ class Attempts:
         route, rid, calls = attempt.route, attempt.worker_request_id, self.calls
         prompt, sampling, pool = request.prompt, request.sampling, request.pool
         admit = self.clients.decode(route.decode.address).Admit(
-            worker_pb2.AdmitRequest(request_id=rid, prompt_token_ids=prompt, cache_salt=attempt.cache_salt),
+            worker_pb2.AdmitRequest(request_id=rid, prompt_token_ids=prompt, cache_salt=attempt.cache_salt,
+                                    sampling=sampling),
             timeout=calls.hop_timeout(time_left))
         attempt.calls.append(admit)
         admitted = await calls.staged(admit, "Admit", route.decode, time_left)
@@ -140,7 +141,7 @@ class Attempts:
         if placement.local:
             attempt.prefill_counted = attempt.prefill_holds = False
             self.view.prefill_done(route)
-            call = self.decode_call(attempt, prompt, [], sampling, time_left, local_prefill=True)
+            call = self.decode_call(attempt, request, [], time_left, local_prefill=True)
             timeout_s = calls.hop_timeout(time_left, self.pace.timeout_s(
                 route.decode.worker_id, self.placement.queued(route.decode.worker_id) + local_tokens))
             with self._prefilling(route.decode.worker_id, local_tokens, placement):
@@ -158,7 +159,8 @@ class Attempts:
             route.prefill.worker_id, self.placement.queued(route.prefill.worker_id) + len(prompt)))
         prefill = self.clients.prefill_on(route.prefill).Prefill(
             worker_pb2.PrefillRequest(request_id=rid, prompt_token_ids=prompt, sampling=sampling,
-                                      destination=destination, cache_salt=attempt.cache_salt),
+                                      destination=destination, cache_salt=attempt.cache_salt,
+                                      num_resumed_tokens=request.num_resumed_tokens),
             timeout=timeout_s)
         attempt.calls.append(prefill)
         with self._prefilling(route.prefill.worker_id, remote_tokens, placement) as measured:
@@ -170,13 +172,15 @@ class Attempts:
         metrics.PREFILLS.labels(placement.kind if placement.kind == LENT else "remote", response.kv_transport).inc()
         return response
 
-    def decode_call(self, attempt: Attempt, prompt: list[int], first_ids: list[int],
-                    sampling: gateway_pb2.SamplingParams, time_left: TimeLeft, local_prefill: bool = False):
-        """Start the try's Decode stream (the client's deadline as its timeout)."""
+    def decode_call(self, attempt: Attempt, request: CheckedRequest, first_ids: list[int], time_left: TimeLeft,
+                    local_prefill: bool = False):
+        """Start the try's Decode stream of ``request`` (as the workers get it) after ``first_ids``
+        (the client's deadline as its timeout)."""
         call = self.clients.decode(attempt.route.decode.address).Decode(
             worker_pb2.DecodeRequest(request_id=attempt.worker_request_id, reservation_id=attempt.reservation_id,
-                                     prompt_token_ids=prompt, first_token_ids=first_ids, sampling=sampling,
-                                     local_prefill=local_prefill, cache_salt=attempt.cache_salt),
+                                     prompt_token_ids=request.prompt, first_token_ids=first_ids,
+                                     sampling=request.sampling, local_prefill=local_prefill,
+                                     cache_salt=attempt.cache_salt, num_resumed_tokens=request.num_resumed_tokens),
             timeout=remaining(time_left))
         attempt.calls.append(call)
         attempt.decode_call = call

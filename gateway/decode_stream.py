@@ -76,7 +76,7 @@ class DecodeStreamer:
                 self.placement.slack.decoding(decode.worker_id, lambda: output.most_tokens() - tokens_past,
                                               output.max_tokens - tokens_past):
             call = attempt.decode_call if first is None else self.attempts.decode_call(
-                attempt, request.prompt, [t.token_id for t in first.first_tokens], request.sampling, time_left)
+                attempt, request, [t.token_id for t in first.first_tokens], time_left)
             async with contextlib.aclosing(self._decode_stream(attempt, call, output)) as responses:
                 async for response in responses:
                     yield response

@@ -27,6 +27,7 @@ from gateway import kserve_io
 from gateway.auth import tenant_var
 from gateway.frontend import FrontEnd, renamed
 from gateway.kserve_io import INPUTS, OUTPUTS, InferRequest
+from gateway.vllm_params import STRUCTURED_OUTPUTS
 from protos.inference import grpc_service_pb2 as kserve, grpc_service_pb2_grpc, model_config_pb2
 from protos.status import StatusError
 
@@ -35,7 +36,10 @@ MODEL_VERSION = "1"
 _CONFIG_TYPES = {"BYTES": model_config_pb2.TYPE_STRING, "BOOL": model_config_pb2.TYPE_BOOL,
                  "UINT32": model_config_pb2.TYPE_UINT32}
 # The native field an error names → the KServe input it came from.
-_KSERVE_NAMES = {"prompt": "text_input", "sampling.": "sampling_parameters."}
+_KSERVE_NAMES = {"prompt": "text_input",
+                 **{f"sampling.{native}": f"sampling_parameters.structured_outputs.{kind}"
+                    for kind, native in STRUCTURED_OUTPUTS.items()},
+                 "sampling.": "sampling_parameters."}
 
 
 def _server_version() -> str:

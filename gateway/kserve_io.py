@@ -2,7 +2,10 @@
 its vLLM backend), so that existing Triton clients work unchanged.
 
 Inputs (each of shape ``[1]``): ``text_input`` (BYTES, required), ``stream`` (BOOL),
-``sampling_parameters`` (BYTES: a JSON object; a value may be a string, ``"0.7"``),
+``sampling_parameters`` (BYTES: a JSON object of vLLM's sampling parameters that Tandem has:
+``temperature`` ... ``seed``, ``stop``, ``stop_token_ids``, ``ignore_eos``, ``n`` (1), the
+penalties, ``min_tokens``, ``logit_bias``, ``bad_words``, ``structured_outputs``; a value may be
+a string, ``"0.7"``, a list or an object its JSON text),
 ``exclude_input_in_output``, ``return_finish_reason``, ``return_num_input_tokens``,
 ``return_num_output_tokens`` (BOOL). Outputs: ``text_output`` (BYTES) always; ``finish_reason``
 (BYTES), ``num_input_tokens`` and ``num_output_tokens`` (UINT32) when asked for. A streamed
@@ -20,6 +23,7 @@ import math
 import struct
 from dataclasses import dataclass
 
+from gateway.vllm_params import set_logit_bias, set_structured_outputs
 from protos.inference import grpc_service_pb2 as kserve
 from protos.status import StatusError
 from protos.tandem.v1 import gateway_pb2
@@ -32,8 +36,8 @@ INPUTS = {"text_input": ("BYTES", True), "stream": ("BOOL", False), "sampling_pa
 OUTPUTS = {"text_output": ("BYTES", [-1]), "finish_reason": ("BYTES", [-1]), "num_input_tokens": ("UINT32", [1]),
            "num_output_tokens": ("UINT32", [1])}
 # Triton's vLLM backend takes vLLM's SamplingParams; these are the ones Tandem has, by type.
-_FLOAT_PARAMS = ("temperature", "top_p", "min_p")
-_INT_PARAMS = ("top_k", "max_tokens", "seed")
+_FLOAT_PARAMS = ("temperature", "top_p", "min_p", "presence_penalty", "frequency_penalty", "repetition_penalty")
+_INT_PARAMS = ("top_k", "max_tokens", "seed", "min_tokens")
 # vLLM's default max_tokens, which a Triton vLLM client gets when it sets none.
 DEFAULT_MAX_TOKENS = 16
 _FINISH_NAMES = {gateway_pb2.FINISH_REASON_STOP: "stop", gateway_pb2.FINISH_REASON_LENGTH: "length",
@@ -118,7 +122,8 @@ def _number(name: str, value, kind: type):
     return number
 
 
-def _stop_strings(value) -> list[str]:
+def _strings(name: str, value) -> list[str]:
+    """``stop`` or ``bad_words``: one string, a list of them, or that list as JSON text."""
     if isinstance(value, str):
         try:
             decoded = json.loads(value)  # a list sent as a JSON string, as string-typed clients do
@@ -126,7 +131,18 @@ def _stop_strings(value) -> list[str]:
             return [value]
         value = decoded if isinstance(decoded, list) else [value]
     if not isinstance(value, list) or not all(isinstance(v, str) for v in value):
-        raise StatusError.invalid_argument("sampling_parameters.stop", "must be a string or a list of strings")
+        raise StatusError.invalid_argument(f"sampling_parameters.{name}", "must be a string or a list of strings")
+    return value
+
+
+def _object(name: str, value):
+    """``logit_bias`` or ``structured_outputs``: a JSON object, or its JSON text (what a
+    string-typed client sends)."""
+    if isinstance(value, str):
+        try:
+            return json.loads(value)
+        except ValueError:
+            raise StatusError.invalid_argument(f"sampling_parameters.{name}", "is not JSON") from None
     return value
 
 
@@ -157,8 +173,12 @@ def sampling_from_json(data: bytes) -> gateway_pb2.SamplingParams:
             if number < 0 and name != "top_k":
                 raise StatusError.invalid_argument(f"sampling_parameters.{name}", f"must be >= 0, got {number}")
             setattr(sampling, name, number)
-        elif name == "stop":
-            sampling.stop.extend(_stop_strings(value))
+        elif name in ("stop", "bad_words"):
+            getattr(sampling, name).extend(_strings(name, value))
+        elif name == "logit_bias":
+            set_logit_bias(sampling, _object(name, value), "sampling_parameters.logit_bias")
+        elif name == "structured_outputs":
+            set_structured_outputs(sampling, _object(name, value), "sampling_parameters.structured_outputs")
         elif name == "stop_token_ids":
             ids = json.loads(value) if isinstance(value, str) else value
             if not isinstance(ids, list) or not all(isinstance(i, int) and i >= 0 for i in ids):

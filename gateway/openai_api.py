@@ -138,7 +138,8 @@ class OpenAIApi:
         body = await self._parse(request, kind)
         self._check_model(body.model)
         request_id = request.headers.get("x-request-id") or f"{id_prefix}-{uuid.uuid4().hex}"
-        generate = openai_io.generate_request(body, request_id)
+        generate, renames = openai_io.generate_request(body, request_id)
+        names = {**renames, **names}
         deadline = _deadline(request.headers.get("x-request-timeout"))
         slot = contextlib.ExitStack()
         if tenant is not None:

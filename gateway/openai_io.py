@@ -1,12 +1,12 @@
 """OpenAI's requests ↔ Tandem's request and responses.
 
 :func:`generate_request` is the one mapping of an OpenAI request onto a native
-``tandem.v1.GenerateRequest``: every field the engine serves is set there, and every field it
-does not serve yet is listed in :data:`NOT_YET` with its neutral value (accepted; anything
-else is INVALID_ARGUMENT naming the field, "not supported yet"). Wiring a new engine field is
-one change here: set it on the native request and drop it from :data:`NOT_YET`. Ranges are the
-native path's to check (:mod:`gateway.request`); its refusals name the native field, which
-:data:`CHAT_NAMES` and :data:`COMPLETION_NAMES` rename into OpenAI's.
+``tandem.v1.GenerateRequest``: every field the engine serves is set there (OpenAI's, and
+vLLM's extras: ``top_k``, ``min_p``, ``repetition_penalty``, ``min_tokens``, ``bad_words``,
+``stop_token_ids``, ``ignore_eos``, ``structured_outputs`` and its earlier ``guided_*`` names).
+Ranges are the native path's to check (:mod:`gateway.request`); its refusals name the native
+field, which :data:`CHAT_NAMES` and :data:`COMPLETION_NAMES` rename into OpenAI's, and the
+renames :func:`generate_request` returns name the field a structured output came from.
 
 The responses are built from the native messages (:class:`Choices` collects them): text, finish
 reasons (``stop``, ``length``, ``abort``), log-probabilities with each token's text and bytes,
@@ -21,23 +21,12 @@ from dataclasses import dataclass, field
 
 from gateway.openai_models import (ChatCompletionRequest, ChatLogprobs, CompletionLogprobs, CompletionRequest,
                                    PromptTokensDetails, SamplingRequest, TokenLogprob, TopLogprob, Usage)
+from gateway.vllm_params import STRUCTURED_OUTPUTS, set_logit_bias, set_structured_output
 from protos.status import StatusError
 from protos.tandem.v1 import gateway_pb2
 
-# Fields the engine does not serve yet → whether a value is the neutral one (what a client that
-# leaves the field out sends).
-NOT_YET: dict[str, Callable[[object], bool]] = {
-    "presence_penalty": lambda v: v == 0,
-    "frequency_penalty": lambda v: v == 0,
-    "repetition_penalty": lambda v: v == 1,
-    "logit_bias": lambda v: not v,
-    "min_tokens": lambda v: v == 0,
-    "bad_words": lambda v: not v,
-    "response_format": lambda v: v is None or v.type == "text",
-    "regex": lambda v: v is None,
-    "choice": lambda v: v is None,
-    "grammar": lambda v: v is None,
-}
+# vLLM's earlier names of structured outputs' kinds, still sent by many clients.
+GUIDED = {"guided_json": "json", "guided_regex": "regex", "guided_choice": "choice", "guided_grammar": "grammar"}
 # The native field an error names → OpenAI's, tried in order (gateway.frontend.renamed).
 _COMMON_NAMES = {"sampling.": "", "token_ids.ids": "prompt", "request_id": "x-request-id"}
 CHAT_NAMES = {"sampling.logprobs": "top_logprobs", "chat.messages": "messages", "chat": "messages", **_COMMON_NAMES}
@@ -47,17 +36,19 @@ FINISH_REASONS = {gateway_pb2.FINISH_REASON_STOP: "stop", gateway_pb2.FINISH_REA
 
 
 def generate_request(request: ChatCompletionRequest | CompletionRequest,
-                     request_id: str) -> gateway_pb2.GenerateRequest:
-    """The native request of an OpenAI one.
+                     request_id: str) -> tuple[gateway_pb2.GenerateRequest, dict[str, str]]:
+    """The native request of an OpenAI one, and the renames of the native fields it set under
+    other names (``sampling.json_schema`` → ``response_format.json_schema.schema``, ...), for
+    :func:`gateway.frontend.renamed` before :data:`CHAT_NAMES` / :data:`COMPLETION_NAMES`.
 
     Raises:
-        StatusError: ``INVALID_ARGUMENT`` naming the OpenAI field: a value of a field the engine
-            does not serve yet, a content part that is not text, more than one prompt.
+        StatusError: ``INVALID_ARGUMENT`` naming the OpenAI field: a content part that is not
+            text, more than one prompt, a ``response_format`` type other than ``text``,
+            ``json_object`` and ``json_schema`` (or one without a schema), more than one
+            structured output, a ``logit_bias`` key that is not a token id.
     """
-    for name, neutral in NOT_YET.items():
-        if not neutral(getattr(request, name)):
-            raise StatusError.invalid_argument(name, "not supported yet (only its neutral value is accepted)")
-    generate = gateway_pb2.GenerateRequest(request_id=request_id, sampling=_sampling(request))
+    sampling, renames = _sampling(request)
+    generate = gateway_pb2.GenerateRequest(request_id=request_id, sampling=sampling)
     if isinstance(request, ChatCompletionRequest):
         if request.top_logprobs and not request.logprobs:
             raise StatusError.invalid_argument("top_logprobs", "needs logprobs true")
@@ -66,7 +57,7 @@ def generate_request(request: ChatCompletionRequest | CompletionRequest,
             generate.sampling.max_tokens = request.max_completion_tokens
         generate.chat.messages.extend(gateway_pb2.ChatMessage(role=m.role, content=_text(i, m.content))
                                       for i, m in enumerate(request.messages))
-        return generate
+        return generate, renames
     if request.echo:
         raise StatusError.invalid_argument("echo", "not supported yet")
     if request.suffix:
@@ -84,22 +75,55 @@ def generate_request(request: ChatCompletionRequest | CompletionRequest,
         generate.prompt = prompt
     else:
         generate.token_ids.ids.extend(prompt)
-    return generate
+    return generate, renames
 
 
-def _sampling(request: SamplingRequest) -> gateway_pb2.SamplingParams:
+def _sampling(request: SamplingRequest) -> tuple[gateway_pb2.SamplingParams, dict[str, str]]:
     sampling = gateway_pb2.SamplingParams(n=request.n, ignore_eos=request.ignore_eos,
                                           stop=[request.stop] if isinstance(request.stop, str) else request.stop,
-                                          stop_token_ids=request.stop_token_ids)
+                                          stop_token_ids=request.stop_token_ids, min_tokens=request.min_tokens,
+                                          bad_words=request.bad_words)
     # OpenAI's completions default to 16 new tokens; a chat goes on until a stop or max_model_len.
     sampling.max_tokens = request.max_tokens or (16 if isinstance(request, CompletionRequest) else 0)
-    for name in ("temperature", "top_p", "top_k", "min_p", "seed"):
+    for name in ("temperature", "top_p", "top_k", "min_p", "seed", "presence_penalty", "frequency_penalty",
+                 "repetition_penalty"):
         value = getattr(request, name)
         if value is not None:
             if isinstance(value, float) and not math.isfinite(value):
                 raise StatusError.invalid_argument(name, f"must be a finite number, got {value}")
             setattr(sampling, name, value)
-    return sampling
+    if request.logit_bias:
+        set_logit_bias(sampling, request.logit_bias, "logit_bias")
+    return sampling, _structured_output(request, sampling)
+
+
+def _structured_output(request: SamplingRequest, sampling: gateway_pb2.SamplingParams) -> dict[str, str]:
+    """Set the request's structured output (``response_format``, ``structured_outputs`` or a
+    ``guided_*`` field) on ``sampling``; returns the rename of the native field it set."""
+    given: list[tuple[str, object, str]] = []  # (vLLM's kind, value, OpenAI's field)
+    form = request.response_format
+    if form is not None and form.type != "text":
+        if form.type == "json_object":
+            given.append(("json_object", True, "response_format"))
+        elif form.type == "json_schema":
+            if form.json_schema is None or form.json_schema.schema_ is None:
+                raise StatusError.invalid_argument("response_format.json_schema.schema", "is required")
+            given.append(("json", form.json_schema.schema_, "response_format.json_schema.schema"))
+        else:
+            raise StatusError.invalid_argument("response_format.type", f"must be text, json_object or json_schema, "
+                                                                       f"got {form.type!r}")
+    if request.structured_outputs is not None:
+        chosen = {kind: getattr(request.structured_outputs, "json_" if kind == "json" else kind)
+                  for kind in STRUCTURED_OUTPUTS}
+        given += [(kind, value, f"structured_outputs.{kind}") for kind, value in chosen.items() if value is not None]
+    given += [(kind, getattr(request, name), name) for name, kind in GUIDED.items()
+              if getattr(request, name) is not None]
+    for kind, value, field in given:
+        set_structured_output(sampling, kind, value, field)
+    if not given:
+        return {}
+    kind, _, field = given[0]
+    return {f"sampling.{STRUCTURED_OUTPUTS[kind]}": field}
 
 
 def _text(index: int, content: str | list | None) -> str:

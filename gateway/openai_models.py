@@ -29,10 +29,31 @@ class StreamOptions(_Request):
     include_usage: bool = False
 
 
+class JsonSchemaFormat(_Request):
+    """``response_format.json_schema``: the schema the answer follows (``schema``; ``name``,
+    ``description`` and ``strict`` are accepted and not read: the output always follows it)."""
+
+    name: str | None = None
+    description: str | None = None
+    schema_: dict | bool | None = Field(None, alias="schema")
+    strict: bool | None = None
+
+
 class ResponseFormat(_Request):
-    """``response_format``: only ``text`` is served yet."""
+    """``response_format``: ``text``, ``json_object`` (any JSON object) or ``json_schema``."""
 
     type: str = "text"
+    json_schema: JsonSchemaFormat | None = None
+
+
+class StructuredOutputs(_Request):
+    """vLLM's ``structured_outputs``: exactly one of its kinds."""
+
+    json_: str | dict | bool | None = Field(None, alias="json")
+    json_object: bool | None = None
+    regex: str | None = None
+    choice: list[str] | None = None
+    grammar: str | None = None
 
 
 class TextPart(_Request):
@@ -50,11 +71,8 @@ class ChatMessage(_Request):
 
 
 class SamplingRequest(_Request):
-    """The fields both endpoints share.
-
-    ``presence_penalty`` ... ``grammar`` are not in the engine yet: their neutral value is
-    accepted and any other refused, naming the field (:data:`gateway.openai_io.NOT_YET`).
-    """
+    """The fields both endpoints share: OpenAI's, then vLLM's extras (``guided_*`` are vLLM's
+    earlier names of ``structured_outputs``' kinds)."""
 
     model: str
     n: Count = 1
@@ -63,6 +81,10 @@ class SamplingRequest(_Request):
     max_tokens: Count | None = None
     temperature: float | None = None
     top_p: float | None = None
+    presence_penalty: float | None = None
+    frequency_penalty: float | None = None
+    logit_bias: dict[str, float] | None = None
+    response_format: ResponseFormat | None = None
     stream: bool = False
     stream_options: StreamOptions | None = None
     user: str | None = None
@@ -71,17 +93,14 @@ class SamplingRequest(_Request):
     min_p: float | None = None
     ignore_eos: bool = False
     stop_token_ids: list[UInt32] | None = None
-    # not in the engine yet
-    presence_penalty: float = 0.0
-    frequency_penalty: float = 0.0
-    repetition_penalty: float = 1.0
-    logit_bias: dict[str, float] | None = None
-    min_tokens: int = 0
+    repetition_penalty: float | None = None
+    min_tokens: UInt32 = 0
     bad_words: list[str] | None = None
-    response_format: ResponseFormat | None = None
-    regex: str | None = None
-    choice: list[str] | None = None
-    grammar: str | None = None
+    structured_outputs: StructuredOutputs | None = None
+    guided_json: str | dict | bool | None = None
+    guided_regex: str | None = None
+    guided_choice: list[str] | None = None
+    guided_grammar: str | None = None
 
 
 class ChatCompletionRequest(SamplingRequest):

@@ -27,7 +27,7 @@ from cluster.registry import WorkerConfig
 from cluster.settings import RequestLimits
 from cluster.translate import REQUEST_ID_MAX_CHARS, check_prompt_ids, check_request_id, sampling_params_from_proto
 from engine.block_hash import hash_blocks, salted_seed
-from engine.sampling_params import SamplingParams
+from engine.sampling_params import MAX_BAD_WORD_TOKENS, SamplingParams
 from engine.tokenizer import Tokenizer
 from gateway.auth import Tenant
 from gateway.heap import HeapTrimmer
@@ -56,6 +56,7 @@ class CheckedRequest:
         pool: the settings of the pool that serves it (block size, hash seed, limits).
         slo: its latency objectives (the gateway's where it sets none).
         tenant: the caller (``None``: the gateway is open).
+        num_resumed_tokens: of ``prompt``, the tokens already sent (a resumed try: 0 else).
     """
 
     request_id: str
@@ -66,6 +67,7 @@ class CheckedRequest:
     pool: WorkerConfig
     slo: ServiceLevel
     tenant: Tenant | None
+    num_resumed_tokens: int = 0
 
     @property
     def cache_salt(self) -> str:
@@ -74,13 +76,15 @@ class CheckedRequest:
 
     def resumed(self, sent: list[int]) -> CheckedRequest:
         """The request as a resumed try gives it to the workers, after ``sent`` tokens of its one
-        sample: the prompt followed by them, ``max_tokens`` reduced by them (``params`` stays
-        the client's)."""
+        sample: the prompt followed by them (counted as output: ``num_resumed_tokens``, for the
+        penalties, bad words and structured output), ``max_tokens`` and ``min_tokens`` reduced
+        by them (``params`` stays the client's)."""
         prompt = self.prompt + sent
         sampling = gateway_pb2.SamplingParams()
         sampling.CopyFrom(self.sampling)
         sampling.max_tokens = self.params.max_tokens - len(sent)
-        return dataclasses.replace(self, prompt=prompt, sampling=sampling,
+        sampling.min_tokens = max(0, self.params.min_tokens - len(sent))
+        return dataclasses.replace(self, prompt=prompt, sampling=sampling, num_resumed_tokens=len(sent),
                                    block_hashes=_block_hashes(prompt, self.pool, self.tenant))
 
 
@@ -164,11 +168,54 @@ class Intake:
         which, prompt = await self.tokenize(request)
         pool = self.pool()
         check_prompt_ids(_input_field(which), prompt, pool.max_model_len, pool.vocab_size)
-        params = sampling_params_from_proto(request.sampling, len(prompt), pool, self.limits)
+        sampling = request.sampling
+        if sampling.bad_words:
+            sampling = await self.tokenizer_pool.run(with_bad_words_tokenized, sampling, self.model.tokenizer,
+                                                     self.limits.max_bad_words)
+        params = sampling_params_from_proto(sampling, len(prompt), pool, self.limits)
         if params.stop and self.model.tokenizer is None:
             raise StatusError.invalid_argument("sampling.stop", "this model has no tokenizer to match text")
-        return CheckedRequest(request_id, prompt, _block_hashes(prompt, pool, tenant), request.sampling, params,
+        return CheckedRequest(request_id, prompt, _block_hashes(prompt, pool, tenant), sampling, params,
                               pool, slo, tenant)
+
+
+def with_bad_words_tokenized(sampling: gateway_pb2.SamplingParams, tokenizer: Tokenizer | None,
+                             max_bad_words: int) -> gateway_pb2.SamplingParams:
+    """``sampling`` with its ``bad_words`` (text) turned into token sequences after its own
+    ``bad_words_token_ids``, as vLLM turns them: each word (leading spaces stripped) encoded as
+    it is, and with a space before it where that encodes to as many tokens, starting with
+    another (the word in the middle of a text); no special tokens.
+
+    Raises:
+        StatusError: ``INVALID_ARGUMENT`` naming ``sampling.bad_words``: more than
+            ``max_bad_words`` words or token sequences, a word with no tokens or more than
+            :data:`engine.sampling_params.MAX_BAD_WORD_TOKENS`, a model without a tokenizer.
+    """
+    if tokenizer is None:
+        raise StatusError.invalid_argument("sampling.bad_words", "this model has no tokenizer; send "
+                                                                 "bad_words_token_ids")
+    if len(sampling.bad_words) > max_bad_words:
+        raise StatusError.invalid_argument("sampling.bad_words", f"at most {max_bad_words} words, "
+                                                                 f"got {len(sampling.bad_words)}")
+    words: list[list[int]] = []
+    for i, word in enumerate(sampling.bad_words):
+        alone = tokenizer.encode(word.lstrip(), add_special_tokens=False)
+        if not 0 < len(alone) <= MAX_BAD_WORD_TOKENS:
+            raise StatusError.invalid_argument(f"sampling.bad_words[{i}]", f"is {len(alone)} tokens; it must be 1 "
+                                                                           f"to {MAX_BAD_WORD_TOKENS}")
+        words.append(alone)
+        spaced = tokenizer.encode(" " + word.lstrip(), add_special_tokens=False)
+        if len(spaced) == len(alone) and spaced[0] != alone[0]:
+            words.append(spaced)
+    if len(sampling.bad_words_token_ids) + len(words) > max_bad_words:
+        raise StatusError.invalid_argument("sampling.bad_words", f"at most {max_bad_words} token sequences with "
+                                                                 f"bad_words_token_ids, got "
+                                                                 f"{len(sampling.bad_words_token_ids) + len(words)}")
+    tokenized = gateway_pb2.SamplingParams()
+    tokenized.CopyFrom(sampling)
+    del tokenized.bad_words[:]
+    tokenized.bad_words_token_ids.extend(gateway_pb2.TokenIds(ids=ids) for ids in words)
+    return tokenized
 
 
 def _check_request_size(size: int, max_request_bytes: int) -> None:

@@ -116,7 +116,9 @@ def expired(time_left: TimeLeft) -> bool:
 
 def client_status(failure: WorkerCallError) -> StatusError:
     """The client's status for a worker error that is not retried (a worker's own failure,
-    a per-hop or stall timeout included: UNAVAILABLE)."""
+    a per-hop or stall timeout included: UNAVAILABLE). The message names the call, but for an
+    INVALID_ARGUMENT the worker found in the request: that one starts with the field, as the
+    gateway's own refusals do."""
     code = failure.code
     if failure.worker_fault or code == grpc.StatusCode.CANCELLED:
         code = grpc.StatusCode.UNAVAILABLE
@@ -124,6 +126,8 @@ def client_status(failure: WorkerCallError) -> StatusError:
         code = grpc.StatusCode.INTERNAL
     elif code in (grpc.StatusCode.NOT_FOUND, grpc.StatusCode.PERMISSION_DENIED):
         code = grpc.StatusCode.UNAVAILABLE  # a lost reservation, a refused peer: the cluster's fault, not the client's
+    elif code == grpc.StatusCode.INVALID_ARGUMENT:
+        return StatusError(code, failure.details)
     return StatusError(code, f"{failure.stage}: {failure.details}")
 
 

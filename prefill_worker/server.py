@@ -160,7 +160,8 @@ class PrefillServicer(worker_pb2_grpc.PrefillWorkerServicer):
         prompt = list(request.prompt_token_ids)
         check_prompt_ids("prompt_token_ids", prompt, self.config.max_model_len, self.config.vocab_size)
         check_cache_salt(request.cache_salt)
-        params = sampling_params_from_proto(request.sampling, len(prompt), self.config, self.limits)
+        params = sampling_params_from_proto(request.sampling, len(prompt), self.config, self.limits,
+                                            request.num_resumed_tokens)
         dest = request.destination
         if not dest.address or not dest.reservation_id:
             raise StatusError.invalid_argument("destination", "address and reservation_id must be set")
@@ -211,8 +212,8 @@ class PrefillServicer(worker_pb2_grpc.PrefillWorkerServicer):
     async def _prefill(self, request_id: str, prompt: list[int], params: SamplingParams,
                        destination: KVDestination, start: float, cache_salt: str) -> worker_pb2.PrefillResponse:
         # Stop strings are the gateway's business; the first token's draw does not depend on
-        # them or on max_tokens.
-        first_params = dataclasses.replace(params, max_tokens=1, stop=[])
+        # them or on max_tokens (min_tokens only says whether it may be EOS).
+        first_params = dataclasses.replace(params, max_tokens=1, min_tokens=min(params.min_tokens, 1), stop=[])
         final, transport = None, "-"
         prefill_context = tracing.current_context()  # the chunks' parent: the Prefill call's span
         try:

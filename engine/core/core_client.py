@@ -395,15 +395,19 @@ class EngineCoreClient:
         """Unpin a request's pinned prompt blocks (returns at once, like :meth:`abort`)."""
         return self._call("release", request_id)
 
-    async def reserve_blocks(self, prompt_ids: list[int], cache_salt: str = "") -> tuple[list[int], int]:
+    async def reserve_blocks(self, prompt_ids: list[int], cache_salt: str = "",
+                             params: SamplingParams | None = None) -> tuple[list[int], int]:
         """Reserve a prompt's blocks for incoming KV (``EngineCore.reserve_blocks``: cached leading
-        blocks reused, headroom for the running batch kept free); ``(block_ids, num_cached)``.
-        A caller cancelled meanwhile gives the blocks back when they come.
+        blocks reused, headroom for the running batch kept free, ``params`` checked first);
+        ``(block_ids, num_cached)``. A caller cancelled meanwhile gives the blocks back when
+        they come.
 
         Raises:
             NoFreeBlocksError: the pool cannot hold them now.
+            ValueError: the engine refuses ``params`` (the message names the field).
         """
-        future = self._call("reserve_blocks", list(prompt_ids), cache_salt, self._block_hashes(prompt_ids, cache_salt))
+        future = self._call("reserve_blocks", list(prompt_ids), cache_salt, self._block_hashes(prompt_ids, cache_salt),
+                            params)
         try:
             block_ids, num_cached = await asyncio.shield(future)
         except asyncio.CancelledError:

@@ -39,6 +39,7 @@ from engine.core.messages import (
     Ready, Reply, Request, RequestDelta, RequestFailed, SampleDelta, Shutdown, StartupFailed,
 )
 from engine.outputs import RequestOutput
+from engine.sampling_params import SamplingParams
 from engine.parallel.child import exit_with_parent
 from engine.parallel.distributed import RankFailedError
 from engine.runner.devices import use_device
@@ -80,7 +81,7 @@ class EngineCoreProc:
         self._iteration_started: float | None = None  # None while waiting for work
         self._stopped = threading.Event()
         self._utilities: dict[str, Callable] = {
-            "abort": self._abort, "release": core.release, "reserve_blocks": core.reserve_blocks,
+            "abort": self._abort, "release": core.release, "reserve_blocks": self._reserve_blocks,
             "free_blocks": core.free_blocks, "abort_all": self._abort_all,
             "fail_all": lambda reason: self._fail_requests("dead", reason),
             "num_free_blocks": lambda: core.num_free_blocks,
@@ -191,6 +192,10 @@ class EngineCoreProc:
             self._publish()  # a reply follows every output its call caused (an abort's last)
             self._outputs.put(reply)
 
+    def _reserve_blocks(self, prompt_token_ids: list[int], cache_salt: str, block_hashes: list[bytes] | None,
+                        params: dict | None = None) -> tuple[list[int], int]:
+        return self.core.reserve_blocks(prompt_token_ids, cache_salt, block_hashes, _params(params))
+
     def _abort(self, request_id: str) -> bool:
         pinned = self.core.release(request_id)
         out = self.core.abort_request(request_id)
@@ -254,9 +259,30 @@ class EngineCoreProc:
             except msgspec.ValidationError as exc:
                 logger.error("a request from the front end does not decode: %s", exc)
                 continue
+            self._compile_ahead(request)
             self._inputs.put(request)
             if isinstance(request, Shutdown):
                 return
+
+    def _compile_ahead(self, request: Request) -> None:
+        """Compile a request's structured output here, on the input thread, before the busy loop
+        takes the request: compiling releases the GIL, so the running steps go on meanwhile,
+        and the busy loop finds the grammar in the compiler's cache (``engine.runner.grammar``).
+        A spec that does not compile is refused by the busy loop, naming the field."""
+        if isinstance(request, (AddRequest, AddPrefilledRequest)):
+            params = request.params
+        elif isinstance(request, Call) and request.method == "reserve_blocks" and len(request.args) > 3:
+            try:
+                params = _params(request.args[3])
+            except ValueError:
+                return
+        else:
+            return
+        if params is not None and params.structured_output is not None:
+            try:
+                self.core.grammars.compile(params.structured_output)
+            except Exception:  # noqa: BLE001 (the busy loop compiles it again and refuses the request)
+                pass
 
     def _send(self) -> None:
         encoder = msgspec.msgpack.Encoder()
@@ -269,6 +295,20 @@ class EngineCoreProc:
             if item is None:
                 return
             self._output_socket.send(encoder.encode(item), copy=False)
+
+
+def _params(args: dict | None) -> SamplingParams | None:
+    """A :class:`Call`'s sampling parameters (msgpack'd as a map, its arguments being untyped).
+
+    Raises:
+        ValueError: a field out of range (``SamplingParams``' own checks).
+    """
+    if args is None:
+        return None
+    try:
+        return msgspec.convert(args, SamplingParams)
+    except msgspec.ValidationError as exc:
+        raise ValueError(f"params: {exc}") from None
 
 
 # --------------------------------------------------------------------------- process

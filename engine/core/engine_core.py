@@ -34,6 +34,8 @@ from engine.outputs import CompletionOutput, EngineStats, RequestOutput, StepOut
 from engine.parallel.distributed import RankFailedError
 from engine.parallel.tp_ranks import FollowerRanks
 from engine.runner.devices import resolve_device, resolve_dtype, resolve_kv_cache_dtype, use_device
+from engine.runner.grammar import Grammars
+from engine.runner.logits_processors import LogitsProcessors
 from engine.runner.model_runner import PendingStep
 from engine.runner.model_shard import PoolAllocator, build_shard
 from engine.sampling_params import SamplingParams
@@ -145,6 +147,9 @@ class EngineCore:
         self.kv_manager = KVCacheManager(self.block_pool, bs, self.hash_seed, config.enable_prefix_caching)
         self.scheduler = Scheduler(self.kv_manager, config.max_num_seqs,
                                    config.max_num_batched_tokens, self.max_model_len)
+        self.grammars = Grammars(self.tokenizer, self.vocab_size, self.eos_token_ids)
+        self.runner.logits = LogitsProcessors(self.vocab_size, self.device, sorted(self.eos_token_ids), self.grammars)
+        self.scheduler.on_release = self.runner.logits.release
         self.requests: dict[str, _Request] = {}
         self.pinned: dict[str, list[int]] = {}  # finished requests whose pinned blocks await release
         self._arrivals = itertools.count()
@@ -200,16 +205,22 @@ class EngineCore:
 
         Raises:
             ValueError: naming the field: ``n`` above ``max_num_seqs`` (its samples could never
-                all run), ``logprobs`` above the vocabulary size, a stop token id outside the
-                vocabulary.
+                all run), ``logprobs`` above the vocabulary size, a stop token id, a
+                ``logit_bias`` key or a bad word's token outside the vocabulary, a structured
+                output this engine cannot compile (``json_schema``, ``regex``, ``choice``,
+                ``grammar``: it is compiled here, and cached).
         """
         if params.n > self.config.max_num_seqs:
             raise ValueError(f"n must be <= max_num_seqs={self.config.max_num_seqs}, got {params.n}")
         if params.logprobs > self.vocab_size:
             raise ValueError(f"logprobs must be <= vocab_size={self.vocab_size}, got {params.logprobs}")
-        bad = next((t for t in params.stop_token_ids if t >= self.vocab_size), None)
-        if bad is not None:
-            raise ValueError(f"stop_token_ids has {bad}, not below vocab_size={self.vocab_size}")
+        for name, tokens in (("stop_token_ids", params.stop_token_ids), ("logit_bias", params.logit_bias),
+                             ("bad_words_token_ids", [t for word in params.bad_words_token_ids for t in word])):
+            bad = next((t for t in tokens if t >= self.vocab_size), None)
+            if bad is not None:
+                raise ValueError(f"{name} has {bad}, not below vocab_size={self.vocab_size}")
+        if params.structured_output is not None:
+            self.grammars.compile(params.structured_output)
 
     def add_request(self, request_id: str, prompt: str | list[int], params: SamplingParams,
                     pin_prompt_blocks: bool = False, release_blocks: list[int] = (), cache_salt: str = "",
@@ -245,13 +256,15 @@ class EngineCore:
         return req.prompt_token_ids
 
     def _new_request(self, request_id: str, prompt: str | list[int], params: SamplingParams,
-                     cache_salt: str = "", block_hashes: list[bytes] | None = None) -> _Request:
+                     cache_salt: str = "", block_hashes: list[bytes] | None = None,
+                     first_token_ids: list[int] = ()) -> _Request:
         if request_id in self.requests or request_id in self.pinned:
             raise ValueError(f"request_id {request_id!r} is already in use")
         token_ids = self.tokenize(prompt)
         self.validate_prompt(token_ids)
         self.validate_params(params)
         self._check_block_hashes(token_ids, block_hashes)
+        self._check_output_so_far(token_ids, params, first_token_ids)
         arrival = next(self._arrivals)
         seqs = [Sequence(request_id, i, list(token_ids), len(token_ids), params, arrival,
                          block_hashes=list(block_hashes or ()), cache_salt=cache_salt) for i in range(params.n)]
@@ -260,6 +273,29 @@ class EngineCore:
                        seqs, [CompletionOutput(i) for i in range(params.n)])
         self.requests[request_id] = req
         return req
+
+    def _check_output_so_far(self, prompt_token_ids: list[int], params: SamplingParams,
+                             first_token_ids: list[int]) -> None:
+        """Refuse a request whose output so far (its resumed tokens, the prompt's last
+        ``num_resumed_tokens``, then each sample's first token) is not one its structured
+        output allows, before it joins a batch.
+
+        Raises:
+            ValueError: naming ``num_resumed_tokens`` (not below the prompt's length),
+                ``prompt_token_ids`` or ``first_token_ids``.
+        """
+        resumed = params.num_resumed_tokens
+        if resumed >= len(prompt_token_ids):
+            raise ValueError(f"num_resumed_tokens must be below the prompt's {len(prompt_token_ids)} tokens, "
+                             f"got {resumed}")
+        spec = params.structured_output
+        if spec is None:
+            return
+        output = prompt_token_ids[len(prompt_token_ids) - resumed:]
+        if not first_token_ids:
+            self.grammars.replay(spec, output, "prompt_token_ids")
+        for token in dict.fromkeys(first_token_ids):
+            self.grammars.replay(spec, output + [token], "first_token_ids")
 
     def stop_sample(self, request_id: str, index: int, stop_reason: str) -> None:
         """End sample ``index`` of a request with ``finish_reason="stop"`` because the front end
@@ -321,11 +357,14 @@ class EngineCore:
             raise ValueError(f"block_hashes has {len(block_hashes)} hashes for {full} full blocks")
 
     def reserve_blocks(self, prompt_token_ids: list[int], cache_salt: str = "",
-                       block_hashes: list[bytes] | None = None) -> tuple[list[int], int]:
+                       block_hashes: list[bytes] | None = None,
+                       params: SamplingParams | None = None) -> tuple[list[int], int]:
         """Reserve the blocks of a prompt whose KV another worker will send (or this one will
         compute, see ``add_request(release_blocks=...)``), reusing the leading full blocks the
         prefix cache holds under ``cache_salt`` (``KVCacheManager.reserve``). ``block_hashes``:
-        the prompt's :meth:`block_hashes`, when the caller has them.
+        the prompt's :meth:`block_hashes`, when the caller has them. ``params``: the request's
+        sampling parameters, checked first (:meth:`validate_params`: a structured output is
+        compiled), so a request this engine would refuse holds no block.
 
         Admission control: one free block per running or waiting sequence stays free as
         headroom, so a new reservation never forces the running batch into preemption at its
@@ -337,8 +376,11 @@ class EngineCore:
 
         Raises:
             engine.core.block_pool.NoFreeBlocksError: the pool cannot hold them now.
-            ValueError: ``block_hashes`` not one per full block.
+            ValueError: ``block_hashes`` not one per full block; ``params`` refused (naming
+                the field).
         """
+        if params is not None:
+            self.validate_params(params)
         self._check_block_hashes(prompt_token_ids, block_hashes)
         headroom = len(self.scheduler.running) + len(self.scheduler.waiting)
         return self.kv_manager.reserve(prompt_token_ids, headroom, cache_salt, block_hashes)
@@ -376,7 +418,7 @@ class EngineCore:
             raise ValueError(f"first_token_ids must be in [0, {self.vocab_size})")
         if len(block_ids) != cdiv(len(prompt_token_ids), self.config.block_size):
             raise ValueError(f"block_ids has {len(block_ids)} blocks for {len(prompt_token_ids)} tokens")
-        req = self._new_request(request_id, prompt_token_ids, params, cache_salt, block_hashes)
+        req = self._new_request(request_id, prompt_token_ids, params, cache_salt, block_hashes, first_token_ids)
         self.kv_manager.adopt(req.seqs, block_ids, len(prompt_token_ids))
         for seq, token_id in zip(req.seqs, first_token_ids):
             seq.forks = []
@@ -395,7 +437,10 @@ class EngineCore:
         are in flight at once: step N+1 is scheduled and launched while step N runs on the
         device, and step N's results are processed after that launch, so the device never
         waits for the host between them; a call then returns the outputs of the step launched
-        by the call before. Without it each call launches a step and completes it.
+        by the call before. Without it each call launches a step and completes it. While a
+        structured-output sequence runs (its grammar matcher held by the sampler), the step in
+        flight completes before the next one is scheduled (the matcher needs its token): those
+        steps run without the overlap.
 
         Returns:
             The outputs of every request that gained tokens, finished, or pinned more prompt
@@ -409,13 +454,19 @@ class EngineCore:
         """
         if self.ranks is not None and self.ranks.failure is not None:
             raise RankFailedError(self.ranks.failure)
-        launched = False
+        launched, completed = False, None
         if len(self._in_flight) < self._depth:
+            if self._in_flight and self.runner.logits.num_structured:
+                # A structured sequence's token bitmask follows its output to the last token:
+                # the step in flight's tokens reach the host before the next step is scheduled.
+                completed = self._complete(*self._in_flight.popleft())
             started = time.perf_counter()
             step = self.scheduler.schedule()
             if not step.is_empty:
                 self._in_flight.append((step, self._guard(self.runner.launch, step), started))
                 launched = True
+        if completed is not None:
+            return completed
         if self._in_flight and (len(self._in_flight) == self._depth or not launched):
             return self._complete(*self._in_flight.popleft())
         return StepOutput([], launched)

@@ -19,6 +19,7 @@ freed when that step completes (:meth:`Scheduler.complete`).
 from __future__ import annotations
 
 from collections import deque
+from collections.abc import Callable
 from dataclasses import dataclass, field
 
 from engine.core.kv_cache_manager import KVCacheManager
@@ -108,6 +109,9 @@ class Scheduler:
         self.num_preemptions = 0
         self.last_step_id = 0  # the last step scheduled
         self.completed_step_id = 0  # every step up to this one has completed
+        # Told of each sequence that is preempted or finishes: what the sampler holds for it
+        # (engine.runner.logits_processors) goes with its blocks.
+        self.on_release: Callable[[Sequence], None] | None = None
 
     def add(self, seq: Sequence) -> None:
         """Queue a new sequence (FCFS)."""
@@ -213,6 +217,8 @@ class Scheduler:
         # Freed at once even if a step in flight writes its blocks: the next step, which may
         # reuse them, runs after it on the device, and no command runs before it completes.
         self.kv.free(seq)
+        if self.on_release is not None:
+            self.on_release(seq)
         seq.status = SequenceStatus.WAITING
         seq.num_preemptions += 1
         self.num_preemptions += 1
@@ -228,4 +234,6 @@ class Scheduler:
             self.waiting.remove(seq)
         in_flight = seq.scheduled_step > self.completed_step_id
         self.kv.free(seq, until_step=seq.scheduled_step if in_flight else None)
+        if self.on_release is not None:
+            self.on_release(seq)
         seq.status = SequenceStatus.FINISHED

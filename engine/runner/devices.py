@@ -86,3 +86,13 @@ def device_ids(tensors: list[torch.Tensor]) -> tuple[str, ...]:
     ``nvidia-smi -L`` prints; a MIG instance's own), sorted, each once: the same string in every
     process and container that uses the GPU, whatever its CUDA index there. Host memory has none."""
     return tuple(sorted({f"GPU-{torch.cuda.get_device_properties(t.device).uuid}" for t in tensors if t.is_cuda}))
+
+
+def upload(host: torch.Tensor, device: torch.device) -> torch.Tensor:
+    """A CPU tensor on ``device`` without waiting for the work queued there: through pinned
+    memory, asynchronously (a copy from pageable memory would wait for the step in flight).
+    PyTorch's pinned-memory allocator keeps the staging buffer until the copy is done. On the
+    CPU, ``host`` itself."""
+    if device.type != "cuda":
+        return host
+    return host.pin_memory().to(device, non_blocking=True)

@@ -28,6 +28,7 @@ from engine.core.block_pool import cdiv
 from engine.runner.cuda_graphs import CUDAGraphRunner
 from engine.runner.input_buffers import InputBuffers, StepInputs
 from engine.runner.kv_cache import KVCache
+from engine.runner.logits_processors import LogitsProcessors
 from engine.outputs import StepStats
 from engine.runner.piecewise_graphs import PiecewiseCUDAGraphs
 from engine.runner.sampler import SamplerOutput, SamplingBatch, sample
@@ -112,7 +113,11 @@ class ModelRunner:
         self.graphs: CUDAGraphRunner | None = None
         self.pieces: PiecewiseCUDAGraphs | None = None
         self._rng = np.random.default_rng(seed)
-        self._sampling: tuple[list[Sequence], SamplingBatch] | None = None
+        # The sampled sequences, their batch and the logits processors' version it was built at.
+        self._sampling: tuple[list[Sequence], SamplingBatch, int] | None = None
+        # Rank 0 (the rank that samples): penalties, bias, bad words, min_tokens and structured
+        # output, set by the engine; None: no processing.
+        self.logits: LogitsProcessors | None = None
         # Rank 0 of a tensor-parallel engine: sends each step's inputs to the other ranks
         # (engine.parallel.distributed.TPGroup.broadcast_step), set once start-up is over.
         self.broadcast: Callable[[np.ndarray], object] | None = None
@@ -146,13 +151,16 @@ class ModelRunner:
 
     def _sampling_batch(self, seqs: list[Sequence], positions: torch.Tensor) -> SamplingBatch:
         """The step's sampling settings; reused (but for positions) while the sampled sequences
-        stay the same, as they do from one decode step to the next."""
-        if self._sampling is not None and self._sampling[0] == seqs:
+        stay the same, as they do from one decode step to the next, and no sequence's logit
+        processing state was released meanwhile (its slot may be another's now)."""
+        version = self.logits.version if self.logits is not None else 0
+        if self._sampling is not None and self._sampling[0] == seqs and self._sampling[2] == version:
             batch = self._sampling[1]
             batch.positions = positions
             return batch
-        batch = SamplingBatch.from_sequences(seqs, positions)
-        self._sampling = (seqs, batch)
+        processing = self.logits.batch(seqs) if self.logits is not None else None
+        batch = SamplingBatch.from_sequences(seqs, positions, processing)
+        self._sampling = (seqs, batch, version)
         return batch
 
     @torch.inference_mode()
@@ -191,9 +199,13 @@ class ModelRunner:
         sampling_start = time.perf_counter()
         seqs = inputs.sampled
         batch = self._sampling_batch(seqs, inputs.sample_positions) if seqs else None
+        processing = batch.processing if batch is not None else None
+        bitmask = self.logits.fill_bitmask(processing) if processing is not None else None
         prepare_s = prepared - start + time.perf_counter() - sampling_start
         out = None if batch is None else sample(
-            logits, batch, (int(self._rng.integers(2**31)), int(self._rng.integers(2**31))))
+            logits, batch, (int(self._rng.integers(2**31)), int(self._rng.integers(2**31))), bitmask)
+        if processing is not None:
+            self.logits.record(processing, out.token_ids)
         if out is not None:
             self._sampled = out.token_ids
             if self.share_sampled is not None:

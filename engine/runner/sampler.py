@@ -7,7 +7,10 @@ request's samples therefore depend on nothing but its own seed and tokens: not o
 mates, not on whether the step ran from a CUDA graph, not on which worker or process computes
 it (a decode worker continuing a request samples position ``p`` exactly as the engine that
 prefilled it would have). Unseeded rows hash a fresh per-step seed from the engine's generator.
-Top-k / top-p / min-p become one threshold per row on the raw logits (below).
+Top-k / top-p / min-p become one threshold per row on the logits (below). Before both, the
+rows that ask for it have their logits processed (structured output, bad words, ``min_tokens``,
+``logit_bias``, penalties: :mod:`engine.runner.logits_processors`); log-probabilities stay the
+model's, computed from the logits as they came.
 """
 
 from __future__ import annotations
@@ -17,8 +20,9 @@ from dataclasses import dataclass
 import numpy as np
 import torch
 
-from engine.layers.ops import ops_for
 from engine.core.sequence import Sequence
+from engine.layers.ops import ops_for
+from engine.runner.logits_processors import LogitsBatch
 
 # Seeds are hashed as two 32-bit words of an int64; larger ones are taken modulo 2^63.
 _SEED_MODULUS = 1 << 63
@@ -40,6 +44,7 @@ class SamplingBatch:
         all_greedy: host bool, every row greedy (the kernel then skips the noise).
         filter_rows: ``[k]`` int64 rows that are random and use top-k, top-p or min-p, or
             ``None`` when there are none.
+        processing: the rows' logit processing, or ``None`` when no row has any.
     """
 
     temperature: torch.Tensor
@@ -52,9 +57,11 @@ class SamplingBatch:
     max_logprobs: int
     all_greedy: bool
     filter_rows: torch.Tensor | None
+    processing: LogitsBatch | None = None
 
     @classmethod
-    def from_sequences(cls, seqs: list[Sequence], positions: torch.Tensor) -> SamplingBatch:
+    def from_sequences(cls, seqs: list[Sequence], positions: torch.Tensor,
+                       processing: LogitsBatch | None = None) -> SamplingBatch:
         """Gather the settings of ``seqs`` (one row each) into one host array and copy it to
         ``positions``' device at once (every copy is a call that gives up the GIL and has to win
         it back; see :mod:`engine.runner.input_buffers`).
@@ -62,6 +69,7 @@ class SamplingBatch:
         Args:
             seqs: the sampled sequences, in row order.
             positions: ``[len(seqs)]`` int64 on the device, the positions being sampled.
+            processing: the rows' logit processing (``LogitsProcessors.batch``).
         """
         params = [s.params for s in seqs]
         n = len(seqs)
@@ -81,7 +89,7 @@ class SamplingBatch:
             top_k=ints_d[:n], seeds=ints_d[n:2 * n], sample_indices=ints_d[2 * n:3 * n], positions=positions,
             max_logprobs=max(p.logprobs for p in params),
             all_greedy=all(p.greedy for p in params),
-            filter_rows=ints_d[3 * n:] if filtered else None,
+            filter_rows=ints_d[3 * n:] if filtered else None, processing=processing,
         )
 
 
@@ -134,25 +142,43 @@ def filter_thresholds(logits: torch.Tensor, batch: SamplingBatch) -> torch.Tenso
     return thresholds
 
 
-def sample(logits: torch.Tensor, batch: SamplingBatch, step_seed: tuple[int, int]) -> SamplerOutput:
+def sample(logits: torch.Tensor, batch: SamplingBatch, step_seed: tuple[int, int],
+           bitmask: torch.Tensor | None = None) -> SamplerOutput:
     """Pick one token per row (the exponential race ``argmax(p / E)``, ``E ~ Exp(1)``, in its
-    Gumbel-max form ``argmax(log p + g)``, for random rows).
+    Gumbel-max form ``argmax(log p + g)``, for random rows), after the rows' logit processing.
 
     Args:
-        logits: ``[n, vocab]`` float32.
+        logits: ``[n, vocab]`` float32; the processed rows are changed in place.
         batch: the rows' settings.
         step_seed: two ints in ``[0, 2^31)``, the seed of this step's unseeded rows.
+        bitmask: the structured rows' token bitmask on the device
+            (``LogitsProcessors.fill_bitmask``), ``None`` without any.
 
     Returns:
-        The sampled tokens and log-probabilities.
+        The sampled tokens and their log-probabilities under the model's logits (before any
+        processing, as the rows without processing have them).
     """
+    processing = batch.processing
+    if processing is not None:
+        model_lse, raw = processing.apply(logits, batch.positions, bitmask, keep_rows=batch.max_logprobs > 0)
     thresholds = filter_thresholds(logits, batch)
     token_ids, logprobs, lse = ops_for(logits.device).sample_tokens(
         logits, batch.temperature, thresholds, batch.seeds, batch.sample_indices, batch.positions, step_seed,
         random=not batch.all_greedy,
     )
+    model_logits = logits
+    if processing is not None:
+        rows = processing.rows
+        sampled = token_ids.index_select(0, rows)
+        # A mask or a ban never takes the sampled token: its logit is the model's but for a bias
+        # or a penalty, whose rows ``apply`` returned as they came.
+        chosen = (raw.gather(1, sampled[:, None]).squeeze(1) if raw is not None else logits[rows, sampled])
+        logprobs = logprobs.index_copy(0, rows, chosen - model_lse)
+        if batch.max_logprobs:
+            lse = lse.index_copy(0, rows, model_lse)
+            model_logits = logits.index_copy(0, rows, raw)
     top_ids = top_logprobs = None
     if batch.max_logprobs:
-        values, top_ids = logits.topk(batch.max_logprobs, dim=-1)
+        values, top_ids = model_logits.topk(batch.max_logprobs, dim=-1)
         top_logprobs = values - lse[:, None]
     return SamplerOutput(token_ids, logprobs, top_ids, top_logprobs)

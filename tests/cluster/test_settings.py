@@ -25,7 +25,8 @@ ROOT = Path(__file__).resolve().parents[2]
 
 SHARED = {"listen", "model", "redis_url", "redis_key_prefix", "registry_ttl_s", "metrics_port", "health_port",
           "drain_timeout_s", "tls_dir", "insecure", "redis_password", "redis_tls_ca", "reflection", "log_level",
-          "max_n", "max_logprobs", "max_stop", "max_stop_len", "max_stop_token_ids", "keepalive_time_s",
+          "max_n", "max_logprobs", "max_stop", "max_stop_len", "max_stop_token_ids", "max_logit_bias",
+          "max_bad_words", "max_structured_output_bytes", "keepalive_time_s",
           "keepalive_timeout_s"}
 ENGINE = {"block_size", "max_num_seqs", "max_num_batched_tokens", "max_model_len", "num_blocks",
           "kv_cache_memory_bytes", "gpu_memory_utilization", "enable_prefix_caching", "dtype", "quantization",

@@ -134,16 +134,21 @@ def test_sigkill_of_a_decode_worker_under_load_fails_no_greedy_request(healed):
     assert wait_free_blocks(cluster, survivors, within_s=5) == survivors
 
 
+STORY = '{"type": "object", "properties": {"story": {"type": "string", "minLength": 200}}, "required": ["story"]}'
 RESUME_SAMPLING = {"greedy": SP(max_tokens=64, temperature=0, ignore_eos=True),
                    "seeded": SP(max_tokens=64, temperature=0.8, seed=7, ignore_eos=True),
-                   "unseeded": SP(max_tokens=64, temperature=0.8, ignore_eos=True)}
+                   "unseeded": SP(max_tokens=64, temperature=0.8, ignore_eos=True),
+                   # the new decode worker replays the tokens sent into its grammar and its counts
+                   "structured": SP(max_tokens=64, temperature=0.8, seed=7, json_schema=STORY, frequency_penalty=0.5,
+                                    min_tokens=40)}
 
 
 @pytest.mark.parametrize("kind", list(RESUME_SAMPLING))
 def test_a_stream_whose_decode_worker_dies_is_resumed_elsewhere_when_reproducible(healed, kind):
     """SIGKILL of the decode worker of a stream the client has 8 tokens of: a greedy or seeded
     stream goes on on the other decode worker, identical to a fault-free run (tokens, text,
-    usage); an unseeded sampled one cannot be reproduced and ends with UNAVAILABLE."""
+    usage; a structured output with penalties too); an unseeded sampled one cannot be
+    reproduced and ends with UNAVAILABLE."""
     cluster = healed
     request = gateway_pb2.GenerateRequest(prompt="Tell a long story about a lighthouse keeper.",
                                           sampling=RESUME_SAMPLING[kind])

@@ -1,18 +1,23 @@
 """OpenAI's HTTP API through real processes (a prefill and a decode worker and a gateway on
 loopback, TLS from a CA made for the test, one API key), called by clients nobody here wrote:
-the official ``openai`` package unchanged (sync, async, streaming, ``n``, logprobs) and plain
-``curl -N`` for Server-Sent Events.
+the official ``openai`` package unchanged (sync, async, streaming, ``n``, logprobs, a JSON schema,
+penalties) and plain ``curl -N`` for Server-Sent Events. Every prompt is prefilled on the prefill
+worker, so a structured output's first token is sampled there under its grammar and the decode
+worker continues it.
 
 Checks: the greedy text equals the native tandem.v1 API's, usage counts (cached prompt tokens
-included), errors as OpenAI's error object with the right status (400 naming the field, 401,
-404, 504), fields the engine does not serve yet refused unless neutral, unknown fields ignored,
-and a client that disconnects (streaming or not) frees every block on both workers.
+included), answers under a JSON schema parse and validate (``jsonschema``), penalties change the
+text as the native API's do, errors as OpenAI's error object with the right status (400 naming
+the field, a schema only a worker's compiler refuses included, before any block is held; 401,
+404, 504), neutral values and unknown fields accepted, and a client that disconnects (streaming
+or not) frees every block on both workers.
 """
 
 from __future__ import annotations
 
 import asyncio
 import json
+import re
 import ssl
 import subprocess
 import threading
@@ -20,6 +25,7 @@ import time
 from pathlib import Path
 
 import httpx
+import jsonschema
 import openai
 import pytest
 
@@ -164,24 +170,35 @@ def test_errors_are_openai_error_objects_with_the_http_status(cluster):
     assert _get(cluster, "/v1/models", key=None).status_code == 401
     status, body = _status_and_error(lambda: c.chat.completions.create(model="no-such-model", messages=CHAT))
     assert status == 404 and body["code"] == "model_not_found"
+    before = settled_free_blocks(cluster, within_s=5)
+    unsatisfiable = {"type": "json_schema", "json_schema": {"name": "n", "schema": {
+        "type": "integer", "minimum": 5, "maximum": 1}}}
     cases = [({"temperature": -1}, "temperature"), ({"n": 99}, "n"), ({"top_p": 0}, "top_p"),
-             ({"presence_penalty": 0.5}, "presence_penalty"), ({"frequency_penalty": -1}, "frequency_penalty"),
-             ({"logit_bias": {"1": 5}}, "logit_bias"), ({"response_format": {"type": "json_object"}}, "response_format"),
-             ({"extra_body": {"repetition_penalty": 1.2}}, "repetition_penalty"),
-             ({"extra_body": {"min_tokens": 3}}, "min_tokens"), ({"extra_body": {"regex": "a+"}}, "regex"),
+             ({"presence_penalty": 2.5}, "presence_penalty"), ({"frequency_penalty": -3}, "frequency_penalty"),
+             ({"logit_bias": {"x": 5}}, "logit_bias"), ({"logit_bias": {"99999999": 5}}, "logit_bias[99999999]"),
+             ({"logit_bias": {"1": 500}}, "logit_bias"), ({"response_format": {"type": "xml"}}, "response_format.type"),
+             ({"response_format": {"type": "json_schema", "json_schema": {"name": "n"}}},
+              "response_format.json_schema.schema"),
+             ({"extra_body": {"repetition_penalty": 0}}, "repetition_penalty"),
+             ({"extra_body": {"min_tokens": 3}}, "min_tokens"),  # more than max_tokens
+             ({"extra_body": {"bad_words": [" "]}}, "bad_words[0]"),
+             ({"extra_body": {"guided_json": "{not json"}}, "guided_json"),
+             # refused by the workers' grammar compiler at Admit (the gateway cannot compile)
+             ({"response_format": unsatisfiable}, "response_format.json_schema.schema"),
+             ({"extra_body": {"structured_outputs": {"regex": "(?<=a)b"}}}, "structured_outputs.regex"),
+             ({"extra_body": {"guided_grammar": "root ::= undefined"}}, "guided_grammar"),
              ({"top_logprobs": 2}, "top_logprobs"), ({"messages": [{"content": "no role"}]}, "messages[0].role")]
     for fields, param in cases:
         kwargs = {"messages": CHAT, "max_tokens": 2, **fields}
         status, body = _status_and_error(lambda: c.chat.completions.create(model=model, **kwargs))
         assert (status, body["param"], body["type"]) == (400, param, "invalid_request_error"), (fields, body)
         assert body["message"].startswith(param), body
-        if param in ("presence_penalty", "logit_bias", "regex"):
-            assert "not supported yet" in body["message"]
+    assert free_blocks(cluster) == before  # nothing was held for any of them
     status, body = _status_and_error(lambda: c.completions.create(model=model, prompt=["a", "b"], max_tokens=2))
     assert (status, body["param"]) == (400, "prompt")
     status, body = _status_and_error(lambda: c.completions.create(model=model, prompt=PROMPT, logprobs=99))
     assert (status, body["param"]) == (400, "logprobs")
-    # neutral values of the fields the engine does not serve yet, and unknown fields, are accepted
+    # neutral values and unknown fields are accepted
     ok = c.chat.completions.create(model=model, messages=CHAT, max_tokens=2, presence_penalty=0, frequency_penalty=0,
                                    logit_bias={}, response_format={"type": "text"}, user="someone",
                                    extra_body={"repetition_penalty": 1.0, "min_tokens": 0, "no_such_field": 1,
@@ -192,6 +209,69 @@ def test_errors_are_openai_error_objects_with_the_http_status(cluster):
         model=model, prompt="Write an essay.", max_tokens=1500, extra_body={"ignore_eos": True},
         extra_headers={"X-Request-Timeout": "1"}))
     assert (status, body["type"]) == (504, "timeout")
+
+
+PEOPLE = {"type": "object", "properties": {
+    "name": {"type": "string", "maxLength": 20}, "age": {"type": "integer", "minimum": 0, "maximum": 150},
+    "languages": {"type": "array", "items": {"enum": ["en", "fr", "de", "es"]}, "maxItems": 3}},
+    "required": ["name", "age", "languages"]}
+PERSONS = ["Describe Marie Curie as JSON.", "Give me a French teacher in JSON.", "Invent a pirate, as JSON."]
+
+
+def test_answers_under_a_json_schema_parse_and_validate(cluster):
+    c = client(cluster)
+    form = {"type": "json_schema", "json_schema": {"name": "person", "schema": PEOPLE, "strict": True}}
+    for prompt in PERSONS:
+        answer = c.chat.completions.create(model=cluster.model_id, messages=[{"role": "user", "content": prompt}],
+                                           max_tokens=160, temperature=0, response_format=form)
+        assert answer.choices[0].finish_reason == "stop", answer
+        jsonschema.validate(json.loads(answer.choices[0].message.content), PEOPLE)
+    sampled = c.chat.completions.create(model=cluster.model_id, messages=[{"role": "user", "content": PERSONS[0]}],
+                                        max_tokens=160, temperature=1.0, seed=5, n=2, response_format=form)
+    for choice in sampled.choices:
+        jsonschema.validate(json.loads(choice.message.content), PEOPLE)
+    streamed = c.chat.completions.create(model=cluster.model_id, messages=[{"role": "user", "content": PERSONS[1]}],
+                                         max_tokens=160, temperature=0, response_format={"type": "json_object"},
+                                         stream=True)
+    assert isinstance(json.loads("".join(ch.choices[0].delta.content or "" for ch in streamed if ch.choices)), dict)
+    choice = c.completions.create(model=cluster.model_id, prompt="The best season is", max_tokens=8, temperature=0,
+                                  extra_body={"structured_outputs": {"choice": ["summer", "winter"]}})
+    assert choice.choices[0].text in ("summer", "winter")
+    regex = c.completions.create(model=cluster.model_id, prompt="A phone number:", max_tokens=16, temperature=0,
+                                 extra_body={"guided_regex": r"\d{3}-\d{4}"})
+    assert re.fullmatch(r"\d{3}-\d{4}", regex.choices[0].text)
+
+
+def test_penalties_change_the_text_as_the_native_api_says(cluster):
+    c, model = client(cluster), cluster.model_id
+    prompt = "List the colors of the rainbow, then list them again, and again:"
+    plain = c.completions.create(model=model, prompt=prompt, max_tokens=32, temperature=0)
+    penalties = {"frequency_penalty": 1.5, "presence_penalty": 0.5}
+    penalized = c.completions.create(model=model, prompt=prompt, max_tokens=32, temperature=0, **penalties)
+    expected = native(cluster, gateway_pb2.GenerateRequest(prompt=prompt, sampling=SP(
+        max_tokens=32, temperature=0, **penalties)))
+    assert penalized.choices[0].text == expected["text"] != plain.choices[0].text
+    repeated = c.completions.create(model=model, prompt=prompt, max_tokens=32, temperature=0,
+                                    extra_body={"repetition_penalty": 1.5})
+    assert repeated.choices[0].text not in (plain.choices[0].text, penalized.choices[0].text)
+    # logit_bias (token ids as keys) forces a token; bad_words keeps a word out
+    [token] = cluster.stub.Tokenize(gateway_pb2.TokenizeRequest(prompt=" blue"), timeout=10,
+                                    metadata=[("authorization", f"Bearer {KEY}")]).token_ids
+    forced = c.completions.create(model=model, prompt=prompt, max_tokens=4, temperature=0,
+                                  logit_bias={str(token): 100})
+    assert forced.choices[0].text == " blue" * 4
+    sky = "The color of the sky on a clear day is"
+    assert " blue" in c.completions.create(model=model, prompt=sky, max_tokens=32, temperature=0).choices[0].text
+    banned = c.completions.create(model=model, prompt=sky, max_tokens=32, temperature=0,
+                                  extra_body={"bad_words": ["blue"]})
+    assert "blue" not in banned.choices[0].text
+    # min_tokens holds back the end of the answer
+    question = [{"role": "user", "content": "What is 2+2? Answer with one number."}]
+    short = c.chat.completions.create(model=model, messages=question, max_tokens=64, temperature=0)
+    assert short.choices[0].finish_reason == "stop" and short.usage.completion_tokens < 20
+    held = c.chat.completions.create(model=model, messages=question, max_tokens=64, temperature=0,
+                                     extra_body={"min_tokens": 20})
+    assert held.usage.completion_tokens >= 20
 
 
 def test_health_and_models(cluster):

@@ -24,7 +24,7 @@ from tests.helpers.shared_redis import delete_keys
 SP = gateway_pb2.SamplingParams
 MAX_MODEL_LEN = 64
 CAPS = dict(max_n=4, max_logprobs=5, max_stop=2, max_stop_len=8, max_stop_token_ids=3, max_request_bytes=16 << 10,
-            max_prompt_bytes=4096)
+            max_prompt_bytes=4096, max_logit_bias=2, max_bad_words=3, max_structured_output_bytes=64)
 
 
 @pytest.fixture(scope="module")
@@ -82,6 +82,44 @@ BAD_REQUESTS = [
      "sampling.stop_token_ids"),
     ("stop id >= vocab", gateway_pb2.GenerateRequest(prompt="hi", sampling=SP(stop_token_ids=[70000])),
      "sampling.stop_token_ids[0]"),
+    ("repetition_penalty 0", gateway_pb2.GenerateRequest(prompt="hi", sampling=SP(repetition_penalty=0)),
+     "sampling.repetition_penalty"),
+    ("presence_penalty > 2", gateway_pb2.GenerateRequest(prompt="hi", sampling=SP(presence_penalty=3)),
+     "sampling.presence_penalty"),
+    ("frequency_penalty nan", gateway_pb2.GenerateRequest(prompt="hi", sampling=SP(frequency_penalty=float("nan"))),
+     "sampling.frequency_penalty"),
+    ("too many biases", gateway_pb2.GenerateRequest(prompt="hi", sampling=SP(logit_bias={1: 1, 2: 1, 3: 1})),
+     "sampling.logit_bias"),
+    ("bias id >= vocab", gateway_pb2.GenerateRequest(prompt="hi", sampling=SP(logit_bias={70000: 1})),
+     "sampling.logit_bias[70000]"),
+    ("bias > 100", gateway_pb2.GenerateRequest(prompt="hi", sampling=SP(logit_bias={5: 200})), "sampling.logit_bias"),
+    ("min_tokens > max_tokens", gateway_pb2.GenerateRequest(prompt="hi", sampling=SP(max_tokens=4, min_tokens=5)),
+     "sampling.min_tokens"),
+    ("too many bad words", gateway_pb2.GenerateRequest(prompt="hi", sampling=SP(bad_words=["a", "b", "c", "d"])),
+     "sampling.bad_words"),
+    ("bad words' sequences over the cap", gateway_pb2.GenerateRequest(
+        prompt="hi", sampling=SP(bad_words=["hello", "world"])), "sampling.bad_words"),  # 2 sequences each
+    ("empty bad word", gateway_pb2.GenerateRequest(prompt="hi", sampling=SP(bad_words=[" "])), "sampling.bad_words[0]"),
+    ("bad word id >= vocab", gateway_pb2.GenerateRequest(prompt="hi", sampling=SP(
+        bad_words_token_ids=[gateway_pb2.TokenIds(ids=[1, 70000])])), "sampling.bad_words_token_ids[0][1]"),
+    ("bad word too long", gateway_pb2.GenerateRequest(prompt="hi", sampling=SP(
+        bad_words_token_ids=[gateway_pb2.TokenIds(ids=[1] * 33)])), "sampling.bad_words_token_ids[0]"),
+    ("empty bad word ids", gateway_pb2.GenerateRequest(prompt="hi", sampling=SP(
+        bad_words_token_ids=[gateway_pb2.TokenIds()])), "sampling.bad_words_token_ids"),
+    ("schema not JSON", gateway_pb2.GenerateRequest(prompt="hi", sampling=SP(json_schema="{not json")),
+     "sampling.json_schema"),
+    ("schema an array", gateway_pb2.GenerateRequest(prompt="hi", sampling=SP(json_schema="[1, 2]")),
+     "sampling.json_schema"),
+    ("schema over the bytes cap", gateway_pb2.GenerateRequest(prompt="hi", sampling=SP(
+        json_schema='{"description": "' + "x" * 60 + '"}')), "sampling.json_schema"),
+    ("regex over the bytes cap", gateway_pb2.GenerateRequest(prompt="hi", sampling=SP(regex="a" * 65)),
+     "sampling.regex"),
+    ("no choice", gateway_pb2.GenerateRequest(prompt="hi", sampling=SP(choice=gateway_pb2.Choices())),
+     "sampling.choice"),
+    ("empty choice", gateway_pb2.GenerateRequest(prompt="hi", sampling=SP(choice=gateway_pb2.Choices(
+        choices=["a", ""]))), "sampling.choice"),
+    ("choices over the bytes cap", gateway_pb2.GenerateRequest(prompt="hi", sampling=SP(choice=gateway_pb2.Choices(
+        choices=["x" * 40, "y" * 40]))), "sampling.choice"),
     ("oversized message", gateway_pb2.GenerateRequest(prompt="x" * (20 << 10)), "request"),
     ("prompt over max_prompt_bytes", gateway_pb2.GenerateRequest(prompt="é" * 2100), "prompt"),  # 4200 bytes
     ("chat over max_prompt_bytes", gateway_pb2.GenerateRequest(chat=gateway_pb2.ChatMessages(messages=[
@@ -104,10 +142,14 @@ def test_message_over_grpc_limit_is_refused_without_crashing(stub):
 
 
 @pytest.mark.parametrize("sampling", [SP(max_tokens=0), SP(n=0), SP(top_k=0), SP(top_k=-1), SP(max_tokens=10**6),
-                                      SP(n=2, seed=2**64 - 2), SP(stop=[""]), SP(stop=["a", "", "b", ""])])
+                                      SP(n=2, seed=2**64 - 2), SP(stop=[""]), SP(stop=["a", "", "b", ""]),
+                                      SP(min_tokens=10**6), SP(json_object=False), SP(json_object=True),
+                                      SP(bad_words=["hello"]), SP(logit_bias={1: -100, 2: 100}),
+                                      SP(repetition_penalty=1.2, presence_penalty=-2, frequency_penalty=2),
+                                      SP(regex="a+"), SP(choice=gateway_pb2.Choices(choices=["yes", "no"]))])
 def test_defaults_and_caps_pass_validation(stub, sampling):
     """0 means the documented default (max_tokens: until max_model_len, n: 1), a max_tokens
-    beyond max_model_len is clamped to it, and empty stop strings (grpcurl's
+    beyond max_model_len is clamped to it (min_tokens with it), and empty stop strings (grpcurl's
     ``describe -msg-template`` body has one) are dropped, not counted: accepted."""
     error = _generate_error(stub[0], gateway_pb2.GenerateRequest(prompt="hi", sampling=sampling))
     assert error.code() == grpc.StatusCode.UNAVAILABLE  # passed validation; nobody listens behind this gateway

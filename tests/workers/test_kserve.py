@@ -9,6 +9,7 @@ from __future__ import annotations
 import asyncio
 import json
 import queue
+import re
 import time
 
 import grpc
@@ -141,7 +142,42 @@ BAD = [
     ({"params": {"best_of": 2}}, "sampling_parameters.best_of"),
     ({"prompt": ""}, "text_input"),
     ({"stream": True}, "stream"),
+    ({"params": {"presence_penalty": "3"}}, "sampling_parameters.presence_penalty"),
+    ({"params": {"logit_bias": {"x": 1}}}, "sampling_parameters.logit_bias"),
+    ({"params": {"structured_outputs": {"regex": "a", "choice": ["b"]}}}, "sampling_parameters.structured_outputs"),
+    ({"params": {"structured_outputs": '{"json": "{not json"}'}}, "sampling_parameters.structured_outputs.json"),
+    # refused by the decode worker's grammar compiler at Admit
+    ({"params": {"structured_outputs": {"regex": "(?<=a)b"}}}, "sampling_parameters.structured_outputs.regex"),
 ]
+
+
+def test_vllm_sampling_parameters_reach_the_engine(engines):
+    """Penalties, logit_bias, bad_words and structured_outputs as Triton's vLLM backend takes
+    them (JSON values or their JSON text) give what the native API gives."""
+    def calls(address: str, model: str, token: int) -> list[str]:
+        client = triton.InferenceServerClient(address)
+        texts = []
+        for params in ({**GREEDY, "structured_outputs": {"choice": ["Paris", "Lyon"]}},
+                       {**GREEDY, "structured_outputs": json.dumps({"regex": "[0-9]{3}"})},
+                       {**GREEDY, "bad_words": json.dumps(["Paris"]), "frequency_penalty": "1.5"},
+                       {**GREEDY, "max_tokens": "3", "logit_bias": {str(token): 100}}):
+            result = client.infer(model, inputs(triton, params=params, exclude_input_in_output=True))
+            texts.append(result.as_numpy("text_output")[0].decode())
+        client.close()
+        return texts
+
+    async def main():
+        async with gateway_over(engines) as (_, gateway, address):
+            [token] = gateway.model.tokenizer.encode(" blue", add_special_tokens=False)
+            choice, digits, banned, forced = await asyncio.to_thread(calls, address, gateway.model.model_id, token)
+            assert choice in ("Paris", "Lyon") and re.fullmatch("[0-9]{3}", digits) and forced == " blue" * 3
+            async with grpc.aio.insecure_channel(address) as channel:
+                request = gateway_pb2.GenerateRequest(prompt=PROMPT, sampling=gateway_pb2.SamplingParams(
+                    max_tokens=12, temperature=0, ignore_eos=True, bad_words=["Paris"], frequency_penalty=1.5))
+                expected = "".join([m.text async for m in gateway_pb2_grpc.GatewayStub(channel).Generate(request)])
+            assert banned == expected != await native_greedy(address)
+
+    asyncio.run(main())
 
 
 def test_bad_input_is_invalid_argument_naming_the_input_or_parameter(engines):

@@ -295,3 +295,35 @@ def test_a_redis_restarted_empty_does_not_make_a_live_decode_worker_an_untrusted
             await registry.client.aclose()
 
     asyncio.run(main())
+
+
+def test_logit_processing_and_structured_output_are_checked_by_every_worker(engines):
+    """A caller that skips the gateway: a grammar the compiler refuses is refused by Admit before
+    a block is reserved, text bad words (the gateway's to tokenize) and caps by Prefill and
+    Decode, each naming the field; streams beside them finish."""
+    async def main():
+        async with pair(engines, max_logit_bias=2) as p:
+            free = await p.decode.engine.num_free_blocks()
+            bad_grammar = gateway_pb2.SamplingParams(regex="(?<=a)b")
+            err = await refused(lambda: p.decode.stub.Admit(worker_pb2.AdmitRequest(
+                request_id="g", prompt_token_ids=prompt_ids(30, 5), sampling=bad_grammar)))
+            assert err.code() == grpc.StatusCode.INVALID_ARGUMENT and err.details().startswith("sampling.regex: ")
+            assert await p.decode.engine.num_free_blocks() == free
+            legit = gateway_pb2.SamplingParams(max_tokens=24, temperature=0, ignore_eos=True, frequency_penalty=1.0)
+            streams = [asyncio.create_task(local_decode(p, f"ok{i}", prompt_ids(30, i), legit)) for i in range(2)]
+            await asyncio.sleep(0.3)
+            dest = worker_pb2.KVDestination(address=p.decode.address, reservation_id="r")
+            for i, (sampling, field) in enumerate((
+                    (gateway_pb2.SamplingParams(bad_words=["x"]), "sampling.bad_words"),
+                    (gateway_pb2.SamplingParams(logit_bias={1: 1, 2: 1, 3: 1}), "sampling.logit_bias"),
+                    (gateway_pb2.SamplingParams(grammar="root ::= nope"), "sampling.grammar"))):
+                err = await refused(lambda: p.prefill.stub.Prefill(worker_pb2.PrefillRequest(
+                    request_id="p", prompt_token_ids=[1, 2, 3], destination=dest, sampling=sampling)))
+                assert err.code() == grpc.StatusCode.INVALID_ARGUMENT and err.details().startswith(
+                    (field, field.removeprefix("sampling."))), err.details()  # the engine's refusal names its own field
+                err = await refused(lambda: local_decode(p, f"d{i}", prompt_ids(30, 7), sampling))
+                assert err.code() == grpc.StatusCode.INVALID_ARGUMENT and err.details().startswith(
+                    (field, field.removeprefix("sampling."))), err.details()
+            assert [len(t) for t in await asyncio.gather(*streams)] == [24, 24]
+
+    asyncio.run(main())

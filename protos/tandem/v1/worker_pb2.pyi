@@ -9,14 +9,16 @@ from typing import ClassVar as _ClassVar, Optional as _Optional, Union as _Union
 DESCRIPTOR: _descriptor.FileDescriptor
 
 class AdmitRequest(_message.Message):
-    __slots__ = ("request_id", "prompt_token_ids", "cache_salt")
+    __slots__ = ("request_id", "prompt_token_ids", "cache_salt", "sampling")
     REQUEST_ID_FIELD_NUMBER: _ClassVar[int]
     PROMPT_TOKEN_IDS_FIELD_NUMBER: _ClassVar[int]
     CACHE_SALT_FIELD_NUMBER: _ClassVar[int]
+    SAMPLING_FIELD_NUMBER: _ClassVar[int]
     request_id: str
     prompt_token_ids: _containers.RepeatedScalarFieldContainer[int]
     cache_salt: str
-    def __init__(self, request_id: _Optional[str] = ..., prompt_token_ids: _Optional[_Iterable[int]] = ..., cache_salt: _Optional[str] = ...) -> None: ...
+    sampling: _gateway_pb2.SamplingParams
+    def __init__(self, request_id: _Optional[str] = ..., prompt_token_ids: _Optional[_Iterable[int]] = ..., cache_salt: _Optional[str] = ..., sampling: _Optional[_Union[_gateway_pb2.SamplingParams, _Mapping]] = ...) -> None: ...
 
 class AdmitResponse(_message.Message):
     __slots__ = ("reservation_id", "num_blocks", "lease_ms", "layout", "num_cached_blocks", "kv_transports")
@@ -49,18 +51,20 @@ class KVDestination(_message.Message):
     def __init__(self, address: _Optional[str] = ..., reservation_id: _Optional[str] = ..., layout: _Optional[_Union[_kvtransfer_pb2.KVBlockLayout, _Mapping]] = ..., num_cached_blocks: _Optional[int] = ..., kv_transports: _Optional[_Iterable[str]] = ...) -> None: ...
 
 class PrefillRequest(_message.Message):
-    __slots__ = ("request_id", "prompt_token_ids", "sampling", "destination", "cache_salt")
+    __slots__ = ("request_id", "prompt_token_ids", "sampling", "destination", "cache_salt", "num_resumed_tokens")
     REQUEST_ID_FIELD_NUMBER: _ClassVar[int]
     PROMPT_TOKEN_IDS_FIELD_NUMBER: _ClassVar[int]
     SAMPLING_FIELD_NUMBER: _ClassVar[int]
     DESTINATION_FIELD_NUMBER: _ClassVar[int]
     CACHE_SALT_FIELD_NUMBER: _ClassVar[int]
+    NUM_RESUMED_TOKENS_FIELD_NUMBER: _ClassVar[int]
     request_id: str
     prompt_token_ids: _containers.RepeatedScalarFieldContainer[int]
     sampling: _gateway_pb2.SamplingParams
     destination: KVDestination
     cache_salt: str
-    def __init__(self, request_id: _Optional[str] = ..., prompt_token_ids: _Optional[_Iterable[int]] = ..., sampling: _Optional[_Union[_gateway_pb2.SamplingParams, _Mapping]] = ..., destination: _Optional[_Union[KVDestination, _Mapping]] = ..., cache_salt: _Optional[str] = ...) -> None: ...
+    num_resumed_tokens: int
+    def __init__(self, request_id: _Optional[str] = ..., prompt_token_ids: _Optional[_Iterable[int]] = ..., sampling: _Optional[_Union[_gateway_pb2.SamplingParams, _Mapping]] = ..., destination: _Optional[_Union[KVDestination, _Mapping]] = ..., cache_salt: _Optional[str] = ..., num_resumed_tokens: _Optional[int] = ...) -> None: ...
 
 class PrefillResponse(_message.Message):
     __slots__ = ("first_tokens", "num_cached_tokens", "kv_transport", "finish_reasons")
@@ -75,7 +79,7 @@ class PrefillResponse(_message.Message):
     def __init__(self, first_tokens: _Optional[_Iterable[_Union[_gateway_pb2.TokenLogprobs, _Mapping]]] = ..., num_cached_tokens: _Optional[int] = ..., kv_transport: _Optional[str] = ..., finish_reasons: _Optional[_Iterable[_Union[_gateway_pb2.FinishReason, str]]] = ...) -> None: ...
 
 class DecodeRequest(_message.Message):
-    __slots__ = ("request_id", "reservation_id", "prompt_token_ids", "first_token_ids", "sampling", "local_prefill", "cache_salt")
+    __slots__ = ("request_id", "reservation_id", "prompt_token_ids", "first_token_ids", "sampling", "local_prefill", "cache_salt", "num_resumed_tokens")
     REQUEST_ID_FIELD_NUMBER: _ClassVar[int]
     RESERVATION_ID_FIELD_NUMBER: _ClassVar[int]
     PROMPT_TOKEN_IDS_FIELD_NUMBER: _ClassVar[int]
@@ -83,6 +87,7 @@ class DecodeRequest(_message.Message):
     SAMPLING_FIELD_NUMBER: _ClassVar[int]
     LOCAL_PREFILL_FIELD_NUMBER: _ClassVar[int]
     CACHE_SALT_FIELD_NUMBER: _ClassVar[int]
+    NUM_RESUMED_TOKENS_FIELD_NUMBER: _ClassVar[int]
     request_id: str
     reservation_id: str
     prompt_token_ids: _containers.RepeatedScalarFieldContainer[int]
@@ -90,7 +95,8 @@ class DecodeRequest(_message.Message):
     sampling: _gateway_pb2.SamplingParams
     local_prefill: bool
     cache_salt: str
-    def __init__(self, request_id: _Optional[str] = ..., reservation_id: _Optional[str] = ..., prompt_token_ids: _Optional[_Iterable[int]] = ..., first_token_ids: _Optional[_Iterable[int]] = ..., sampling: _Optional[_Union[_gateway_pb2.SamplingParams, _Mapping]] = ..., local_prefill: _Optional[bool] = ..., cache_salt: _Optional[str] = ...) -> None: ...
+    num_resumed_tokens: int
+    def __init__(self, request_id: _Optional[str] = ..., reservation_id: _Optional[str] = ..., prompt_token_ids: _Optional[_Iterable[int]] = ..., first_token_ids: _Optional[_Iterable[int]] = ..., sampling: _Optional[_Union[_gateway_pb2.SamplingParams, _Mapping]] = ..., local_prefill: _Optional[bool] = ..., cache_salt: _Optional[str] = ..., num_resumed_tokens: _Optional[int] = ...) -> None: ...
 
 class DecodeResponse(_message.Message):
     __slots__ = ("index", "token_ids", "logprobs", "finish_reason")
