@@ -102,8 +102,9 @@ def _run_local(model: str | None, listen: str, prefill: int, decode: int, once: 
                temperature: float, timeout_s: float, quiet: bool, quiet_after_ready: bool = False,
                insecure: bool = False, http: str | None = None, **placement) -> int:
     """Start a LocalCluster, then answer ``once`` or serve until a signal; stop it. Returns an exit code.
-    ``placement`` (``gpus``, ``prefill_tp``, ``decode_tp``) goes to the LocalCluster; ``http``: the
-    address of the OpenAI-compatible HTTP API (``None``: a free loopback port, ``""``: off).
+    ``placement`` (``gpus``, ``prefill_tp``, ``decode_tp``, ``decode_serves_prefill``) goes to the
+    LocalCluster; ``http``: the address of the OpenAI-compatible HTTP API (``None``: a free
+    loopback port, ``""``: off).
 
     Unless ``insecure``, a fresh CA and certificates are made in a temporary directory (removed
     on exit): the gateway serves TLS and its clients trust that directory's ``ca.pem``.
@@ -207,6 +208,9 @@ def serve_cmd(
                                             "GPUs as its tensor-parallel size (0: every worker's own device setting)."),
     prefill_tp: int = typer.Option(1, min=1, help="Tensor-parallel size of each prefill worker."),
     decode_tp: int = typer.Option(1, min=1, help="Tensor-parallel size of each decode worker."),
+    decode_serves_prefill: bool = typer.Option(
+        False, "--decode-serves-prefill", help="Every decode worker also serves prefill for the others "
+                                               "(TANDEM_SERVES_PREFILL: adaptive placement may lend it a prompt)."),
 ) -> None:
     """Run a whole cluster locally (Redis, 1 prefill, 1 decode, gateway) until Ctrl-C / SIGTERM."""
     if not local:
@@ -214,7 +218,8 @@ def serve_cmd(
                           "`tandem prefill` and `tandem decode` (see docs/deployment.md)")
         raise typer.Exit(2)
     raise typer.Exit(_run_local(model, listen, prefill, decode, once, max_tokens, temperature, timeout, quiet,
-                                insecure=insecure, http=http, gpus=gpus, prefill_tp=prefill_tp, decode_tp=decode_tp))
+                                insecure=insecure, http=http, gpus=gpus, prefill_tp=prefill_tp, decode_tp=decode_tp,
+                                decode_serves_prefill=decode_serves_prefill))
 
 
 @app.command("demo")

@@ -186,6 +186,9 @@ class LocalCluster:
             ``TANDEM_DEVICE`` is its first GPU); 0: the workers' own ``device`` setting.
         prefill_tp, decode_tp: the tensor-parallel size of every prefill / decode worker (its
             ranks are started by the worker itself).
+        decode_serves_prefill: every decode worker also serves prefill for the others
+            (``TANDEM_SERVES_PREFILL``: the gateway's adaptive placement may lend it a prompt);
+            ``worker_env`` may still set it per worker.
         tls_dir: a TLS directory (``cluster.tls``) every process uses: the gateway serves TLS,
             gateway and workers authenticate each other with mTLS; ``None``: plaintext (the
             processes get ``TANDEM_INSECURE=1``).
@@ -203,7 +206,7 @@ class LocalCluster:
                  worker_env: dict[str, dict[str, str]] | None = None, redis: str | None = "auto",
                  sink: Callable[[str, str], None] | None = None, log_dir: Path | None = None,
                  metrics: bool = True, tls_dir: str | None = None, gpus: int = 0, prefill_tp: int = 1,
-                 decode_tp: int = 1) -> None:
+                 decode_tp: int = 1, decode_serves_prefill: bool = False) -> None:
         self.model = model
         self.tls_dir = tls_dir
         self.gateway_addr = gateway_addr or f"127.0.0.1:{free_port()}"
@@ -216,8 +219,10 @@ class LocalCluster:
         pool_size = {"prefill": num_prefill, "decode": num_decode}
         threads = {} if gpus or "OMP_NUM_THREADS" in {**os.environ, **self.env} else {
             name: {"OMP_NUM_THREADS": str(cpu_threads_per_worker(pool_size[name.split("-")[0]]))} for name, _ in names}
+        lends = {"TANDEM_SERVES_PREFILL": "1"} if decode_serves_prefill else {}
         self.worker_env = {name: {"TANDEM_TENSOR_PARALLEL_SIZE": str(tp), **threads.get(name, {}),
                                   **({"TANDEM_DEVICE": f"cuda:{placement[name]}"} if gpus else {}),
+                                  **(lends if name.startswith("decode") else {}),
                                   **(worker_env or {}).get(name, {})} for name, tp in names}
         self.redis_mode = redis
         self.sink = sink or (lambda name, line: print(f"[{name}] {line}", file=sys.stderr, flush=True))

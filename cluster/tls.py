@@ -9,11 +9,11 @@ clients dial, ``tandem certs init DIR --san NAME,...``).
 
 Identity is the certificate, not the address: internal channels verify the peer's certificate
 against ``ca.pem`` under a fixed name (``grpc.ssl_target_name_override``): ``tandem-decode``
-where only a decode worker will do (a prefill worker sending KV), ``tandem-cluster`` for any
+where only a decode worker will do (a worker sending KV), ``tandem-cluster`` for any
 member. Workers require a client certificate from the same CA, and each of their methods takes
 calls only from the roles that make them (:class:`PeerRoleInterceptor`: ``TransferKV`` from a
-prefill worker, ``Admit``/``Prefill``/``Decode``/``Abort`` from the gateway); the gateway's public
-port asks for none (API keys authenticate clients).
+prefill worker or a decode worker lent to prefill, ``Admit``/``Prefill``/``Decode``/``Abort`` from
+the gateway); the gateway's public port asks for none (API keys authenticate clients).
 """
 
 from __future__ import annotations

@@ -84,12 +84,14 @@ def worker_tls(settings: WorkerSettings, role: Role) -> ClientCredentials | None
         raise StartupError(str(exc)) from None
 
 
-def published_config(info: EngineInfo, kv_pools: list[torch.Tensor], kv_transports: list[str]) -> WorkerConfig:
+def published_config(info: EngineInfo, kv_pools: list[torch.Tensor], kv_transports: list[str],
+                     serves_prefill: bool = False) -> WorkerConfig:
     """The cache settings a worker owns, as it publishes them (registry entry, ``GetStats``), with
-    the KV transports it moves blocks with and the GPUs its ranks' KV pools (``kv_pools``) lie on."""
+    the KV transports it moves blocks with, the GPUs its ranks' KV pools (``kv_pools``) lie on
+    and, for a decode worker, whether it also serves ``tandem.v1.PrefillWorker``."""
     return WorkerConfig(info.model_id, info.block_size, info.max_model_len, info.kv_cache_dtype, info.hash_seed,
                         info.vocab_size, info.tensor_parallel_size, tuple(kv_transports), info.quantization,
-                        info.max_num_batched_tokens, device_ids(kv_pools))
+                        info.max_num_batched_tokens, device_ids(kv_pools), serves_prefill)
 
 
 @contextlib.asynccontextmanager
@@ -129,13 +131,15 @@ async def request_outcome(method: str, metrics: WorkerMetrics,
 class WorkerServicer(Protocol):
     """What :class:`WorkerServer` needs from a worker's servicer."""
 
-    service_name: str  # full gRPC service name, e.g. "tandem.v1.DecodeWorker"
     config: WorkerConfig  # what the worker publishes
-    # Under mTLS, method name -> the roles whose certificates may call it (cluster.tls).
-    peer_roles: dict[str, tuple[str, ...]]
     admission: Admission
 
     def add_to_server(self, server: grpc.aio.Server) -> None: ...
+
+    def services(self) -> dict[str, dict[str, tuple[str, ...]]]:
+        """The gRPC services it adds to the server, by full name (``"tandem.v1.DecodeWorker"``),
+        each with, per method, the roles whose certificates may call it under mTLS (``cluster.tls``)."""
+        ...
 
     def pending(self) -> int:
         """Work in flight outside RPCs (e.g. reservations waiting for their transfer)."""
@@ -196,9 +200,10 @@ class WorkerServer:
                            if s.tls_dir else None)
         except ValueError as exc:
             raise StartupError(str(exc)) from None
-        roles = [PeerRoleInterceptor(self.servicer.service_name, self.servicer.peer_roles)] if credentials else []
+        services = self.servicer.services()
+        roles = [PeerRoleInterceptor(name, methods) for name, methods in services.items()] if credentials else []
         self._scaffold = scaffold = ServerScaffold(
-            [self.servicer.service_name],
+            list(services),
             [*GRPC_MESSAGE_OPTIONS, *server_keepalive_options(s.keepalive_time_s, s.keepalive_timeout_s)],
             reflection=s.reflection, interceptors=roles)
         self.servicer.add_to_server(scaffold.server)

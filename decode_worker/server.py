@@ -7,7 +7,10 @@ pool with NIXL); ``Decode`` claims them and the engine's sequences own them from
 ``local_prefill`` (conditional disaggregation: few prompt tokens left after the prefix hit)
 ``Decode`` prefills the prompt here instead, the reservation handed to the request. Every exit
 path (expired lease, failed transfer, Abort, a cancelled Decode stream) gives the blocks back
-to the pool.
+to the pool. With ``serves_prefill`` the worker also serves ``tandem.v1.PrefillWorker``
+(:class:`cluster.prefill_service.PrefillService`, on the same port, pool and NIXL agent): it
+prefills prompts for other decode workers and sends them the KV, its pinned blocks unpinned
+once the transfer ends, however it ends.
 """
 
 from __future__ import annotations
@@ -23,6 +26,7 @@ import grpc
 from cluster import tracing
 from cluster.log import request_id_var
 from cluster.metrics import WorkerMetrics
+from cluster.prefill_service import PrefillService
 from cluster.registry import Role
 from cluster.translate import (
     check_cache_salt, check_prompt_ids, check_request_id, engine_refusal, finish_reason_to_proto,
@@ -49,8 +53,8 @@ class DecodeServicer(worker_pb2_grpc.DecodeWorkerServicer):
 
     Args:
         engine: the worker's running engine.
-        settings: ``lease_s`` (reservation lease), ``stream_interval``, the KV transport
-            settings and the request caps are used.
+        settings: ``lease_s`` (reservation lease), ``stream_interval``, ``serves_prefill``, the KV
+            transport settings and the request caps are used.
         metrics: the worker's metrics.
 
     Raises:
@@ -58,8 +62,9 @@ class DecodeServicer(worker_pb2_grpc.DecodeWorkerServicer):
     """
 
     service_name = "tandem.v1.DecodeWorker"
-    # KV comes from prefill workers only, so only their blocks can enter the prefix cache.
-    peer_roles = {"Admit": ("gateway",), "TransferKV": ("prefill",), "Decode": ("gateway",),
+    # KV comes from the workers that prefill (prefill workers and decode workers lent to
+    # prefill), so only their blocks can enter the prefix cache.
+    peer_roles = {"Admit": ("gateway",), "TransferKV": ("prefill", "decode"), "Decode": ("gateway",),
                   "Abort": ("gateway",), "GetStats": ("gateway", "prefill", "decode")}
 
     def __init__(self, engine: EngineCoreClient, settings: DecodeWorkerSettings, metrics: WorkerMetrics) -> None:
@@ -73,14 +78,23 @@ class DecodeServicer(worker_pb2_grpc.DecodeWorkerServicer):
         self.kv_receiver = KVTransferServicer(KVReceiver(pool, self.table, nixl=self.nixl,
                                                      verify_checksums=settings.kv_verify_checksums))
         self.layout = pool.layout
-        self.config = published_config(engine.info, engine.kv_pools, self.kv_receiver.receiver.transports)
+        transports = self.kv_receiver.receiver.transports
+        self.config = published_config(engine.info, engine.kv_pools, transports, settings.serves_prefill)
         self.admission = Admission()
+        self.lent = (PrefillService(engine, settings, metrics, Role.DECODE, pool, transports, self.nixl, self.config,
+                                    self.admission) if settings.serves_prefill else None)
         self._decoding: set[str] = set()
         self._expiry: asyncio.Task[None] | None = None
 
     def add_to_server(self, server: grpc.aio.Server) -> None:
         worker_pb2_grpc.add_DecodeWorkerServicer_to_server(self, server)
+        if self.lent is not None:
+            self.lent.add_to_server(server)
         self._expiry = asyncio.get_running_loop().create_task(self.table.run_expiry(EXPIRY_INTERVAL_S))
+
+    def services(self) -> dict[str, dict[str, tuple[str, ...]]]:
+        """``tandem.v1.DecodeWorker``, and ``tandem.v1.PrefillWorker`` where it serves prefill."""
+        return {self.service_name: self.peer_roles, **(self.lent.services() if self.lent is not None else {})}
 
     def pending(self) -> int:
         """Reservations waiting for their KV or their Decode call."""
@@ -92,6 +106,8 @@ class DecodeServicer(worker_pb2_grpc.DecodeWorkerServicer):
             with contextlib.suppress(asyncio.CancelledError):
                 await self._expiry
         self.table.release_all("worker shutting down")
+        if self.lent is not None:
+            await self.lent.close()
         if self.nixl is not None:
             self.nixl.close()
 

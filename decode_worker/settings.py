@@ -1,5 +1,6 @@
 """Decode worker settings: a worker's (:class:`cluster.settings.WorkerSettings`) plus what only a
-decode worker reads: its reservations' lease and how its streams batch tokens."""
+decode worker reads: its reservations' lease, how its streams batch tokens, and whether it also
+serves prefill for other decode workers."""
 
 from __future__ import annotations
 
@@ -19,3 +20,7 @@ class DecodeWorkerSettings(WorkerSettings):
                                                       "sample goes whatever it holds); more: fewer messages per "
                                                       "token for the worker's event loop, coarser streaming "
                                                       "(SGLang's stream_interval)")
+    serves_prefill: bool = Field(False, description="also serve tandem.v1.PrefillWorker: prefill a prompt for "
+                                                    "another decode worker and send it the KV, as a prefill "
+                                                    "worker does, when the gateway's placement lends this "
+                                                    "worker's GPUs (published as serves_prefill)")

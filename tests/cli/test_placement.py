@@ -1,5 +1,6 @@
 """Workers placed on a host's GPUs: each worker on as many consecutive GPUs as its tensor-parallel
-size, round robin, with its device and size in its environment."""
+size, round robin, with its device and size in its environment (and, where asked, a decode
+worker's serving prefill)."""
 
 from __future__ import annotations
 
@@ -46,3 +47,11 @@ def test_each_cpu_pool_shares_the_hosts_cores_unless_the_user_set_the_threads(mo
     assert "OMP_NUM_THREADS" not in LocalCluster(env={"OMP_NUM_THREADS": "4"}).worker_env["decode-0"]
     monkeypatch.setenv("OMP_NUM_THREADS", "3")
     assert "OMP_NUM_THREADS" not in LocalCluster().worker_env["prefill-0"]
+
+
+def test_decode_workers_serve_prefill_when_asked_and_a_workers_own_setting_wins() -> None:
+    cluster = LocalCluster(num_prefill=1, num_decode=2, gpus=3, decode_serves_prefill=True,
+                           worker_env={"decode-1": {"TANDEM_SERVES_PREFILL": "0"}})
+    assert [cluster.worker_env[n].get("TANDEM_SERVES_PREFILL") for n in ("prefill-0", "decode-0", "decode-1")] == \
+        [None, "1", "0"]
+    assert "TANDEM_SERVES_PREFILL" not in LocalCluster(num_prefill=0, num_decode=2, gpus=2).worker_env["decode-0"]

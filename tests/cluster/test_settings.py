@@ -46,9 +46,9 @@ GATEWAY = SHARED | {"chat_split_special_tokens", "static_prefill", "static_decod
 PROCESSES = {
     "gateway": ("gateway", GatewaySettings, GATEWAY, ["gateway/*.py", "cluster/settings.py"]),
     "prefill": ("prefill_worker", WorkerSettings, WORKER,
-                ["prefill_worker/*.py", "cluster/worker.py", "cluster/settings.py"]),
-    "decode": ("decode_worker", DecodeWorkerSettings, WORKER | {"lease_s", "stream_interval"},
-               ["decode_worker/*.py", "cluster/worker.py", "cluster/settings.py"]),
+                ["prefill_worker/*.py", "cluster/prefill_service.py", "cluster/worker.py", "cluster/settings.py"]),
+    "decode": ("decode_worker", DecodeWorkerSettings, WORKER | {"lease_s", "stream_interval", "serves_prefill"},
+               ["decode_worker/*.py", "cluster/prefill_service.py", "cluster/worker.py", "cluster/settings.py"]),
 }
 # The nested models are handed on whole; their fields are read where they go.
 NESTED = {"engine": (EngineConfig, ["engine/**/*.py"]), "limits": (RequestLimits, ["cluster/translate.py"])}

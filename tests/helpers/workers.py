@@ -1,10 +1,12 @@
 """A prefill worker and a decode worker in the test's process, each with its own engine, on real
 grpc.aio servers on loopback ephemeral ports (and the shared Redis under a test key prefix),
-and a real gateway in front of them."""
+and a real gateway in front of them; or, in the prefill worker's place, a decode worker that
+also serves prefill (a lender)."""
 
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 from collections.abc import AsyncIterator
 from dataclasses import dataclass
 
@@ -82,6 +84,16 @@ async def pair(engines, **overrides) -> AsyncIterator[Pair]:
     """A prefill worker on ``engines[0]`` and a decode worker on ``engines[1]`` (:func:`worker`)."""
     async with worker(engines[0], Role.PREFILL, **overrides) as p, worker(engines[1], Role.DECODE, **overrides) as d:
         yield Pair(p, d)
+
+
+@contextlib.asynccontextmanager
+async def lending_pair(engines, **overrides) -> AsyncIterator[Pair]:
+    """A decode worker that also serves prefill (``serves_prefill``) on ``engines[0]`` in the
+    prefill side's place, its stub a ``PrefillWorkerStub``, and a decode worker on ``engines[1]``
+    (:func:`worker`)."""
+    async with worker(engines[0], Role.DECODE, serves_prefill=True, **overrides) as lender, \
+            worker(engines[1], Role.DECODE, **overrides) as d:
+        yield Pair(dataclasses.replace(lender, stub=worker_pb2_grpc.PrefillWorkerStub(lender.channel)), d)
 
 
 @contextlib.asynccontextmanager

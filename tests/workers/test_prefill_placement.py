@@ -153,9 +153,10 @@ def test_a_request_whose_only_prefill_worker_is_draining_is_prefilled_on_the_dec
 
 
 def test_a_prompt_lent_to_another_decode_worker_is_prefilled_there_and_decoded_on_its_own(engines, monkeypatch):
-    """The gateway's side of a decode worker lent to a prefill. No worker serves both roles yet,
-    so the lender routing offers (a decode worker that publishes ``serves_prefill``) has the real
-    prefill worker's address, where PrefillWorker is served as a lender will serve it. With the
+    """The gateway's side of a decode worker lent to a prefill. The lender routing offers (a
+    decode worker that publishes ``serves_prefill``) is given the real prefill worker's address,
+    where PrefillWorker is the same prefill service a lender serves (``cluster.prefill_service``;
+    tests/workers/test_lent_prefill.py runs a real lender). With the
     prefill worker's queue 50 s long and the request's decode worker measured slow to prefill
     (10 s a token), placement lends the prompt: Prefill is called on the lender over the decode workers'
     channels, its KV reaches the request's decode worker, the tokens are the disaggregated ones,
