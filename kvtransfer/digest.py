@@ -5,9 +5,11 @@ One digest per block and KV head (``kernels.kv_digest``: a position-weighted sum
 32-bit words mod 2**64), computed on the device that holds the bytes (the Triton kernel on a
 GPU, ``kernels.reference`` on the CPU). Per head, so a receiving tensor-parallel rank checks
 exactly the head range it holds, whatever the sender's ranks (heterogeneous TP). On the wire
-(``KVChunk.block_digests``) they are block-major: block ``j``'s head ``h`` is at
-``j * num_kv_heads + h``, unsigned 64-bit. The receiver also refuses a block holding a NaN or
-an infinity: KV the model computed is finite, and random bytes read as a float dtype are not.
+(``KVChunk.block_digests``) they are little-endian 64-bit values, block-major: block ``j``'s
+head ``h`` is value ``j * num_kv_heads + h``; they stay tensors on both sides (no Python int per
+value), and the receiver compares on the device, with one host sync per rank. The receiver also
+refuses a block holding a NaN or an infinity: KV the model computed is finite, and random bytes
+read as a float dtype are not.
 """
 
 from __future__ import annotations
@@ -48,35 +50,35 @@ def span_digests(tensor: torch.Tensor, block_ids: Sequence[int]) -> tuple[torch.
         return kernels.kv_digests(tensor, ids)  # (loads Triton, an optional dependency, on first use)
 
 
-def block_digests(blocks: torch.Tensor) -> list[int]:
+def block_digests(blocks: torch.Tensor) -> bytes:
     """The wire digests of ``blocks`` ``[n, num_kv_heads, ...]`` (whole blocks, e.g. a gRPC chunk's
-    before its host copy): ``n * num_kv_heads`` unsigned 64-bit ints, block-major."""
-    return [d & _MASK64 for d in span_digests(blocks, range(blocks.shape[0]))[0].view(-1).tolist()]
+    before its host copy): ``n * num_kv_heads`` little-endian 64-bit values, block-major."""
+    return span_digests(blocks, range(blocks.shape[0]))[0].cpu().numpy().tobytes()
 
 
-def pool_digests(pool: KVPool, block_ids: Sequence[int]) -> list[int]:
+def pool_digests(pool: KVPool, block_ids: Sequence[int]) -> bytes:
     """The wire digests of ``pool``'s blocks ``block_ids``, each rank over its heads on its
-    device, without gathering: ``len(block_ids) * num_kv_heads`` unsigned 64-bit ints."""
+    device, without gathering: ``len(block_ids) * num_kv_heads`` little-endian 64-bit values."""
     parts = [span_digests(part.tensor, block_ids)[0].cpu() for part in pool.ranks]
-    return [d & _MASK64 for d in torch.cat(parts, dim=1).view(-1).tolist()]
+    return torch.cat(parts, dim=1).numpy().tobytes()
 
 
-def check_digest_count(digests: Sequence[int], num_blocks: int, num_heads: int) -> None:
+def check_digest_count(digests: bytes, num_blocks: int, num_heads: int) -> None:
     """Refuse a chunk whose digests do not cover its blocks (before any write).
 
     Raises:
         StatusError: ``INVALID_ARGUMENT`` naming ``block_digests``.
     """
-    if len(digests) != num_blocks * num_heads:
+    if len(digests) != 8 * num_blocks * num_heads:
         raise StatusError.invalid_argument(
-            "block_digests", f"has {len(digests)} digests; one per block and KV head expected "
+            "block_digests", f"has {len(digests) / 8:g} digests; one per block and KV head expected "
                              f"({num_blocks} x {num_heads})")
 
 
-def verify_landed(pool: KVPool, block_ids: Sequence[int], digests: Sequence[int], where: str) -> None:
+def verify_landed(pool: KVPool, block_ids: Sequence[int], digests: bytes, where: str) -> None:
     """Recompute the digests of ``pool``'s blocks ``block_ids`` where they landed, each rank over
-    its own heads on its device, and compare them with the sender's ``digests`` (block-major,
-    every KV head); check that every value is finite.
+    its own heads on its device, and compare them there with the sender's ``digests`` (the wire
+    format, every KV head); check that every value is finite.
 
     Args:
         where: names the blocks in the error (positions, reservation, transport).
@@ -84,21 +86,22 @@ def verify_landed(pool: KVPool, block_ids: Sequence[int], digests: Sequence[int]
     Raises:
         KVIntegrityError: a digest differs or a value is NaN / infinite (the first one named).
     """
-    num_heads = pool.layout.block_shape[0]
-    sent = torch.tensor([d - (1 << 64) if d >> 63 else d for d in digests], dtype=torch.int64)
-    sent = sent.view(len(block_ids), num_heads)
+    sent = torch.frombuffer(bytearray(digests), dtype=torch.int64).view(len(block_ids), -1)
     for part in pool.ranks:
-        got, nonfinite = (t.cpu() for t in span_digests(part.tensor, block_ids))
         heads = slice(part.first_head, part.first_head + part.num_heads)
-        bad = (got != sent[:, heads]).nonzero()
+        got, nonfinite = span_digests(part.tensor, block_ids)
+        expected = sent[:, heads].to(got.device)
+        if not ((got != expected) | (nonfinite != 0)).any():  # (the one host sync of a clean check)
+            continue
+        got, expected, nonfinite = got.cpu(), expected.cpu(), nonfinite.cpu()
+        bad = (got != expected).nonzero()
         if len(bad):
             j, h = bad[0].tolist()
             raise KVIntegrityError(
                 f"KV digest mismatch in {len(bad)} of {got.numel()} (block, head) spans of {where}, first at "
-                f"block {j} head {part.first_head + h}: {got[j, h].item() & _MASK64:#018x} != sent "
-                f"{sent[j, part.first_head + h].item() & _MASK64:#018x}")
-        if nonfinite.any():
-            j, h = nonfinite.nonzero()[0].tolist()
-            raise KVIntegrityError(
-                f"{int(nonfinite.sum())} non-finite KV values in {where}, first in block {j} head "
-                f"{part.first_head + h}")
+                f"block {j} of them, head {part.first_head + h}: {got[j, h].item() & _MASK64:#018x} != sent "
+                f"{expected[j, h].item() & _MASK64:#018x}")
+        j, h = nonfinite.nonzero()[0].tolist()
+        raise KVIntegrityError(
+            f"{int(nonfinite.sum())} non-finite KV values in {where}, first in block {j} of them, head "
+            f"{part.first_head + h}")

@@ -42,7 +42,7 @@ class KVReceiver:
         return ["nixl", "grpc"] if self.nixl is not None else ["grpc"]
 
     def install(self, reservation_id: str, request_id: str, first_index: int, blocks: torch.Tensor,
-                digests: Sequence[int]) -> Reservation:
+                digests: bytes) -> Reservation:
         """Write ``blocks[j]`` into the slot reserved for the request's block ``first_index + j``,
         then verify the slots against ``digests``.
 
@@ -54,7 +54,7 @@ class KVReceiver:
             request_id: the request it must belong to.
             first_index: position of ``blocks[0]`` among the request's blocks.
             blocks: ``[count, *layout.block_shape]`` of ``layout.dtype``, any device.
-            digests: the sender's digests of the blocks (:mod:`kvtransfer.digest`, block-major).
+            digests: the sender's digests of the blocks (:mod:`kvtransfer.digest`'s wire format).
 
         Returns:
             The reservation, updated (check ``complete``).
@@ -81,7 +81,7 @@ class KVReceiver:
         return reservation
 
     async def read(self, reservation_id: str, request_id: str, first_index: int, peer, source_block_ids: list[int],
-                   digests: Sequence[int], crc: int | None) -> Reservation:
+                   digests: bytes, crc: int | None) -> Reservation:
         """Read the sender's blocks ``source_block_ids[j]`` with NIXL into the slot reserved for
         the request's block ``first_index + j``, after the same checks as :meth:`install`, and
         verify them there as it does. The read runs to its end even if the caller is cancelled

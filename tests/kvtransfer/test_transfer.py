@@ -69,7 +69,7 @@ def test_an_fp8_pool_says_so_in_its_layout_and_a_bfloat16_pool_refuses_its_block
     receiver = KVReceiver(bf16, ReservationTable(lambda ids: None))
     reservation = receiver.table.reserve("req-1", DST_IDS)
     with pytest.raises(StatusError, match="float8_e4m3fn"):
-        receiver.install(reservation.reservation_id, "req-1", 0, fp8.gather(SRC_IDS[:1]), [])
+        receiver.install(reservation.reservation_id, "req-1", 0, fp8.gather(SRC_IDS[:1]), b"")
     assert not blocks(bf16, range(NUM_BLOCKS)).any()
 
 

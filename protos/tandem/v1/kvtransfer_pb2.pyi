@@ -63,8 +63,8 @@ class KVChunk(_message.Message):
     source_block_ids: _containers.RepeatedScalarFieldContainer[int]
     nixl_source: NixlSource
     has_crc32: bool
-    block_digests: _containers.RepeatedScalarFieldContainer[int]
-    def __init__(self, reservation_id: _Optional[str] = ..., request_id: _Optional[str] = ..., first_block_index: _Optional[int] = ..., num_blocks: _Optional[int] = ..., layout: _Optional[_Union[KVBlockLayout, _Mapping]] = ..., data: _Optional[bytes] = ..., crc32: _Optional[int] = ..., source_block_ids: _Optional[_Iterable[int]] = ..., nixl_source: _Optional[_Union[NixlSource, _Mapping]] = ..., has_crc32: _Optional[bool] = ..., block_digests: _Optional[_Iterable[int]] = ...) -> None: ...
+    block_digests: bytes
+    def __init__(self, reservation_id: _Optional[str] = ..., request_id: _Optional[str] = ..., first_block_index: _Optional[int] = ..., num_blocks: _Optional[int] = ..., layout: _Optional[_Union[KVBlockLayout, _Mapping]] = ..., data: _Optional[bytes] = ..., crc32: _Optional[int] = ..., source_block_ids: _Optional[_Iterable[int]] = ..., nixl_source: _Optional[_Union[NixlSource, _Mapping]] = ..., has_crc32: _Optional[bool] = ..., block_digests: _Optional[bytes] = ...) -> None: ...
 
 class TransferKVResponse(_message.Message):
     __slots__ = ("num_blocks_received",)
