@@ -10,7 +10,7 @@ import torch
 
 from kvtransfer.nixl import NixlAgent
 from kvtransfer.pool import KVPool
-from kvtransfer.digest import check_digest_count, verify_landed
+from kvtransfer.digest import KVIntegrityError, check_digest_count, verify_landed
 from kvtransfer.reservations import Reservation, ReservationTable
 from kvtransfer.wire import blocks_crc32
 from protos.status import StatusError
@@ -63,7 +63,7 @@ class KVReceiver:
             StatusError: ``INVALID_ARGUMENT`` (wrong dtype/shape, digest count, request, range,
                 duplicate), ``NOT_FOUND`` (unknown or expired reservation).
             KVIntegrityError: ``ABORTED``, the landed blocks do not match ``digests`` or hold a
-                NaN or infinity.
+                NaN or infinity; they have been zeroed.
         """
         shape = tuple(blocks.shape[1:])
         if blocks.dtype != self.layout.dtype or shape != self.layout.block_shape:
@@ -75,7 +75,7 @@ class KVReceiver:
         reservation, block_ids = self.table.begin_write(reservation_id, request_id, first_index, blocks.shape[0])
         try:
             self.pool.scatter(block_ids, blocks)
-            verify_landed(self.pool, block_ids, digests, self._where(reservation_id, first_index, block_ids, "grpc"))
+            self._verify(block_ids, digests, self._where(reservation_id, first_index, block_ids, "grpc"))
         finally:
             self.table.end_write(reservation)
         return reservation
@@ -104,7 +104,7 @@ class KVReceiver:
                                                         len(source_block_ids))
         try:
             await self.nixl.read(peer, source_block_ids, block_ids)
-            verify_landed(self.pool, block_ids, digests, self._where(reservation_id, first_index, block_ids, "nixl"))
+            self._verify(block_ids, digests, self._where(reservation_id, first_index, block_ids, "nixl"))
             if self.verify_checksums and crc is not None:
                 got = blocks_crc32(self.pool.gather(block_ids))
                 if got != crc:
@@ -114,6 +114,14 @@ class KVReceiver:
         finally:
             self.table.end_write(reservation)
         return reservation
+
+    def _verify(self, block_ids: list[int], digests: bytes, where: str) -> None:
+        """``verify_landed``; blocks that fail it are scrubbed (zeroed) before the error goes on."""
+        try:
+            verify_landed(self.pool, block_ids, digests, where)
+        except KVIntegrityError:
+            self.pool.scrub(block_ids)
+            raise
 
     @staticmethod
     def _where(reservation_id: str, first_index: int, block_ids: Sequence[int], transport: str) -> str:
