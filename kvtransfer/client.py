@@ -12,9 +12,9 @@ carry the blocks' bytes; flow control is gRPC's own (each ``write`` waits until 
 the chunk, and the next chunk is built only then, so at most one chunk of <= ``max_chunk_bytes``
 is held in memory). Over ``"nixl"`` they carry only the sender's block ids (the opening message
 carries the pool's block layout), and the receiver reads the blocks from the sender's pool
-(:mod:`kvtransfer.nixl`); the blocks must stay pinned until :meth:`KVTransferStream.finish` returns, which it does on the
-receiver's acknowledgement by NIXL notification or on the stream's answer, whichever comes
-first (the stream is then closed in the background).
+(:mod:`kvtransfer.nixl`); the blocks must stay pinned until :meth:`KVTransferStream.finish`
+returns, which it does on the receiver's acknowledgement by NIXL notification or on the
+stream's answer, whichever comes first (the stream is then closed in the background).
 """
 
 from __future__ import annotations
@@ -26,9 +26,9 @@ from collections.abc import Callable, Iterator, Sequence
 
 import grpc
 
+from kvtransfer.digest import pool_digests
 from kvtransfer.nixl import NixlAgent
 from kvtransfer.pool import KVPool
-from kvtransfer.digest import pool_digests
 from kvtransfer.transport import KVDestination
 from kvtransfer.wire import blocks_crc32, encode_chunk
 from protos.status import StatusError
