@@ -63,6 +63,13 @@ def pool_digests(pool: KVPool, block_ids: Sequence[int]) -> bytes:
     return torch.cat(parts, dim=1).numpy().tobytes()
 
 
+def compile_digests(pool: KVPool) -> None:
+    """Digest one block of ``pool`` once, so that the kernel's compilation for this pool's layout
+    (about a second of Triton's JIT on a GPU) happens at start-up, not in a first request's
+    transfer."""
+    pool_digests(pool, [0])
+
+
 def check_digest_count(digests: bytes, num_blocks: int, num_heads: int) -> None:
     """Refuse a chunk whose digests do not cover its blocks (before any write).
 
