@@ -19,8 +19,12 @@ from kernels.reference import NONFINITE_BITS, digest_words
 
 __all__ = ["kv_digests"]
 
-_BLOCK = 1024  # words one program step loads
-_SPLIT_WORDS = 16 * _BLOCK  # words of a span one program sums, at most
+# Tuned on an H200 (Llama-3-8B blocks, 256 KiB a head): 2048-word steps, 8 warps and pieces of
+# 64Ki words (a whole head of such a block) read 3.9 TB/s at 2048 blocks and 2.4 at 256, against
+# 3.3 and 2.1 with 1024-word steps in pieces of 16Ki words.
+_BLOCK = 2048  # words one program step loads
+_SPLIT_WORDS = 32 * _BLOCK  # words of a span one program sums, at most
+_NUM_WARPS = 8
 
 
 @triton.jit
@@ -78,6 +82,6 @@ def kv_digests(blocks: torch.Tensor, block_ids: torch.Tensor) -> tuple[torch.Ten
     _kv_digest_kernel[(k, num_heads, triton.cdiv(num_words, _SPLIT_WORDS))](
         words, block_ids, digests, nonfinite, words.stride(0), words.stride(1), num_heads, num_words,
         ELEM_BITS=elem_bits, NONFINITE_MASK=mask, BLOCK=_BLOCK, SPLIT_WORDS=_SPLIT_WORDS,
-        num_warps=4 if blocks.device.type == "cuda" else 1,
+        num_warps=_NUM_WARPS if blocks.device.type == "cuda" else 1,
     )
     return digests, nonfinite
