@@ -25,7 +25,11 @@ written) and ``..._finish_ms_...`` (until the receiver's acknowledgement: with N
 itself); the workload names both sides' devices (their TP sizes). ``{transport}_ready_ms_{n}_blocks``
 and ``..._ready_gbps_...`` time what a request's first token waits for in a worker: a transfer
 whose blocks become ready 10 ms after its stream opened (as a prefill worker opens it before it
-computes), from the blocks ready to the acknowledgement.
+computes), from the blocks ready to the acknowledgement. Every transfer carries end-to-end
+digests (the sender computes them, the receiver checks them where the blocks landed: in the
+times above); ``digest_ms_{n}_blocks`` is that digest work alone (both sides' kernels and host
+copies, timed on the sending pool), and ``digest_overhead_fraction_{n}_blocks`` its share of the
+transfer's time (NIXL's, else gRPC's, from opening to acknowledgement).
 
 Usage: ``python -m bench.kv_transfer [--device cuda|cpu] [--peer-device cuda:1] [--repeats 5]
 [--transports nixl] [--kv-cache-dtype fp8_e4m3]``
@@ -54,6 +58,8 @@ from engine.parallel.tensor_parallel import shard_config
 from kvtransfer import (
     GRPC_MESSAGE_OPTIONS, KVTransferServicer, KVTransferClient, KVDestination, KVPool, KVReceiver, ReservationTable,
 )
+from kernels.reference import NONFINITE_BITS
+from kvtransfer.digest import pool_digests, verify_landed
 from kvtransfer.nixl import NixlAgent
 from protos.tandem.v1 import worker_pb2, worker_pb2_grpc
 
@@ -74,8 +80,18 @@ def make_pool(devices: str, num_blocks: int, kv_cache_dtype: str = "auto") -> KV
     dtype = resolve_kv_cache_dtype(kv_cache_dtype, torch.bfloat16)[1]
     tensors = [KVCache(shard, num_blocks, BLOCK_SIZE, dtype, device).tensor for device in ranks]
     for tensor in tensors:
-        tensor.view(torch.uint8).random_(0, 256)
+        fill_finite_random(tensor)
     return KVPool(tensors)
+
+
+def fill_finite_random(tensor: torch.Tensor) -> None:
+    """Random bytes, NaN and infinity made finite (a receiver refuses non-finite KV): where every
+    exponent bit is set, the lowest of them is cleared. Block by block, to bound the temporaries."""
+    _, mask = NONFINITE_BITS[tensor.dtype]
+    low_bit = mask & -mask
+    for block in tensor.view({1: torch.uint8, 2: torch.int16, 4: torch.int32}[tensor.element_size()]):
+        block.view(torch.uint8).random_(0, 256)
+        block.sub_(((block & mask) == mask).to(block.dtype) * low_bit)
 
 
 class ReceiverServicer(worker_pb2_grpc.DecodeWorkerServicer):
@@ -138,7 +154,7 @@ async def measure(address: str, pool: KVPool, nixl: NixlAgent, repeats: int, blo
     channel = grpc.aio.insecure_channel(address, options=GRPC_MESSAGE_OPTIONS)
     stub = worker_pb2_grpc.DecodeWorkerStub(channel)
     block_nbytes = pool.layout.block_nbytes
-    metrics = {}
+    metrics, transfer_s = {}, {}
     for transport in transports:
         sender = KVTransferClient(lambda _: channel, transports=[transport], nixl=nixl,
                                   verify_checksums=verify_checksums)
@@ -166,7 +182,8 @@ async def measure(address: str, pool: KVPool, nixl: NixlAgent, repeats: int, blo
                 phases.append(await one_transfer(f"{transport}-{count}-{repeat}", count, 0.0))
                 ready.append(sum((await one_transfer(f"{transport}-{count}-{repeat}-ready", count, _PREFILL_S))[1:]))
             nbytes = count * block_nbytes
-            metrics[f"{transport}_gbps_{count}_blocks"] = round(nbytes / median(map(sum, phases[1:])) / 1e9, 3)
+            transfer_s[transport, count] = median(map(sum, phases[1:]))
+            metrics[f"{transport}_gbps_{count}_blocks"] = round(nbytes / transfer_s[transport, count] / 1e9, 3)
             for i, phase in enumerate(("open", "send", "finish")):
                 metrics[f"{transport}_{phase}_ms_{count}_blocks"] = round(
                     median(p[i] for p in phases[1:]) * 1e3, 3)
@@ -175,7 +192,27 @@ async def measure(address: str, pool: KVPool, nixl: NixlAgent, repeats: int, blo
             print(f"{transport:>5} {count:>5} blocks: {metrics[f'{transport}_gbps_{count}_blocks']:8.2f} GB/s, "
                   f"{metrics[f'{transport}_ready_gbps_{count}_blocks']:8.2f} from ready", flush=True)
     await channel.close()
+    for count in block_counts:  # over the fastest transport measured: the largest share
+        digest_s = digest_seconds(pool, count, repeats)
+        metrics[f"digest_ms_{count}_blocks"] = round(digest_s * 1e3, 3)
+        metrics[f"digest_overhead_fraction_{count}_blocks"] = round(
+            digest_s / transfer_s[next(t for t in TRANSPORTS if t in transports), count], 4)
     return metrics
+
+
+def digest_seconds(pool: KVPool, count: int, repeats: int) -> float:
+    """Median seconds of one transfer's digest work for ``count`` blocks, timed alone on the
+    sending pool's devices: the sender's digests (``pool_digests``) and the receiver's check
+    (``verify_landed``: the same kernel over the same bytes, and the comparison), each ending in
+    its host copy of the digests."""
+    ids = list(range(count))
+    verify_landed(pool, ids, pool_digests(pool, ids), "the benchmark's blocks")  # warm-up: Triton compiles
+    times = []
+    for _ in range(max(repeats, 3)):
+        start = time.perf_counter()
+        verify_landed(pool, ids, pool_digests(pool, ids), "the benchmark's blocks")
+        times.append(time.perf_counter() - start)
+    return median(times)
 
 
 def transfer_metrics(device: str, peer_device: str, repeats: int = 5,

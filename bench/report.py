@@ -221,10 +221,13 @@ BENCHMARKS: dict[str, Benchmark] = {
         "KV transfer between two worker processes",
         "`python -m bench.kv_transfer`: Llama-3-8B blocks, NIXL reads and the gRPC stream, from opening the "
         "transfer to the receiver's acknowledgement (median), against a plain copy between the devices; "
-        "`ready`: from the blocks ready, the stream already open (what a request waits for).", _transfer, (
+        "`ready`: from the blocks ready, the stream already open (what a request waits for); `digests / "
+        "transfer`: both sides' end-to-end digest work over the transfer's time.", _transfer, (
             Column("NIXL 16 blocks (GB/s)", "nixl_gbps_16_blocks"), Column("NIXL 256", "nixl_gbps_256_blocks"),
             Column("NIXL 2048", "nixl_gbps_2048_blocks"), Column("NIXL 256, ready", "nixl_ready_gbps_256_blocks"),
-            Column("gRPC 256", "grpc_gbps_256_blocks"), Column("copy", "copy_gbps"))),
+            Column("gRPC 256", "grpc_gbps_256_blocks"), Column("copy", "copy_gbps"),
+            Column("digests / transfer, 256", "digest_overhead_fraction_256_blocks"),
+            Column("2048", "digest_overhead_fraction_2048_blocks"))),
     "kv_cache_dtype": Benchmark(
         "GPU: an fp8 KV cache",
         "`python -m bench.kv_cache_dtype`: random-weight Llama-3-8B, 128 prompts of 2048 tokens; blocks in "

@@ -58,6 +58,8 @@ class WorkerMetrics:
         kv_bytes: KV bytes sent (prefill) or received (decode), by ``transport`` (nixl, grpc).
         kv_transfers: KV transfers by ``transport`` and ``status``.
         kv_transfer_seconds: duration of one KV transfer, by ``transport``.
+        kv_integrity_failures: KV transfers a decode worker refused because the blocks that
+            landed did not match the sender's digests or held NaN / infinity, by ``transport``.
         local_prefills: requests a decode worker prefilled itself (conditional disaggregation).
     """
 
@@ -77,6 +79,9 @@ class WorkerMetrics:
         self.kv_transfers = Counter("tandem_kv_transfers", "KV transfers.", ["transport", "status"], registry=r)
         self.kv_transfer_seconds = Histogram("tandem_kv_transfer_seconds", "Duration of one KV transfer.",
                                              ["transport"], buckets=LATENCY_BUCKETS, registry=r)
+        self.kv_integrity_failures = Counter(
+            "tandem_kv_integrity_failures", "KV transfers refused: landed blocks not matching the sender's "
+            "digests or holding NaN / infinity.", ["transport"], registry=r)
         self.local_prefills = Counter("tandem_local_prefills", "Requests this decode worker prefilled itself.",
                                       registry=r)
         r.register(_EngineCollector(role, stats))

@@ -43,6 +43,7 @@ from engine.core.core_client import EngineCoreClient, EngineDeadError, EngineErr
 from engine.core.messages import EngineInfo
 from engine.runner.devices import device_ids, resolve_device, use_device
 from kvtransfer import GRPC_MESSAGE_OPTIONS, KVPool
+from kvtransfer.digest import compile_digests
 from kvtransfer.nixl import NixlAgent
 from protos.status import StatusError
 
@@ -50,11 +51,13 @@ logger = logging.getLogger(__name__)
 
 def kv_transport(settings: WorkerSettings, worker_id: str, pool: KVPool) -> tuple[list[str], NixlAgent | None]:
     """The KV transports this worker uses, preferred first, and its NIXL agent (its KV pool
-    registered) when NIXL is one of them.
+    registered) when NIXL is one of them; the pool's digest kernel is compiled meanwhile (both
+    transports digest every block).
 
     Raises:
         StartupError: ``kv_transport`` is ``nixl`` but NIXL cannot start here.
     """
+    compile_digests(pool)
     if settings.kv_transport == "grpc":
         return ["grpc"], None
     try:

@@ -3,7 +3,9 @@
 Blocks move through three owners: ``Admit`` reserves them on the engine thread (reusing the
 leading blocks the prefix cache holds) and hands them to the ``ReservationTable`` under a
 lease; ``TransferKV`` fills the rest (bytes in the stream, or read from the prefill worker's
-pool with NIXL); ``Decode`` claims them and the engine's sequences own them from then on. With
+pool with NIXL), each block verified where it landed against the sender's digests before it
+counts as arrived (a mismatch fails the transfer: ``ABORTED``, the reservation released);
+``Decode`` claims them and the engine's sequences own them from then on. With
 ``local_prefill`` (conditional disaggregation: few prompt tokens left after the prefix hit)
 ``Decode`` prefills the prompt here instead, the reservation handed to the request. Every exit
 path (expired lease, failed transfer, Abort, a cancelled Decode stream) gives the blocks back
@@ -75,8 +77,9 @@ class DecodeServicer(worker_pb2_grpc.DecodeWorkerServicer):
         self.table = ReservationTable(engine.free_blocks, lease_s=settings.lease_s)
         pool = KVPool(engine.kv_pools)
         _, self.nixl = kv_transport(settings, settings.resolved_worker_id(str(Role.DECODE)), pool)
-        self.kv_receiver = KVTransferServicer(KVReceiver(pool, self.table, nixl=self.nixl,
-                                                     verify_checksums=settings.kv_verify_checksums))
+        self.kv_receiver = KVTransferServicer(
+            KVReceiver(pool, self.table, nixl=self.nixl, verify_checksums=settings.kv_verify_checksums),
+            on_integrity_failure=lambda transport: metrics.kv_integrity_failures.labels(transport).inc())
         self.layout = pool.layout
         transports = self.kv_receiver.receiver.transports
         self.config = published_config(engine.info, engine.kv_pools, transports, settings.serves_prefill)

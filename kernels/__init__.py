@@ -19,6 +19,7 @@ _ENTRY_POINTS = {
     "rotary_write_kv_cache": "kernels.rotary",
     "silu_and_mul": "kernels.activation",
     "sample_tokens": "kernels.sampling",
+    "kv_digests": "kernels.kv_digest",
     # an engine step's launches, prepared once for all its layers
     "PagedDecodeLaunch": "kernels.decode_attention",
     "PagedPrefillLaunch": "kernels.prefill_attention",

@@ -8,7 +8,8 @@ Softmax runs in float32 whatever the cache dtype; an fp8 cache's K and V are upc
 as they are gathered. The layer functions (``rms_norm``,
 ``rotary_embedding``, ``silu_and_mul``) are the unfused PyTorch formulas the CPU path has
 always run; ``sample_tokens`` computes the sampling kernel's counter-based noise bit for bit
-with int64 arithmetic.
+with int64 arithmetic. ``kv_digests`` sums a KV block's words with the digest kernel's integer
+arithmetic (bit for bit) and counts non-finite elements with ``torch.isfinite``.
 """
 
 from __future__ import annotations
@@ -16,7 +17,7 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
-__all__ = ["paged_decode_attention", "paged_prefill_attention", "rms_norm", "rope_decode_attention",
+__all__ = ["digest_words", "kv_digests", "paged_decode_attention", "paged_prefill_attention", "rms_norm", "rope_decode_attention",
            "rotary_embedding", "rotary_write_kv_cache", "sample_tokens", "silu_and_mul", "to_cache_dtype",
            "write_kv_cache"]
 
@@ -360,3 +361,49 @@ def sample_tokens(
             token_ids[rows] = keys.argmax(dim=-1)
     logprobs = logits.gather(-1, token_ids[:, None]).squeeze(-1) - lse
     return token_ids, logprobs, lse
+
+
+# Per KV dtype: (bits of one element, the bits all set in NaN and infinity and only there): what
+# the digest kernel counts as non-finite (float8_e4m3fn has no infinity; its NaN is S.1111.111).
+NONFINITE_BITS = {
+    torch.float32: (32, 0x7F800000), torch.float16: (16, 0x7C00), torch.bfloat16: (16, 0x7F80),
+    torch.float8_e4m3fn: (8, 0x7F), torch.float8_e5m2: (8, 0x7C),
+}
+_DIGEST_GROUP = 16  # blocks summed at once (bounds the int64 temporaries)
+
+
+def digest_words(blocks: torch.Tensor) -> torch.Tensor:
+    """``blocks`` ``[num_blocks, num_heads, *rest]`` (``rest`` contiguous) as the 32-bit words
+    each (block, head) span holds: ``[num_blocks, num_heads, words]`` int32, a view.
+
+    Raises:
+        ValueError: a dtype outside ``NONFINITE_BITS``, ``rest`` not contiguous, or a span or
+            stride that is not a whole number of words.
+    """
+    if blocks.dtype not in NONFINITE_BITS:
+        raise ValueError(f"KV digests read {sorted(map(str, NONFINITE_BITS))}, got {blocks.dtype}")
+    if blocks.dim() < 3:
+        raise ValueError(f"blocks must be [num_blocks, num_heads, ...], got {tuple(blocks.shape)}")
+    spans = blocks.flatten(2)  # a view: raises if rest is not contiguous
+    if spans.stride(2) != 1 or (spans.shape[2] * blocks.element_size()) % 4 \
+            or any(s * blocks.element_size() % 4 for s in spans.stride()[:2]):
+        raise ValueError(f"a KV head's span must be contiguous whole 32-bit words, got shape "
+                         f"{tuple(blocks.shape)} strides {blocks.stride()} of {blocks.dtype}")
+    return spans.view(torch.int32)
+
+
+def kv_digests(blocks: torch.Tensor, block_ids: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """Reference of :func:`kernels.kv_digest.kv_digests`: per (block ``block_ids[j]``, KV head),
+    ``sum_i w_i * (2 i + 1) mod 2**64`` over the span's int32 words ``w_i`` (an int64) and the
+    count of NaN or infinite elements (int32); ``[k, num_heads]`` each."""
+    words = digest_words(blocks)
+    k, num_heads, num_words = block_ids.shape[0], words.shape[1], words.shape[2]
+    weights = torch.arange(num_words, dtype=torch.int64, device=blocks.device) * 2 + 1
+    digests = torch.empty(k, num_heads, dtype=torch.int64, device=blocks.device)
+    nonfinite = torch.empty(k, num_heads, dtype=torch.int32, device=blocks.device)
+    for start in range(0, k, _DIGEST_GROUP):
+        ids = block_ids[start:start + _DIGEST_GROUP]
+        digests[start:start + len(ids)] = (words[ids].to(torch.int64) * weights).sum(-1)  # wraps mod 2**64
+        values = blocks[ids].flatten(2).float()
+        nonfinite[start:start + len(ids)] = (~torch.isfinite(values)).sum(-1, dtype=torch.int32)
+    return digests, nonfinite

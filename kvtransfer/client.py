@@ -6,14 +6,15 @@ not wait for the opening message to be written (0.3-0.4 ms on a quiet host, long
 event loop), so the prefill starts at once and a failed opening surfaces at the first
 :meth:`~KVTransferStream.send` or at :meth:`~KVTransferStream.finish`. Blocks are then
 announced as they become ready, in any grouping, and :meth:`KVTransferStream.finish` waits for
-the receiver's acknowledgement, which it sends once it holds every block. Over ``"grpc"`` the
-chunks carry the blocks' bytes; flow control is gRPC's own (each ``write`` waits until HTTP/2
-accepts the chunk, and the next chunk is built only then, so at most one chunk of
-<= ``max_chunk_bytes`` is held in memory). Over ``"nixl"`` they carry only the sender's block
-ids, and the receiver reads the blocks from the sender's pool (:mod:`kvtransfer.nixl`); the
-blocks must stay pinned until :meth:`KVTransferStream.finish` returns, which it does on the
-receiver's acknowledgement by NIXL notification or on the stream's answer, whichever comes
-first (the stream is then closed in the background).
+the receiver's acknowledgement, which it sends once it holds every block. Every chunk carries
+the end-to-end digests of its blocks (:mod:`kvtransfer.digest`). Over ``"grpc"`` the chunks
+carry the blocks' bytes; flow control is gRPC's own (each ``write`` waits until HTTP/2 accepts
+the chunk, and the next chunk is built only then, so at most one chunk of <= ``max_chunk_bytes``
+is held in memory). Over ``"nixl"`` they carry only the sender's block ids (the opening message
+carries the pool's block layout), and the receiver reads the blocks from the sender's pool
+(:mod:`kvtransfer.nixl`); the blocks must stay pinned until :meth:`KVTransferStream.finish`
+returns, which it does on the receiver's acknowledgement by NIXL notification or on the
+stream's answer, whichever comes first (the stream is then closed in the background).
 """
 
 from __future__ import annotations
@@ -25,6 +26,7 @@ from collections.abc import Callable, Iterator, Sequence
 
 import grpc
 
+from kvtransfer.digest import pool_digests
 from kvtransfer.nixl import NixlAgent
 from kvtransfer.pool import KVPool
 from kvtransfer.transport import KVDestination
@@ -132,8 +134,10 @@ class KVTransferStream:
             await self._serving.enter_async_context(self.nixl.serving_reads())
             self._ack = self.nixl.expect_acknowledgement(self.reservation_id)
             self._serving.callback(self.nixl.forget_acknowledgement, self.reservation_id)
+        layout = self.nixl.pool.layout.to_proto() if self.nixl is not None else None
         self._opening = asyncio.ensure_future(self._write(kvtransfer_pb2.KVChunk(
-            reservation_id=self.reservation_id, request_id=self.request_id, nixl_source=self.nixl_source)))
+            reservation_id=self.reservation_id, request_id=self.request_id, nixl_source=self.nixl_source,
+            layout=layout)))
         self._opening.add_done_callback(lambda task: task.cancelled() or task.exception())  # raised by send/finish
         return self
 
@@ -158,7 +162,7 @@ class KVTransferStream:
         if self.nixl_source is not None:
             chunk = kvtransfer_pb2.KVChunk(reservation_id=self.reservation_id, request_id=self.request_id,
                                            first_block_index=first_index, num_blocks=len(block_ids),
-                                           source_block_ids=block_ids)
+                                           source_block_ids=block_ids, block_digests=pool_digests(pool, block_ids))
             if self.verify_checksums:
                 chunk.crc32, chunk.has_crc32 = blocks_crc32(pool.gather(block_ids)), True
             await self._write(chunk)

@@ -82,3 +82,13 @@ class KVPool:
             tensor.view(torch.uint8).index_copy_(0, index, heads.view(torch.uint8))
             if tensor.is_cuda and part is not self.ranks[0]:
                 torch.cuda.synchronize(tensor.device)
+
+    def scrub(self, block_ids: Sequence[int]) -> None:
+        """Zero blocks ``block_ids`` on every rank: bytes refused by a transfer's check (which may
+        hold NaN) never stay in a slot the pool hands out again, where a later request's last,
+        partly written block would keep them past its tokens."""
+        for part in self.ranks:
+            index = torch.tensor(list(block_ids), dtype=torch.long, device=part.tensor.device)
+            part.tensor.view(torch.uint8).index_fill_(0, index, 0)
+            if part.tensor.is_cuda and part is not self.ranks[0]:
+                torch.cuda.synchronize(part.tensor.device)

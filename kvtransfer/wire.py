@@ -1,4 +1,5 @@
-"""KV blocks as protobuf chunks: raw tensor bytes with dtype, shape and a CRC-32, nothing pickled.
+"""KV blocks as protobuf chunks: raw tensor bytes with dtype, shape, a CRC-32 and the blocks'
+end-to-end digests (:mod:`kvtransfer.digest`), nothing pickled.
 
 A block is ``[num_kv_heads, num_layers, 2, block_size, head_dim]``, C-contiguous: every KV head of
 the model, whatever the tensor-parallel sizes of the workers (:mod:`kvtransfer.pool`). A chunk (``tandem.v1.KVChunk``) carries ``num_blocks >= 1`` blocks of one request at
@@ -17,6 +18,7 @@ from dataclasses import dataclass
 import grpc
 import torch
 
+from kvtransfer.digest import block_digests
 from protos.status import StatusError
 from protos.tandem.v1 import kvtransfer_pb2
 
@@ -104,14 +106,16 @@ def encode_chunk(
         first_block_index: position of ``blocks[0]`` within the request's blocks.
 
     Returns:
-        The chunk, with ``data`` (``blocks.nbytes`` bytes) and its CRC-32.
+        The chunk, with ``data`` (``blocks.nbytes`` bytes), its CRC-32 and the blocks' digests
+        (computed on ``blocks``' device, before the host copy).
     """
     layout = BlockLayout(blocks.dtype, tuple(blocks.shape[1:]))
+    digests = block_digests(blocks)
     data = blocks.detach().to("cpu").contiguous().view(torch.uint8).numpy().tobytes()
     return kvtransfer_pb2.KVChunk(
         reservation_id=reservation_id, request_id=request_id,
         first_block_index=first_block_index, num_blocks=blocks.shape[0],
-        layout=layout.to_proto(), data=data, crc32=crc32(data),
+        layout=layout.to_proto(), data=data, crc32=crc32(data), block_digests=digests,
     )
 
 

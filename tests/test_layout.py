@@ -17,7 +17,7 @@ ALLOWED = {
     "protos": set(),
     "kernels": set(),
     "engine": {"kernels"},
-    "kvtransfer": {"protos"},
+    "kvtransfer": {"kernels", "protos"},
     "cluster": {"engine", "kvtransfer", "protos"},
     "prefill_worker": {"cluster", "engine", "kvtransfer", "protos"},
     "decode_worker": {"cluster", "engine", "kvtransfer", "protos"},

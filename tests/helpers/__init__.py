@@ -9,6 +9,8 @@ call these.
 - ``prompts``: the prompts the real-model tests compare on.
 - ``engine``: running engine requests to their end, and the disaggregated path.
 - ``paged_inputs``: random paged-cache inputs for the kernel tests.
+- ``kv_peers``: two workers' KV data planes in one process (pools, a ``TransferKV`` server, NIXL
+  agents, a sender's stream to tamper with).
 - ``gateway``: a real gateway on a background thread, workers registered in Redis, a hand-moved clock.
 - ``workers``: prefill and decode workers (and a gateway) in the test's process.
 - ``cluster``: a real local cluster of processes, and its gRPC utilities.

@@ -5,8 +5,6 @@ reservation's blocks handed back to the pool."""
 import asyncio
 import contextlib
 import threading
-from collections.abc import AsyncIterator, Awaitable, Callable
-from dataclasses import dataclass
 
 import grpc
 import numpy as np
@@ -14,135 +12,18 @@ import pytest
 import torch
 
 from engine.runner.kv_cache import KVCache
-from engine.loading.model_config import ModelConfig
-from engine.parallel.tensor_parallel import shard_config
 from kvtransfer import (
-    DEFAULT_MAX_CHUNK_BYTES, GRPC_MESSAGE_OPTIONS, KVDestination, KVPool, KVReceiver, KVTransferClient,
-    KVTransferServicer, KVTransferStream, ReservationTable, decode_chunk, encode_chunk,
+    GRPC_MESSAGE_OPTIONS, KVDestination, KVPool, KVReceiver, KVTransferClient, KVTransferStream, ReservationTable,
+    decode_chunk, encode_chunk,
 )
+from kvtransfer.digest import pool_digests
 from kvtransfer.nixl import NixlAgent
 from protos.status import StatusError
-from protos.tandem.v1 import kvtransfer_pb2, worker_pb2_grpc
-
-CONFIG = ModelConfig(vocab_size=32, hidden_size=64, intermediate_size=64, num_hidden_layers=2,
-                     num_attention_heads=8, num_key_value_heads=4)  # head_dim 8
-BLOCK_SIZE = 4
-NUM_BLOCKS = 8
-SRC_IDS = [5, 1, 2, 7]  # the request's blocks on the prefill worker, position order
-DST_IDS = [3, 0, 6, 4]  # the reservation's blocks on the decode worker
-
-
-def make_pool(dtype: torch.dtype, fill_random: bool, num_ranks: int = 1) -> KVPool:
-    """The KV pool of a worker of ``num_ranks`` tensor-parallel ranks (each its KV heads' part)."""
-    shard = shard_config(CONFIG, num_ranks)
-    tensors = [KVCache(shard, NUM_BLOCKS, BLOCK_SIZE, dtype, "cpu").tensor for _ in range(num_ranks)]
-    if fill_random:  # random bit patterns: bit-exactness covers NaN payloads and signed zeros
-        for tensor in tensors:
-            raw = tensor.view(torch.uint8)
-            raw.copy_(torch.randint(0, 256, raw.shape, dtype=torch.uint8))
-    return KVPool(tensors)
-
-
-def blocks(pool: KVPool, block_ids) -> torch.Tensor:
-    """Whole blocks (every rank's heads) as bytes."""
-    return as_bytes(pool.gather(list(block_ids)))
-
-
-def as_bytes(t: torch.Tensor) -> torch.Tensor:
-    return t.contiguous().view(torch.uint8)
-
-
-def untouched(pool: KVPool, written) -> list[int]:
-    return sorted(set(range(NUM_BLOCKS)) - set(written))
-
-
-class TransferOnlyDecodeWorker(worker_pb2_grpc.DecodeWorkerServicer):
-    """The decode worker's TransferKV, delegated as the real servicer will."""
-
-    def __init__(self, receiver: KVReceiver) -> None:
-        self.kv = KVTransferServicer(receiver)
-
-    async def TransferKV(self, request_iterator, context):  # noqa: N802 (gRPC method name)
-        response, _ = await self.kv.transfer_kv(request_iterator, context)
-        return response
-
-
-@dataclass
-class DecodePeer:
-    address: str
-    table: ReservationTable
-    freed: list[int]
-    stub: worker_pb2_grpc.DecodeWorkerStub
-    server: grpc.aio.Server
-
-
-@contextlib.asynccontextmanager
-async def decode_worker(pool: KVPool, lease_s: float = 30.0, nixl: NixlAgent | None = None,
-                        verify_checksums: bool = False) -> AsyncIterator[DecodePeer]:
-    freed: list[int] = []
-    table = ReservationTable(freed.extend, lease_s=lease_s)
-    server = grpc.aio.server(options=GRPC_MESSAGE_OPTIONS)
-    receiver = KVReceiver(pool, table, nixl=nixl, verify_checksums=verify_checksums)
-    worker_pb2_grpc.add_DecodeWorkerServicer_to_server(TransferOnlyDecodeWorker(receiver), server)
-    port = server.add_insecure_port("127.0.0.1:0")
-    await server.start()
-    address = f"127.0.0.1:{port}"
-    channel = grpc.aio.insecure_channel(address, options=GRPC_MESSAGE_OPTIONS)
-    try:
-        yield DecodePeer(address, table, freed, worker_pb2_grpc.DecodeWorkerStub(channel), server)
-    finally:
-        await channel.close()
-        await server.stop(None)
-
-
-Tamper = Callable[[int, kvtransfer_pb2.KVChunk], Awaitable[kvtransfer_pb2.KVChunk | None]]
-
-
-async def send_blocks(stub, pool: KVPool, block_ids: list[int], *, reservation_id: str, request_id: str,
-                      max_chunk_bytes: int = DEFAULT_MAX_CHUNK_BYTES) -> int:
-    """Open a transfer, send every block, wait for the acknowledgement (what a prefill worker does)."""
-    async with KVTransferStream(stub, reservation_id, request_id, max_chunk_bytes=max_chunk_bytes) as transfer:
-        await transfer.send(pool, 0, block_ids)
-        return await transfer.finish()
-
-
-class TamperingStub:
-    """A test transport wrapper: passes each outgoing chunk of blocks through ``tamper(i, chunk)``,
-    which may change it, drop it (``None``) or stall; the stream's opening message passes as is."""
-
-    def __init__(self, stub: worker_pb2_grpc.DecodeWorkerStub, tamper: Tamper) -> None:
-        self.stub, self.tamper = stub, tamper
-
-    def TransferKV(self, **kwargs):  # noqa: N802
-        return _TamperingCall(self.stub.TransferKV(**kwargs), self.tamper)
-
-
-class _TamperingCall:
-    def __init__(self, call, tamper: Tamper) -> None:
-        self.call, self.tamper, self.count = call, tamper, 0
-
-    async def write(self, chunk: kvtransfer_pb2.KVChunk) -> None:
-        if chunk.num_blocks:
-            chunk = await self.tamper(self.count, chunk)
-            self.count += 1
-        if chunk is not None:
-            await self.call.write(chunk)
-
-    async def done_writing(self) -> None:
-        await self.call.done_writing()
-
-    def cancel(self) -> bool:
-        return self.call.cancel()
-
-    def __await__(self):
-        return self.call.__await__()
-
-
-async def wait_for(condition: Callable[[], bool], timeout_s: float = 5.0) -> None:
-    deadline = asyncio.get_running_loop().time() + timeout_s
-    while not condition():
-        assert asyncio.get_running_loop().time() < deadline, "condition not reached"
-        await asyncio.sleep(0.01)
+from protos.tandem.v1 import kvtransfer_pb2
+from tests.helpers.kv_peers import (
+    BLOCK_SIZE, CONFIG, DST_IDS, NUM_BLOCKS, SRC_IDS, TamperingStub, agent, blocks, decode_worker, make_pool,
+    nixl_transfer, send_blocks, untouched, wait_for,
+)
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float8_e4m3fn], ids=["fp32", "bf16", "fp8"])
@@ -188,7 +69,7 @@ def test_an_fp8_pool_says_so_in_its_layout_and_a_bfloat16_pool_refuses_its_block
     receiver = KVReceiver(bf16, ReservationTable(lambda ids: None))
     reservation = receiver.table.reserve("req-1", DST_IDS)
     with pytest.raises(StatusError, match="float8_e4m3fn"):
-        receiver.install(reservation.reservation_id, "req-1", 0, fp8.gather(SRC_IDS[:1]))
+        receiver.install(reservation.reservation_id, "req-1", 0, fp8.gather(SRC_IDS[:1]), b"")
     assert not blocks(bf16, range(NUM_BLOCKS)).any()
 
 
@@ -402,14 +283,6 @@ def test_open_stream_keeps_the_reservation_past_its_lease() -> None:
     asyncio.run(scenario())
 
 
-# ------------------------------------------------------------------------------ NIXL
-_agents = iter(range(1_000_000))
-
-
-def agent(pool: KVPool) -> NixlAgent:
-    """A NIXL agent over ``pool`` with a name unique in this process."""
-    return NixlAgent(f"test-agent-{next(_agents)}", pool)
-
 
 @pytest.mark.parametrize("ranks", [(1, 1), (2, 1), (1, 2), (2, 4), (4, 2)])
 def test_nixl_read_descriptors_take_each_head_range_from_the_rank_that_holds_it(ranks: tuple[int, int]) -> None:
@@ -574,18 +447,6 @@ def test_a_host_memory_nixl_read_runs_off_the_event_loop() -> None:
     receiver_agent.close()
 
 
-@contextlib.asynccontextmanager
-async def nixl_transfer(peer: DecodePeer, sender_agent: NixlAgent,
-                        reservation_id: str) -> AsyncIterator[KVTransferStream]:
-    """A NIXL transfer of request ``req-1`` into ``peer``'s reservation, opened as a prefill worker opens it."""
-    channel = grpc.aio.insecure_channel(peer.address, options=GRPC_MESSAGE_OPTIONS)
-    sender = KVTransferClient(lambda address: channel, transports=["nixl"], nixl=sender_agent)
-    try:
-        async with sender.open(KVDestination(peer.address, reservation_id, kv_transports=("nixl",)), "req-1") as transfer:
-            yield transfer
-    finally:
-        await channel.close()
-
 
 @pytest.mark.parametrize("after", ["finish", "a duplicate announcement"])
 def test_nixl_acknowledgement_comes_by_notification_and_hands_the_reservation_over(after: str) -> None:
@@ -627,7 +488,7 @@ def test_nixl_refusal_reaches_finish_as_the_stream_status() -> None:
             reservation = peer.table.reserve("req-1", DST_IDS)
             with pytest.raises(StatusError) as info:
                 async with nixl_transfer(peer, sender_agent, reservation.reservation_id) as transfer:
-                    await transfer.send(src, 0, [100] + SRC_IDS[1:])
+                    await transfer.send(src, len(DST_IDS), SRC_IDS[:1])  # a position outside the reservation
                     await transfer.finish()
             assert info.value.code == grpc.StatusCode.INVALID_ARGUMENT and not transfer.acknowledged
             await wait_for(lambda: len(peer.table) == 0)
@@ -652,14 +513,15 @@ def test_nixl_refusals_free_the_reservation(case: str) -> None:
             call = KVTransferStream(peer.stub, reservation.reservation_id, "req-1")._call
             await stack.enter_async_context(sender_agent.serving_reads())
             ids = [100] + SRC_IDS[1:] if case == "outside the pool" else SRC_IDS
+            digests = pool_digests(src, SRC_IDS)
             # A write racing the receiver's refusal fails locally (INTERNAL "Internal error from
             # Core", or InvalidStateError); the call's own status, awaited last, is the answer.
             with contextlib.suppress(grpc.aio.AioRpcError, asyncio.InvalidStateError):
                 await call.write(kvtransfer_pb2.KVChunk(reservation_id=reservation.reservation_id, request_id="req-1",
-                                                        nixl_source=sender_agent.source()))
+                                                        nixl_source=sender_agent.source(), layout=src.layout.to_proto()))
                 await call.write(kvtransfer_pb2.KVChunk(
                     reservation_id=reservation.reservation_id, request_id="req-1", first_block_index=0,
-                    num_blocks=len(ids), source_block_ids=ids, crc32=12345, has_crc32=True))
+                    num_blocks=len(ids), source_block_ids=ids, block_digests=digests, crc32=12345, has_crc32=True))
                 await call.done_writing()
             with pytest.raises(grpc.aio.AioRpcError) as info:
                 await call

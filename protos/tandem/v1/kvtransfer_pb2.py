@@ -24,7 +24,7 @@ _sym_db = _symbol_database.Default()
 
 
 
-DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n!protos/tandem/v1/kvtransfer.proto\x12\ttandem.v1\"3\n\rKVBlockLayout\x12\r\n\x05\x64type\x18\x01 \x01(\t\x12\x13\n\x0b\x62lock_shape\x18\x02 \x03(\r\"^\n\x0cNixlRankPool\x12\x14\n\x0c\x62\x61se_address\x18\x01 \x01(\x04\x12\x11\n\tdevice_id\x18\x02 \x01(\r\x12\x12\n\nfirst_head\x18\x03 \x01(\r\x12\x11\n\tnum_heads\x18\x04 \x01(\r\"\x95\x01\n\nNixlSource\x12\x16\n\x0e\x61gent_metadata\x18\x01 \x01(\x0c\x12\x12\n\nagent_name\x18\x02 \x01(\t\x12\x12\n\nnum_blocks\x18\x04 \x01(\r\x12\x13\n\x0bmemory_type\x18\x05 \x01(\t\x12&\n\x05ranks\x18\x07 \x03(\x0b\x32\x17.tandem.v1.NixlRankPoolJ\x04\x08\x03\x10\x04J\x04\x08\x06\x10\x07\"\x84\x02\n\x07KVChunk\x12\x16\n\x0ereservation_id\x18\x01 \x01(\t\x12\x12\n\nrequest_id\x18\x02 \x01(\t\x12\x19\n\x11\x66irst_block_index\x18\x03 \x01(\r\x12\x12\n\nnum_blocks\x18\x04 \x01(\r\x12(\n\x06layout\x18\x05 \x01(\x0b\x32\x18.tandem.v1.KVBlockLayout\x12\x0c\n\x04\x64\x61ta\x18\x06 \x01(\x0c\x12\r\n\x05\x63rc32\x18\x07 \x01(\x07\x12\x18\n\x10source_block_ids\x18\x08 \x03(\r\x12*\n\x0bnixl_source\x18\t \x01(\x0b\x32\x15.tandem.v1.NixlSource\x12\x11\n\thas_crc32\x18\n \x01(\x08\"1\n\x12TransferKVResponse\x12\x1b\n\x13num_blocks_received\x18\x01 \x01(\rb\x06proto3')
+DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n!protos/tandem/v1/kvtransfer.proto\x12\ttandem.v1\"3\n\rKVBlockLayout\x12\r\n\x05\x64type\x18\x01 \x01(\t\x12\x13\n\x0b\x62lock_shape\x18\x02 \x03(\r\"^\n\x0cNixlRankPool\x12\x14\n\x0c\x62\x61se_address\x18\x01 \x01(\x04\x12\x11\n\tdevice_id\x18\x02 \x01(\r\x12\x12\n\nfirst_head\x18\x03 \x01(\r\x12\x11\n\tnum_heads\x18\x04 \x01(\r\"\x95\x01\n\nNixlSource\x12\x16\n\x0e\x61gent_metadata\x18\x01 \x01(\x0c\x12\x12\n\nagent_name\x18\x02 \x01(\t\x12\x12\n\nnum_blocks\x18\x04 \x01(\r\x12\x13\n\x0bmemory_type\x18\x05 \x01(\t\x12&\n\x05ranks\x18\x07 \x03(\x0b\x32\x17.tandem.v1.NixlRankPoolJ\x04\x08\x03\x10\x04J\x04\x08\x06\x10\x07\"\x9b\x02\n\x07KVChunk\x12\x16\n\x0ereservation_id\x18\x01 \x01(\t\x12\x12\n\nrequest_id\x18\x02 \x01(\t\x12\x19\n\x11\x66irst_block_index\x18\x03 \x01(\r\x12\x12\n\nnum_blocks\x18\x04 \x01(\r\x12(\n\x06layout\x18\x05 \x01(\x0b\x32\x18.tandem.v1.KVBlockLayout\x12\x0c\n\x04\x64\x61ta\x18\x06 \x01(\x0c\x12\r\n\x05\x63rc32\x18\x07 \x01(\x07\x12\x18\n\x10source_block_ids\x18\x08 \x03(\r\x12*\n\x0bnixl_source\x18\t \x01(\x0b\x32\x15.tandem.v1.NixlSource\x12\x11\n\thas_crc32\x18\n \x01(\x08\x12\x15\n\rblock_digests\x18\x0b \x01(\x0c\"1\n\x12TransferKVResponse\x12\x1b\n\x13num_blocks_received\x18\x01 \x01(\rb\x06proto3')
 
 _globals = globals()
 _builder.BuildMessageAndEnumDescriptors(DESCRIPTOR, _globals)
@@ -38,7 +38,7 @@ if not _descriptor._USE_C_DESCRIPTORS:
   _globals['_NIXLSOURCE']._serialized_start=198
   _globals['_NIXLSOURCE']._serialized_end=347
   _globals['_KVCHUNK']._serialized_start=350
-  _globals['_KVCHUNK']._serialized_end=610
-  _globals['_TRANSFERKVRESPONSE']._serialized_start=612
-  _globals['_TRANSFERKVRESPONSE']._serialized_end=661
+  _globals['_KVCHUNK']._serialized_end=633
+  _globals['_TRANSFERKVRESPONSE']._serialized_start=635
+  _globals['_TRANSFERKVRESPONSE']._serialized_end=684
 # @@protoc_insertion_point(module_scope)

@@ -41,7 +41,7 @@ class NixlSource(_message.Message):
     def __init__(self, agent_metadata: _Optional[bytes] = ..., agent_name: _Optional[str] = ..., num_blocks: _Optional[int] = ..., memory_type: _Optional[str] = ..., ranks: _Optional[_Iterable[_Union[NixlRankPool, _Mapping]]] = ...) -> None: ...
 
 class KVChunk(_message.Message):
-    __slots__ = ("reservation_id", "request_id", "first_block_index", "num_blocks", "layout", "data", "crc32", "source_block_ids", "nixl_source", "has_crc32")
+    __slots__ = ("reservation_id", "request_id", "first_block_index", "num_blocks", "layout", "data", "crc32", "source_block_ids", "nixl_source", "has_crc32", "block_digests")
     RESERVATION_ID_FIELD_NUMBER: _ClassVar[int]
     REQUEST_ID_FIELD_NUMBER: _ClassVar[int]
     FIRST_BLOCK_INDEX_FIELD_NUMBER: _ClassVar[int]
@@ -52,6 +52,7 @@ class KVChunk(_message.Message):
     SOURCE_BLOCK_IDS_FIELD_NUMBER: _ClassVar[int]
     NIXL_SOURCE_FIELD_NUMBER: _ClassVar[int]
     HAS_CRC32_FIELD_NUMBER: _ClassVar[int]
+    BLOCK_DIGESTS_FIELD_NUMBER: _ClassVar[int]
     reservation_id: str
     request_id: str
     first_block_index: int
@@ -62,7 +63,8 @@ class KVChunk(_message.Message):
     source_block_ids: _containers.RepeatedScalarFieldContainer[int]
     nixl_source: NixlSource
     has_crc32: bool
-    def __init__(self, reservation_id: _Optional[str] = ..., request_id: _Optional[str] = ..., first_block_index: _Optional[int] = ..., num_blocks: _Optional[int] = ..., layout: _Optional[_Union[KVBlockLayout, _Mapping]] = ..., data: _Optional[bytes] = ..., crc32: _Optional[int] = ..., source_block_ids: _Optional[_Iterable[int]] = ..., nixl_source: _Optional[_Union[NixlSource, _Mapping]] = ..., has_crc32: _Optional[bool] = ...) -> None: ...
+    block_digests: bytes
+    def __init__(self, reservation_id: _Optional[str] = ..., request_id: _Optional[str] = ..., first_block_index: _Optional[int] = ..., num_blocks: _Optional[int] = ..., layout: _Optional[_Union[KVBlockLayout, _Mapping]] = ..., data: _Optional[bytes] = ..., crc32: _Optional[int] = ..., source_block_ids: _Optional[_Iterable[int]] = ..., nixl_source: _Optional[_Union[NixlSource, _Mapping]] = ..., has_crc32: _Optional[bool] = ..., block_digests: _Optional[bytes] = ...) -> None: ...
 
 class TransferKVResponse(_message.Message):
     __slots__ = ("num_blocks_received",)
