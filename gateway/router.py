@@ -14,6 +14,10 @@ ones while any live worker has them, else the most common), and refuses the othe
 log line each and the ``tandem_gateway_refused_workers`` gauge: a worker with another block
 size or KV dtype would corrupt transfers or miss every cached prefix. ``max_model_len`` may
 differ (a worker with less KV memory holds shorter sequences): the pool serves the shortest.
+With an ``identity`` check (the gateway's under TLS with Redis: ``cluster.identity``), an entry
+is refused the same way, and counted in ``tandem_gateway_untrusted_workers``, unless the
+certificate on its address names its worker id; such entries do not count towards the pool's
+settings either.
 
 Score of worker ``w`` (higher wins), in tokens:
 
@@ -294,6 +298,8 @@ class ClusterView:
             loads with it, so that a load published just before an outage (a pool full after a
             burst, say) does not hold for the whole outage. Default: none (loads stay as last
             published).
+        identity: why a listed worker's entry is not trusted (``None``: it is;
+            ``cluster.identity.InstanceVerifier.refusal``). Default: every entry is trusted.
     """
 
     def __init__(
@@ -306,7 +312,9 @@ class ClusterView:
         *,
         outliers: OutlierDetector,
         load_probe: Callable[[WorkerInfo], Awaitable[WorkerLoad | None]] | None = None,
+        identity: Callable[[WorkerInfo], Awaitable[str | None]] | None = None,
     ) -> None:
+        self.identity = identity
         self.registry = registry
         self.outliers = outliers
         self.index = index
@@ -363,9 +371,11 @@ class ClusterView:
         if self._degraded:
             logger.info("Redis reachable again: prefix-aware routing resumes")
         self._degraded = False
-        ours = [w for workers in fresh for w in workers if w.config.model_id == self.model_id]
+        listed = [w for workers in fresh for w in workers]
+        untrusted = await self._untrusted(listed)
+        ours = [w for w in listed if w.config.model_id == self.model_id and w.worker_id not in untrusted]
         self._pool = choose_pool(ours, self._pool)
-        accepted = self._accept([w for workers in fresh for w in workers])
+        accepted = self._accept(listed, untrusted)
         if accepted:
             self._pool = dataclasses.replace(self._pool, max_model_len=min(w.config.max_model_len for w in accepted))
         now = time.monotonic()
@@ -388,11 +398,21 @@ class ClusterView:
                                    for w, load in zip(known, loads)]
         self._in_flight.mark_refresh(in_flight)
 
-    def _accept(self, workers: list[WorkerInfo]) -> list[WorkerInfo]:
-        """The workers that can join the pool; logs each refused one once (per reason)."""
+    async def _untrusted(self, workers: list[WorkerInfo]) -> dict[str, str]:
+        """Worker id → why its entry is not trusted (the ``identity`` check), for ``workers``."""
+        if self.identity is None:
+            return {}
+        reasons = await asyncio.gather(*(self.identity(w) for w in workers))
+        untrusted = {w.worker_id: reason for w, reason in zip(workers, reasons) if reason is not None}
+        metrics.UNTRUSTED_WORKERS.set(len(untrusted))
+        return untrusted
+
+    def _accept(self, workers: list[WorkerInfo], untrusted: Mapping[str, str]) -> list[WorkerInfo]:
+        """The workers that can join the pool (``untrusted``: ids refused already, with the
+        reason); logs each refused one once (per reason)."""
         accepted, refused = [], {}
         for worker in workers:
-            reason = refusal(worker, self.model_id, self._pool)
+            reason = untrusted.get(worker.worker_id) or refusal(worker, self.model_id, self._pool)
             if reason is None:
                 accepted.append(worker)
                 continue

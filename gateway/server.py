@@ -25,6 +25,7 @@ import grpc
 from cluster import tracing
 from cluster.channels import ChannelCache, client_keepalive_options, server_keepalive_options
 from cluster.health import NOT_SERVING, SERVING
+from cluster.identity import InstanceVerifier
 from cluster.periodic import PeriodicTask
 from cluster.registry import ClusterNamespace, Role, WorkerRegistry, redis_client
 from cluster.server import ServerScaffold, StartupError, serve_metrics
@@ -228,8 +229,11 @@ class Gateway:
             from gateway.static_cluster import probe_load
 
             self._redis = redis_client(s.redis_url, password=s.redis_password, tls_ca=s.redis_tls_ca)
+            # Under TLS a registry entry is routed to only if the certificate on its address names it.
+            identity = InstanceVerifier(s.tls_dir, "gateway").refusal if s.tls_dir else None
             return ClusterView(WorkerRegistry(self._redis, ns), PrefixIndex(self._redis, ns), self.model.model_id,
-                               outliers=outliers, load_probe=functools.partial(probe_load, self._clients))
+                               outliers=outliers, load_probe=functools.partial(probe_load, self._clients),
+                               identity=identity)
         from gateway.static_cluster import RoutedPrefixIndex, StaticRegistry
 
         logger.warning("no Redis configured: static workers prefill=%s decode=%s, in-process prefix index "
