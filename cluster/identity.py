@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import logging
 import ssl
 import time
 from collections.abc import Callable
@@ -24,6 +25,8 @@ from pathlib import Path
 
 from cluster.registry import WorkerInfo
 from cluster.tls import INSTANCE_URI_PREFIX, instance_uri
+
+logger = logging.getLogger(__name__)
 
 _MAX_VERDICTS = 4096  # cached verdicts at most before the expired ones are dropped
 
@@ -101,6 +104,18 @@ class InstanceVerifier:
             self._verdicts = {k: v for k, v in self._verdicts.items() if v[1] > now}
         self._verdicts[key] = (reason, now + (self.verified_ttl_s if reason is None else self.retry_s))
         return reason
+
+    async def trusted(self, workers: list[WorkerInfo]) -> list[WorkerInfo]:
+        """The entries of ``workers`` whose address presents their instance's certificate; each
+        refusal that is new (not the cached verdict) is logged."""
+        now = self._clock()
+        fresh = {w.worker_id for w in workers
+                 if (cached := self._verdicts.get((w.worker_id, str(w.role), w.address))) is None or cached[1] <= now}
+        reasons = await asyncio.gather(*(self.refusal(w) for w in workers))
+        for worker, reason in zip(workers, reasons):
+            if reason is not None and worker.worker_id in fresh:
+                logger.warning("not trusting %s worker %s: it %s", worker.role, worker.worker_id, reason)
+        return [w for w, reason in zip(workers, reasons) if reason is None]
 
     async def _check(self, worker: WorkerInfo) -> str | None:
         try:
