@@ -59,6 +59,9 @@ class WorkerMetrics:
         kv_transfers: KV transfers by ``transport`` and ``status``.
         kv_transfer_seconds: duration of one KV transfer, by ``transport``.
         local_prefills: requests a decode worker prefilled itself (conditional disaggregation).
+        kv_spot_checks: received blocks a decode worker recomputed and compared, by ``outcome``
+            (``passed``, ``failed``; ``decode_worker.spot_check``).
+        kv_spot_check_seconds: duration of one spot check (the recomputation and the comparison).
     """
 
     def __init__(self, role: str, stats: Callable[[], EngineStats]) -> None:
@@ -79,6 +82,10 @@ class WorkerMetrics:
                                              ["transport"], buckets=LATENCY_BUCKETS, registry=r)
         self.local_prefills = Counter("tandem_local_prefills", "Requests this decode worker prefilled itself.",
                                       registry=r)
+        self.kv_spot_checks = Counter("tandem_kv_spot_checks", "Received KV blocks recomputed and compared.",
+                                      ["outcome"], registry=r)
+        self.kv_spot_check_seconds = Histogram("tandem_kv_spot_check_seconds", "Duration of one KV spot check.",
+                                               buckets=LATENCY_BUCKETS, registry=r)
         r.register(_EngineCollector(role, stats))
         self._server = None
 

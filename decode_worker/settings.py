@@ -1,5 +1,6 @@
 """Decode worker settings: a worker's (:class:`cluster.settings.WorkerSettings`) plus what only a
-decode worker reads: its reservations' lease and how its streams batch tokens."""
+decode worker reads: its reservations' lease, how its streams batch tokens, and how often it
+spot-checks received KV."""
 
 from __future__ import annotations
 
@@ -19,3 +20,9 @@ class DecodeWorkerSettings(WorkerSettings):
                                                       "sample goes whatever it holds); more: fewer messages per "
                                                       "token for the worker's event loop, coarser streaming "
                                                       "(SGLang's stream_interval)")
+    kv_spot_check_rate: float = Field(1 / 64, ge=0, le=1,
+                                      description="share of transferred prompts whose KV is spot-checked: one "
+                                                  "sampled received block recomputed here and compared before "
+                                                  "the request decodes (a mismatch fails it over and quarantines "
+                                                  "the prefill worker); a request the gateway asks for is "
+                                                  "checked whatever the rate")

@@ -47,7 +47,7 @@ PROCESSES = {
     "gateway": ("gateway", GatewaySettings, GATEWAY, ["gateway/*.py", "cluster/settings.py"]),
     "prefill": ("prefill_worker", WorkerSettings, WORKER,
                 ["prefill_worker/*.py", "cluster/worker.py", "cluster/settings.py"]),
-    "decode": ("decode_worker", DecodeWorkerSettings, WORKER | {"lease_s", "stream_interval"},
+    "decode": ("decode_worker", DecodeWorkerSettings, WORKER | {"lease_s", "stream_interval", "kv_spot_check_rate"},
                ["decode_worker/*.py", "cluster/worker.py", "cluster/settings.py"]),
 }
 # The nested models are handed on whole; their fields are read where they go.
