@@ -17,7 +17,8 @@ differ (a worker with less KV memory holds shorter sequences): the pool serves t
 With an ``identity`` check (the gateway's under TLS with Redis: ``cluster.identity``), an entry
 is refused the same way, and counted in ``tandem_gateway_untrusted_workers``, unless the
 certificate on its address names its worker id; such entries do not count towards the pool's
-settings either.
+settings either. A quarantined worker (``gateway.quarantine``: a spot check caught its KV wrong)
+is picked neither to prefill nor to lend.
 
 Score of worker ``w`` (higher wins), in tokens:
 
@@ -64,6 +65,7 @@ from cluster.registry import (
 from engine.core.block_pool import cdiv
 from gateway import metrics
 from gateway.outlier import OutlierDetector
+from gateway.quarantine import Quarantine
 
 logger = logging.getLogger(__name__)
 
@@ -300,6 +302,8 @@ class ClusterView:
             published).
         identity: why a listed worker's entry is not trusted (``None``: it is;
             ``cluster.identity.InstanceVerifier.refusal``). Default: every entry is trusted.
+        quarantine: workers a spot check caught sending wrong KV (``gateway.quarantine``): never
+            picked to prefill (nor lent) while quarantined. Default: none.
     """
 
     def __init__(
@@ -313,8 +317,10 @@ class ClusterView:
         outliers: OutlierDetector,
         load_probe: Callable[[WorkerInfo], Awaitable[WorkerLoad | None]] | None = None,
         identity: Callable[[WorkerInfo], Awaitable[str | None]] | None = None,
+        quarantine: Quarantine | None = None,
     ) -> None:
         self.identity = identity
+        self.quarantine = quarantine
         self.registry = registry
         self.outliers = outliers
         self.index = index
@@ -359,6 +365,8 @@ class ClusterView:
         and routing should not answer UNAVAILABLE meanwhile.
         """
         in_flight = self._in_flight.snapshot()
+        if self.quarantine is not None:
+            await self.quarantine.refresh()
         try:
             fresh = await asyncio.gather(*(self.registry.live_workers(role) for role in Role))
         except REDIS_ERRORS as exc:
@@ -435,7 +443,7 @@ class ClusterView:
             exclude: worker ids to avoid (they failed this request already). Workers are
                 preferred in this order: neither excluded nor down nor ejected; not excluded
                 nor down; (decode only) not down; any. A prefill worker is never picked
-                excluded or down: the decode worker prefills instead. Nor is one on a GPU of
+                excluded, down or quarantined: the decode worker prefills instead. Nor is one on a GPU of
                 the chosen decode worker while another can take the request, whatever it
                 caches: two processes time-slice a GPU, so its prefill would stall the decode
                 worker's batch like a local one (``gateway.placement``'s ``local_shared``). A
@@ -452,7 +460,9 @@ class ClusterView:
         if prompt_len < 1 or len(block_hashes) != prompt_len // pool.block_size:
             raise ValueError(f"{len(block_hashes)} block hashes do not fit prompt_len={prompt_len}")
         down, ejected = self.outliers.avoided()
-        prefills = _preferred(self.workers(Role.PREFILL), [exclude | down | ejected, exclude | down])
+        quarantined = frozenset(self.quarantine.active()) if self.quarantine is not None else frozenset()
+        prefills = _preferred(self.workers(Role.PREFILL),
+                              [exclude | down | ejected | quarantined, exclude | down | quarantined])
         decodes = _preferred(self.workers(Role.DECODE), [exclude | down | ejected, exclude | down, down, frozenset()])
         prompt_blocks = cdiv(prompt_len, pool.block_size)
         cached = await self._cached_runs(prefills + decodes, block_hashes)
@@ -465,7 +475,7 @@ class ClusterView:
         paired = self._paired(prefills, decode)
         elsewhere = [w for w in paired if not shares_device(w.config, decode.config)]
         prefill = pick_prefill(elsewhere or paired, cached, pool.block_size, self.policy, self._rng)
-        lender = self._lender(decode, prompt_blocks, cached, exclude | down | ejected)
+        lender = self._lender(decode, prompt_blocks, cached, exclude | down | ejected | quarantined)
         for worker in (prefill, decode):
             if worker is not None:
                 self.index.note_routed(worker.worker_id, block_hashes)

@@ -41,6 +41,7 @@ from gateway.outlier import OutlierDetector
 from gateway.placement import ServiceLevel
 from gateway.prober import HealthProber
 from gateway.request import Intake
+from gateway.quarantine import Quarantine
 from gateway.router import ClusterView
 from gateway.served_model import ServedModel, load_served_model
 from gateway.settings import GatewaySettings
@@ -233,14 +234,15 @@ class Gateway:
             identity = InstanceVerifier(s.tls_dir, "gateway").refusal if s.tls_dir else None
             return ClusterView(WorkerRegistry(self._redis, ns), PrefixIndex(self._redis, ns), self.model.model_id,
                                outliers=outliers, load_probe=functools.partial(probe_load, self._clients),
-                               identity=identity)
+                               identity=identity, quarantine=Quarantine(self._redis, ns, s.quarantine_s))
         from gateway.static_cluster import RoutedPrefixIndex, StaticRegistry
 
         logger.warning("no Redis configured: static workers prefill=%s decode=%s, in-process prefix index "
                        "built from this gateway's own routing", s.static_prefill, s.static_decode)
         registry = StaticRegistry(self._clients,
                                   {Role.PREFILL: s.static_prefill, Role.DECODE: s.static_decode}, ns)
-        return ClusterView(registry, RoutedPrefixIndex(), self.model.model_id, outliers=outliers)
+        return ClusterView(registry, RoutedPrefixIndex(), self.model.model_id, outliers=outliers,
+                           quarantine=Quarantine(None, ns, s.quarantine_s))
 
     async def _refresh(self) -> None:
         """Re-read the pool; SERVING exactly while a request can be routed."""
