@@ -25,7 +25,7 @@ from gateway import metrics
 logger = logging.getLogger(__name__)
 
 # KEYS[1]: the set of quarantined ids. ARGV[1]: the record key prefix ("{ns}:quarantine:").
-# Returns [id, reason, ...] per live record; drops ids whose record expired.
+# Returns [id, reason, milliseconds left, ...] per live record; drops ids whose record expired.
 _ACTIVE_LUA = """
 local active = {}
 for _, id in ipairs(redis.call('SMEMBERS', KEYS[1])) do
@@ -33,6 +33,7 @@ for _, id in ipairs(redis.call('SMEMBERS', KEYS[1])) do
   if reason then
     active[#active + 1] = id
     active[#active + 1] = reason
+    active[#active + 1] = redis.call('PTTL', ARGV[1] .. id)
   else
     redis.call('SREM', KEYS[1], id)
   end
@@ -57,7 +58,7 @@ class Quarantine:
         self._clock = clock
         self._active: dict[str, str] = {}  # worker id -> reason
         self._until: dict[str, float] = {}  # worker id -> when this gateway's own record ends (memory)
-        self._seen: dict[str, float] = {}  # worker id -> last time it was seen quarantined
+        self._ends: dict[str, float] = {}  # worker id -> when its last known quarantine ends
         self._read = client.register_script(_ACTIVE_LUA) if client is not None else None
 
     @property
@@ -77,8 +78,8 @@ class Quarantine:
     def on_probation(self, worker_id: str) -> bool:
         """Quarantined, or released within the last ``quarantine_s``: each request it prefills
         is spot-checked."""
-        seen = self._seen.get(worker_id)
-        return seen is not None and self._clock() - seen < self.quarantine_s
+        end = self._ends.get(worker_id)
+        return end is not None and self._clock() - end < self.quarantine_s
 
     async def add(self, worker_id: str, reason: str) -> None:
         """Quarantine ``worker_id`` for ``quarantine_s`` (routing skips it at once; with Redis,
@@ -86,7 +87,8 @@ class Quarantine:
         the quarantine meanwhile."""
         now = self._clock()
         logger.error("quarantining worker %s for %.0f s: %s", worker_id, self.quarantine_s, reason)
-        self._active[worker_id], self._until[worker_id], self._seen[worker_id] = reason, now + self.quarantine_s, now
+        self._active[worker_id] = reason
+        self._until[worker_id] = self._ends[worker_id] = now + self.quarantine_s
         metrics.QUARANTINED_WORKERS.set(len(self._active))
         if self.client is None:
             return
@@ -100,25 +102,28 @@ class Quarantine:
             logger.warning("cannot record the quarantine of %s in Redis (%s): this gateway keeps it", worker_id, exc)
 
     async def refresh(self) -> None:
-        """Re-read the quarantined workers: every gateway's records in Redis (when reachable) and
-        this gateway's own not yet ended (one it could not write to Redis included)."""
+        """Re-read the quarantined workers: every gateway's records in Redis (while it is
+        unreachable, the last-known ones until their ends) and this gateway's own not yet ended
+        (one it could not write to Redis included)."""
         now = self._clock()
         self._until = {w: t for w, t in self._until.items() if t > now}
         active = {w: self._active[w] for w in self._until}
         if self._read is not None:
             try:
                 flat = await self._read(keys=[self.set_key], args=[self.record_key("")])
-            except REDIS_ERRORS:
-                flat = None
-            if flat is not None:
-                active |= {k.decode(): v.decode() for k, v in zip(flat[::2], flat[1::2])}
+            except REDIS_ERRORS:  # Redis lost: the last-known quarantines hold until their ends
+                active |= {w: r for w, r in self._active.items() if self._ends.get(w, now) > now}
+                flat = []
+            for worker_id, reason, left_ms in zip(flat[::3], flat[1::3], flat[2::3]):
+                active[worker_id.decode()] = reason.decode()
+                self._ends[worker_id.decode()] = max(self._ends.get(worker_id.decode(), now),
+                                                     now + max(0, int(left_ms)) / 1000)
         for worker_id, reason in active.items():
             if worker_id not in self._active:
                 logger.error("worker %s is quarantined: %s", worker_id, reason)
-            self._seen[worker_id] = now
         for worker_id in self._active.keys() - active.keys():
             logger.warning("worker %s's quarantine ended: its requests are spot-checked for %.0f s", worker_id,
                            self.quarantine_s)
-        self._seen = {w: t for w, t in self._seen.items() if now - t < self.quarantine_s}
+        self._ends = {w: t for w, t in self._ends.items() if now - t < self.quarantine_s}
         self._active = active
         metrics.QUARANTINED_WORKERS.set(len(active))
