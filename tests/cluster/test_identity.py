@@ -10,7 +10,9 @@ import logging
 import stat
 
 import pytest
+import redis
 
+from cli.redis_server import RedisServer
 from cluster.identity import InstanceVerifier, certificate_instances, check_own_instance
 from cluster.prefix_index import PrefixIndex
 from cluster.registry import ClusterNamespace, Role, WorkerInfo, WorkerLoad, WorkerRegistry, redis_client
@@ -63,20 +65,28 @@ async def _tls_server(tls_dir: str, role: str) -> tuple[ServerScaffold, str]:
 
 
 def test_the_gateway_routes_only_to_entries_whose_address_presents_their_instance_certificate(
-        ca, tmp_path, redis_url, key_prefix, caplog):
+        ca, tmp_path, caplog):
     """The probe's attack: a fake prefill worker holding a real prefill instance certificate and
-    the Redis password registers under a new name; so does one with the role's certificate."""
+    the Redis password (a private redis-server that requires one, as `tandem serve --local`
+    starts) registers under a new name; so does one with the role's certificate."""
     issue_instance_cert(str(ca), "prefill", "prefill-a", str(tmp_path / "a"))
     issue_instance_cert(str(ca), "decode", "decode-0", str(tmp_path / "d0"))
     caplog.set_level(logging.ERROR, logger="gateway.router")
+    (tmp_path / "redis").mkdir()
+    server = RedisServer(tmp_path / "redis", password="s3cret")
+    server.start()
 
     async def main():
         honest, honest_at = await _tls_server(str(tmp_path / "a"), "prefill")
         fake, fake_at = await _tls_server(str(tmp_path / "a"), "prefill")  # prefill-a's key, stolen
         role_only, role_only_at = await _tls_server(str(ca), "prefill")
         decode, decode_at = await _tls_server(str(tmp_path / "d0"), "decode")
-        client = redis_client(redis_url)
-        ns = ClusterNamespace(key_prefix, 30.0)
+        without_password = redis_client(server.url)
+        with pytest.raises(redis.exceptions.AuthenticationError):  # the password is what the attacker needed
+            await WorkerRegistry(without_password, ClusterNamespace("attack", 30.0)).live_workers(Role.PREFILL)
+        await without_password.aclose()
+        client = redis_client(server.url, password="s3cret")
+        ns = ClusterNamespace("attack", 30.0)
         registry = WorkerRegistry(client, ns)
         entries = [WorkerInfo("prefill-a", Role.PREFILL, honest_at, CONFIG),
                    WorkerInfo("evil", Role.PREFILL, fake_at, CONFIG),
@@ -108,8 +118,11 @@ def test_the_gateway_routes_only_to_entries_whose_address_presents_their_instanc
             await decode.stop(0)
             assert "completed no TLS handshake" in await stale.refusal(entries[4])
         finally:
-            for server in (honest, role_only, decode, fake):
-                await server.stop(0)
+            for port in (honest, role_only, decode, fake):
+                await port.stop(0)
             await client.aclose()
 
-    asyncio.run(main())
+    try:
+        asyncio.run(main())
+    finally:
+        server.stop()
