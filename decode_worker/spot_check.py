@@ -45,7 +45,8 @@ from protos.status import StatusError
 logger = logging.getLogger(__name__)
 
 # Relative error (module docstring) a recomputed block may differ by, per KV dtype. fp32: sums
-# reordered across ~30 layers stay near 1e-6 (measured: bench/results); 1e-3 leaves a wide margin.
+# reordered across ~30 layers stay near 1e-6 (the CPU path gives identical blocks, error 0:
+# docs/architecture.md); 1e-3 leaves a wide margin.
 # bf16 (8-bit mantissa, unit roundoff 2^-9 = 0.2%): each layer's K/V is rounded, and the inputs
 # differ by the previous layers' rounding: a few 1e-3; 5e-2 is an order of magnitude above. fp16
 # as bf16 with 3 more mantissa bits. fp8 (e4m3: 3-bit mantissa, roundoff 6%; e5m2: 2 bits, 12%):
