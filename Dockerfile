@@ -32,10 +32,15 @@ RUN pip install '.[triton]' \
 # Non-root. Every path docker-compose.yml mounts a named volume at is made here, owned by the
 # image's user: Docker creates a missing mount point owned by root, and a new named volume takes
 # the owner of the path it is first mounted at (the `certs` service, as this user, writes each
-# role's volume at /certs/ROLE; the servers mount theirs at /certs; the model cache, GGUF
-# conversion and HF hub, is /cache). tests/deploy/test_compose.py reads this `install -d` line.
+# role's volume at /certs/ROLE, or each planned worker's at /certs/ROLE-I, cli/plan_files.py;
+# the servers mount theirs at /certs; the model cache, GGUF conversion and HF hub, is /cache).
+# tests/deploy/test_compose.py reads this `install -d` line.
 RUN useradd --create-home --uid 10001 tandem \
-    && install -d -o tandem -g tandem /cache /certs /certs/gateway /certs/prefill /certs/decode
+    && install -d -o tandem -g tandem /cache /certs /certs/gateway /certs/prefill /certs/decode \
+        /certs/prefill-0 /certs/prefill-1 /certs/prefill-2 /certs/prefill-3 \
+        /certs/prefill-4 /certs/prefill-5 /certs/prefill-6 /certs/prefill-7 \
+        /certs/decode-0 /certs/decode-1 /certs/decode-2 /certs/decode-3 \
+        /certs/decode-4 /certs/decode-5 /certs/decode-6 /certs/decode-7
 USER tandem
 ENV HOME=/home/tandem TANDEM_CACHE_DIR=/cache/tandem HF_HOME=/cache/huggingface
 

@@ -101,12 +101,14 @@ def _comparison(record: Record) -> tuple[tuple[str, str], ...]:
 
 def settings(workload: dict) -> str:
     """A serving run's non-default settings: its ``TANDEM_*`` environment (``(decode)``: the
-    split setups' decode workers only), local prefill turned off, and (a comparison's) adaptive
-    placement aiming at ITL rather than TPOT."""
+    split setups' decode workers only), local prefill turned off, the decode workers' KV spot-check
+    rate (where recorded), and (a comparison's) adaptive placement aiming at ITL rather than TPOT."""
     items = [f"{k.removeprefix('TANDEM_')}={v or chr(34) * 2}" for k, v in sorted(workload.get("env", {}).items())]
     items += [f"{k.removeprefix('TANDEM_')}={v} (decode)" for k, v in sorted(workload.get("decode_env", {}).items())]
     if workload.get("local_prefill_max_tokens") == 0:
         items.append("LOCAL_PREFILL_MAX_TOKENS=0")
+    if "kv_spot_check_rate" in workload:
+        items.append(f"KV_SPOT_CHECK_RATE={workload['kv_spot_check_rate']:.4g}")
     if workload.get("aim") == "itl":
         items.append("adaptive aiming at ITL")
     return ", ".join(items)

@@ -78,6 +78,7 @@ from bench.common import machine, release_engine_memory, write_result
 from bench.serving_compare import fold_aimed_runs, setup_label, slo_suffix, write_comparison
 from bench.stats import goodput_rps, quantiles, slo_attainment
 from cli.launcher import LocalCluster, gpu_placement
+from decode_worker.settings import DecodeWorkerSettings
 from engine.outputs import StepTotals
 from gateway.placement import PLACEMENT_KINDS
 from gateway.settings import GatewaySettings
@@ -415,7 +416,8 @@ def start_cluster(args, setup: str, aim: tuple[float, float]) -> LocalCluster:
     env = {"TANDEM_LOAD_FORMAT": args.load_format, "TANDEM_LOG_LEVEL": "WARNING",
            "TANDEM_MAX_NUM_SEQS": str(args.max_num_seqs), "TANDEM_LOCAL_PREFILL_MAX_TOKENS": str(args.local_prefill),
            "TANDEM_KV_TRANSPORT": args.kv_transport, "TANDEM_ADMIT_WAIT_S": "600",
-           "TANDEM_PREFILL_PLACEMENT": "adaptive" if setup == "adaptive" else "static", **args.env}
+           "TANDEM_PREFILL_PLACEMENT": "adaptive" if setup == "adaptive" else "static",
+           "TANDEM_KV_SPOT_CHECK_RATE": str(args.kv_spot_check_rate), **args.env}
     if setup == "adaptive":
         env |= {"TANDEM_SLO_TTFT_S": str(aim[0]), f"TANDEM_SLO_{args.aim.upper()}_S": str(aim[1])}
     split = setup != "colocated"
@@ -511,7 +513,7 @@ def write_runs(args, setup: str, aim: int, runs: dict, gpu: str | None, keys: di
                          "num_requests": args.num_requests, "prefill_workers": args.prefill if split else 0,
                          "decode_workers": args.decode if split else args.prefill + args.decode,
                          "gpus": args.gpus, "prefill_tp": args.prefill_tp, "decode_tp": args.decode_tp,
-                         "kv_transport": args.kv_transport,
+                         "kv_transport": args.kv_transport, "kv_spot_check_rate": args.kv_spot_check_rate,
                          "local_prefill_max_tokens": args.local_prefill,
                          "slos_ttft_tpot_s": args.slos, "greedy": True, "ignore_eos": True,
                          "env": args.env, "decode_env": args.split_decode_env if split else {}}
@@ -550,6 +552,10 @@ def main() -> None:
                         default=GatewaySettings.model_fields["local_prefill_max_tokens"].default,
                         help="TANDEM_LOCAL_PREFILL_MAX_TOKENS (default: the gateway's)")
     parser.add_argument("--kv-transport", default="auto")
+    parser.add_argument("--kv-spot-check-rate", type=float,
+                        default=DecodeWorkerSettings.model_fields["kv_spot_check_rate"].default,
+                        help="TANDEM_KV_SPOT_CHECK_RATE of the decode workers: the share of transferred prompts "
+                             "whose KV they spot-check (default: the decode worker's)")
     parser.add_argument("--env", action="append", default=[], help="extra KEY=VALUE for every process")
     parser.add_argument("--split-decode-env", action="append", default=[],
                         help="extra KEY=VALUE for the decode workers of disagg and adaptive (e.g. a smaller "

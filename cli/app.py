@@ -311,9 +311,13 @@ def _ask(addr: str, messages: list[dict[str, str]], max_tokens: int, temperature
     return 0, ""
 
 
-@app.command("certs")
-def certs_cmd(
-    action: str = typer.Argument(..., help="init"),
+certs_app = typer.Typer(help="The cluster's CA and certificates (`tandem certs init`, `tandem certs issue`).",
+                        no_args_is_help=True)
+app.add_typer(certs_app, name="certs")
+
+
+@certs_app.command("init")
+def certs_init_cmd(
     directory: str = typer.Argument(..., help="Where to write the CA and the certificates."),
     san: list[str] = typer.Option(
         [], "--san", "--name", envvar="TANDEM_GATEWAY_SANS", show_envvar=True,
@@ -322,15 +326,36 @@ def certs_cmd(
     days: int = typer.Option(825, min=1, help="Validity, days."),
 ) -> None:
     """`tandem certs init DIR`: a development CA and a certificate per role (gateway, prefill,
-    decode) for TANDEM_TLS_DIR; clients of the gateway trust DIR/ca.pem (TANDEM_TLS_CA). Prints
-    the files written, one per line."""
-    if action != "init":
-        err_console.print(f"[red]unknown action {action!r}[/red] (init)")
-        raise typer.Exit(2)
+    decode) for TANDEM_TLS_DIR; clients of the gateway trust DIR/ca.pem (TANDEM_TLS_CA). A worker
+    registered in Redis needs a certificate of its own instance (`tandem certs issue`). Prints the
+    files written, one per line."""
     from cluster.tls import init_certs, split_names
 
+    _print_written(lambda: init_certs(directory, split_names(san, "--san / TANDEM_GATEWAY_SANS"), days))
+
+
+@certs_app.command("issue")
+def certs_issue_cmd(
+    ca_dir: str = typer.Argument(..., help="The CA's directory (`tandem certs init`: ca.pem and ca-key.pem)."),
+    role: str = typer.Argument(..., help="prefill or decode."),
+    instance: str = typer.Argument(..., help="The worker id the instance registers under (TANDEM_WORKER_ID)."),
+    out_dir: str = typer.Option(..., "--out", help="The instance's TLS directory to write (its TANDEM_TLS_DIR)."),
+    days: int = typer.Option(825, min=1, help="Validity, days."),
+) -> None:
+    """`tandem certs issue CA_DIR ROLE INSTANCE --out DIR`: a certificate naming one worker instance
+    (URI spiffe://tandem/ROLE/INSTANCE besides the role's names) with the CA certificate, and no CA
+    key, in DIR: the gateway routes to a registry entry only if its address presents the
+    certificate of its worker id. Prints the files written, one per line."""
+    from cluster.tls import issue_instance_cert
+
+    _print_written(lambda: issue_instance_cert(ca_dir, role, instance, out_dir, days))
+
+
+def _print_written(make: Callable[[], list]) -> None:
+    """Run ``make`` (it writes files, returns their paths) and print the paths; a ValueError is
+    one red line and exit code 2."""
     try:
-        written = init_certs(directory, split_names(san, "--san / TANDEM_GATEWAY_SANS"), days)
+        written = make()
     except ValueError as exc:
         err_console.print(str(exc), style="red", markup=False, highlight=False, soft_wrap=True)
         raise typer.Exit(2) from None

@@ -17,6 +17,7 @@ import ctypes
 import logging
 import os
 import random
+import secrets
 import shutil
 import signal
 import socket
@@ -36,6 +37,7 @@ os.environ.setdefault("GRPC_ENABLE_FORK_SUPPORT", "false")
 
 from cli.healthcheck import check  # noqa: E402
 from cli.redis_server import RedisServer  # noqa: E402
+from cluster.tls import issue_instance_cert  # noqa: E402
 from engine.config import NVLINK_MULTICAST_OFF  # noqa: E402
 from engine.model_source import resolve_model  # noqa: E402
 from gateway.settings import GatewaySettings  # noqa: E402
@@ -189,9 +191,10 @@ class LocalCluster:
         decode_serves_prefill: every decode worker also serves prefill for the others
             (``TANDEM_SERVES_PREFILL``: the gateway's adaptive placement may lend it a prompt);
             ``worker_env`` may still set it per worker.
-        tls_dir: a TLS directory (``cluster.tls``) every process uses: the gateway serves TLS,
-            gateway and workers authenticate each other with mTLS; ``None``: plaintext (the
-            processes get ``TANDEM_INSECURE=1``).
+        tls_dir: a TLS directory of ``cluster.tls.init_certs`` (its CA key included): the
+            gateway serves its certificates, each worker one of its own instance issued there
+            (:meth:`_instance_tls`); gateway and workers authenticate each other with mTLS;
+            ``None``: plaintext (the processes get ``TANDEM_INSECURE=1``).
 
     Without GPUs the workers share this host's cores: each pool (prefill, decode) gets all of
     them, divided among its workers (``OMP_NUM_THREADS``, :func:`cpu_threads_per_worker`), unless
@@ -254,12 +257,16 @@ class LocalCluster:
             if self.model:
                 base["TANDEM_MODEL"] = self.model
             base["TANDEM_REDIS_URL"] = self.redis_url or ""
+            if self.redis is not None:
+                base["TANDEM_REDIS_PASSWORD"] = self.redis.password
             base["TANDEM_TLS_DIR"] = self.tls_dir or ""
             base["TANDEM_INSECURE"] = "0" if self.tls_dir else "1"  # plaintext, chosen by passing no tls_dir
             for role, count in (("prefill", self.num_prefill), ("decode", self.num_decode)):
                 for i in range(count):
                     name, address = f"{role}-{i}", f"127.0.0.1:{free_port()}"
-                    env = {**base, "TANDEM_WORKER_ID": f"{role}-{i}-{os.getpid()}", **self.worker_env.get(name, {})}
+                    worker_id = f"{role}-{i}-{os.getpid()}"
+                    env = {**base, "TANDEM_WORKER_ID": worker_id, **self._instance_tls(role, worker_id),
+                           **self.worker_env.get(name, {})}
                     self.workers[name] = Child(name, [sys.executable, "-m", f"{role}_worker", "--listen", address,
                                                       *self._metrics_flag(name)], env, address)
             argv = [sys.executable, "-m", "gateway", "--listen", self.gateway_addr, "--http-addr", self.http_addr,
@@ -286,6 +293,19 @@ class LocalCluster:
         except ValueError as exc:
             raise ClusterError(str(exc)) from None
 
+    def _instance_tls(self, role: str, worker_id: str) -> dict[str, str]:
+        """The worker's own TLS directory (``TANDEM_TLS_DIR``): a certificate naming ``worker_id``
+        issued from ``tls_dir``'s CA into ``tls_dir/instances/{worker_id}`` (``cluster.identity``);
+        none without TLS."""
+        if not self.tls_dir:
+            return {}
+        out = Path(self.tls_dir) / "instances" / worker_id
+        try:
+            issue_instance_cert(self.tls_dir, role, worker_id, str(out))
+        except ValueError as exc:
+            raise ClusterError(f"cannot issue {worker_id}'s certificate: {exc}") from None
+        return {"TANDEM_TLS_DIR": str(out)}
+
     def _metrics_flag(self, name: str) -> list[str]:
         """``--metrics-port`` on a free port of its own for process ``name`` (two local clusters
         never collide), or ``0`` (off) when the cluster serves no metrics."""
@@ -307,7 +327,7 @@ class LocalCluster:
             logger.warning("no TANDEM_REDIS_URL and no redis-server on PATH: workers run unregistered and the "
                            "gateway routes over their fixed addresses with an in-process prefix index")
             return
-        self.redis = RedisServer()
+        self.redis = RedisServer(password=secrets.token_urlsafe(24))  # every process gets it, nobody else
         try:
             self.redis.start()
         except RuntimeError as exc:

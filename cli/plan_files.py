@@ -6,9 +6,13 @@ its GPUs (``device_ids``). Replicas of one service would all get the same GPUs, 
 an override's ``devices`` into the base file's list instead of replacing it (Compose v1 appends),
 so the override gives each planned worker a service of its own (``prefill-0``, ``decode-0``,
 ...): the base file's service as it resolves (its anchors expanded), with its GPUs — consecutive
-ones, as :func:`cli.launcher.gpu_placement` lays workers out — and its TP size; it puts the base
-``prefill`` and ``decode`` services under a profile nobody starts. The override is therefore a
-copy of those two services: regenerate it after changing them.
+ones, as :func:`cli.launcher.gpu_placement` lays workers out — and its TP size, registering as
+its service name (``TANDEM_WORKER_ID``) with a certificate naming it in a volume of its own
+(``certs-prefill-0``, ...: the gateway routes only to a registry entry whose address presents its
+instance's certificate, :mod:`cluster.identity`), issued by the ``certs`` service, which the
+override replaces to issue them; it puts the base ``prefill`` and ``decode`` services under a
+profile nobody starts. The override is therefore a copy of those services: regenerate it after
+changing them. The image has certificate mount points for ``MAX_WORKERS_PER_ROLE`` workers per role.
 
 **Kubernetes.** The overlay lists the base and the Secrets, sets the pools' replica counts (a
 pool of 0 keeps its Deployment, scaled to none), and patches a pool's TP size and GPU count where
@@ -27,6 +31,7 @@ from cli.launcher import gpu_placement
 from cli.planner import Layout
 
 UNPLANNED_PROFILE = "unplanned"  # the profile the base file's workers are put under
+MAX_WORKERS_PER_ROLE = 8  # the Dockerfile's /certs/{role}-{i} mount points
 GATEWAY_REPLICAS = 2  # as overlays/small
 
 
@@ -50,10 +55,14 @@ def compose_override(layout: Layout, compose_file: str | Path, comment: str) -> 
 
     Raises:
         OSError: ``compose_file`` cannot be read.
-        KeyError: it has no ``prefill`` or ``decode`` service.
+        KeyError: it has no ``prefill``, ``decode`` or ``certs`` service.
+        ValueError: more than ``MAX_WORKERS_PER_ROLE`` workers of a role.
     """
     services = yaml.safe_load(Path(compose_file).read_text())["services"]
     workers = planned_workers(layout)
+    if max(layout.prefill_workers, layout.decode_workers) > MAX_WORKERS_PER_ROLE:
+        raise ValueError(f"a Compose host runs at most {MAX_WORKERS_PER_ROLE} workers of a role (the image's "
+                         f"certificate mount points), the layout has {layout.label}")
     first_gpu = gpu_placement([(name, tp) for name, _, tp in workers], layout.gpus)
     planned = {role: {"profiles": [UNPLANNED_PROFILE]} for role in ("prefill", "decode")}
     for name, role, tp in workers:
@@ -62,11 +71,22 @@ def compose_override(layout: Layout, compose_file: str | Path, comment: str) -> 
         gpus = [str(g) for g in range(first_gpu[name], first_gpu[name] + tp)]
         service["deploy"] = {"resources": {"reservations": {"devices": [
             {"driver": "nvidia", "device_ids": gpus, "capabilities": ["gpu"]}]}}}
-        service["environment"] = {**service["environment"], "TANDEM_TENSOR_PARALLEL_SIZE": str(tp)}
+        service["environment"] = {**service["environment"], "TANDEM_TENSOR_PARALLEL_SIZE": str(tp),
+                                  "TANDEM_WORKER_ID": name}
+        service["volumes"] = [f"certs-{name}:/certs:ro" if v == f"certs-{role}:/certs:ro" else v
+                              for v in service["volumes"]]
         planned[name] = service
+    certs = copy.deepcopy(services["certs"])
+    certs["command"] = ["sh", "-c", "test -f /certs/gateway/ca.pem || (tandem certs init /tmp/ca && cp -p "
+                        "/tmp/ca/ca.pem /tmp/ca/gateway.pem /tmp/ca/gateway-key.pem /certs/gateway/"
+                        + "".join(f" && tandem certs issue /tmp/ca {role} {name} --out /certs/{name}"
+                                  for name, role, _ in workers) + ")"]
+    certs["volumes"] = ["certs-gateway:/certs/gateway", *(f"certs-{name}:/certs/{name}" for name, _, _ in workers)]
+    planned["certs"] = certs
     note = (f"{comment}\n\nThe planned workers are {Path(compose_file).name}'s prefill and decode services as they "
             f"were when this was\nwritten: write it again after changing them.")
-    return _comment(note) + yaml.dump({"services": planned}, Dumper=_Dumper, sort_keys=False)
+    return _comment(note) + yaml.dump({"services": planned, "volumes": {f"certs-{name}": {} for name, _, _ in workers}},
+                                      Dumper=_Dumper, sort_keys=False)
 
 
 def kubernetes_overlay(layout: Layout, overlay_dir: str | Path, kubernetes_dir: str | Path,

@@ -1,9 +1,11 @@
-"""A private ``redis-server`` on a free loopback port, in its own directory, with no persistence:
+"""A private ``redis-server`` on a free loopback port, in its own directory, with no persistence
+and optionally a password:
 the local cluster's Redis when none is configured, and the tests' Redis that they kill and
 restart."""
 
 from __future__ import annotations
 
+import os
 import shutil
 import socket
 import subprocess
@@ -19,12 +21,16 @@ class RedisServer:
 
     Args:
         directory: its working directory (default: a temporary one, removed by :meth:`kill`).
+        password: what clients must AUTH with (``requirepass``, written to a config file of
+            mode 0600 in ``directory``, never on the command line where ``ps`` shows it); empty:
+            none.
 
     Raises:
         FileNotFoundError: no ``redis-server`` on PATH.
     """
 
-    def __init__(self, directory: Path | None = None) -> None:
+    def __init__(self, directory: Path | None = None, password: str = "") -> None:
+        self.password = password
         self.binary = shutil.which("redis-server")
         if self.binary is None:
             raise FileNotFoundError("redis-server is not on PATH")
@@ -43,11 +49,16 @@ class RedisServer:
         Raises:
             RuntimeError: it exited or did not answer within ``timeout_s``.
         """
-        self._proc = subprocess.Popen(
-            [self.binary, "--bind", "127.0.0.1", "--port", str(self.port), "--dir", str(self.directory),
-             "--save", "", "--appendonly", "no"],
-            stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, stdin=subprocess.DEVNULL)
-        client = redis.Redis(port=self.port, socket_timeout=0.5, socket_connect_timeout=0.5)
+        config = self.directory / "redis.conf"
+        fd = os.open(config, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)
+        with os.fdopen(fd, "w") as f:
+            f.write(f'bind 127.0.0.1\nport {self.port}\ndir "{self.directory}"\nsave ""\nappendonly no\n')
+            if self.password:
+                f.write(f'requirepass "{self.password}"\n')
+        self._proc = subprocess.Popen([self.binary, str(config)], stdout=subprocess.DEVNULL,
+                                      stderr=subprocess.DEVNULL, stdin=subprocess.DEVNULL)
+        client = redis.Redis(port=self.port, password=self.password or None, socket_timeout=0.5,
+                             socket_connect_timeout=0.5)
         deadline = time.monotonic() + timeout_s
         try:
             while True:

@@ -61,6 +61,9 @@ class WorkerMetrics:
         kv_integrity_failures: KV transfers a decode worker refused because the blocks that
             landed did not match the sender's digests or held NaN / infinity, by ``transport``.
         local_prefills: requests a decode worker prefilled itself (conditional disaggregation).
+        kv_spot_checks: received blocks a decode worker recomputed and compared, by ``outcome``
+            (``passed``, ``failed``; ``decode_worker.spot_check``).
+        kv_spot_check_seconds: duration of one spot check (the recomputation and the comparison).
     """
 
     def __init__(self, role: str, stats: Callable[[], EngineStats]) -> None:
@@ -84,6 +87,10 @@ class WorkerMetrics:
             "digests or holding NaN / infinity.", ["transport"], registry=r)
         self.local_prefills = Counter("tandem_local_prefills", "Requests this decode worker prefilled itself.",
                                       registry=r)
+        self.kv_spot_checks = Counter("tandem_kv_spot_checks", "Received KV blocks recomputed and compared.",
+                                      ["outcome"], registry=r)
+        self.kv_spot_check_seconds = Histogram("tandem_kv_spot_check_seconds", "Duration of one KV spot check.",
+                                               buckets=LATENCY_BUCKETS, registry=r)
         r.register(_EngineCollector(role, stats))
         self._server = None
 

@@ -29,6 +29,7 @@ from redis.exceptions import RedisError
 
 from cluster import tracing
 from cluster.channels import ChannelCache, client_keepalive_options
+from cluster.identity import InstanceVerifier
 from cluster.log import request_id_var
 from cluster.metrics import WorkerMetrics
 from cluster.registry import ClusterNamespace, Role, WorkerConfig, WorkerRegistry, redis_client
@@ -95,6 +96,8 @@ class PrefillService(worker_pb2_grpc.PrefillWorkerServicer):
                                          ClusterNamespace(settings.redis_key_prefix, settings.registry_ttl_s))
                           if settings.redis_url else None)
         self._registry_ttl_s = settings.registry_ttl_s
+        # Under TLS a decode entry counts only if the certificate on its address names it.
+        self._identity = InstanceVerifier(settings.tls_dir, str(role)) if settings.tls_dir else None
         self._decode_seen: dict[str, float] = {}  # decode worker address -> when a registry read last listed it
         self._decode_read_at = -1.0
         self.pool = pool
@@ -191,6 +194,7 @@ class PrefillService(worker_pb2_grpc.PrefillWorkerServicer):
 
     async def _check_destination(self, address: str) -> None:
         """Refuse a KV destination that is not a live decode worker of the registry: one listed
+        (with TLS: whose address presents its instance's certificate, ``cluster.identity``)
         by a registry read within the last ``registry_ttl_s`` (the life of a registry entry
         after its heartbeat, so a Redis restarted empty does not refuse a worker before it
         registers again). The registry is re-read on a miss, at most every
@@ -213,6 +217,8 @@ class PrefillService(worker_pb2_grpc.PrefillWorkerServicer):
                 workers = await self._registry.live_workers(Role.DECODE)
             except (RedisError, OSError) as exc:
                 raise StatusError(grpc.StatusCode.UNAVAILABLE, f"cannot read the registry: {exc}") from None
+            if self._identity is not None:
+                workers = await self._identity.trusted(workers)
             self._decode_seen = {a: t for a, t in self._decode_seen.items() if now - t < self._registry_ttl_s}
             self._decode_seen.update((w.address, now) for w in workers)
             self._decode_read_at = now

@@ -7,6 +7,12 @@ certificate carries the DNS names ``tandem-cluster`` and ``tandem-{role}``; the 
 ``localhost``, ``127.0.0.1`` and any extra public names (subject alternative names: what its
 clients dial, ``tandem certs init DIR --san NAME,...``).
 
+A worker instance's own TLS directory (``tandem certs issue DIR ROLE INSTANCE --out OUT``,
+:func:`issue_instance_cert`) holds ``ca.pem`` and its ``{role}.pem`` / ``{role}-key.pem``, whose
+certificate also carries the URI ``spiffe://tandem/{role}/{instance}`` (:func:`instance_uri`): the
+gateway routes to a registry entry only if the certificate on the entry's address names the
+entry's worker id (:mod:`cluster.identity`), so a role's key alone cannot register a second worker.
+
 Identity is the certificate, not the address: internal channels verify the peer's certificate
 against ``ca.pem`` under a fixed name (``grpc.ssl_target_name_override``): ``tandem-decode``
 where only a decode worker will do (a worker sending KV), ``tandem-cluster`` for any
@@ -36,6 +42,8 @@ from cluster.interceptors import wrap_handler
 
 ROLES = ("gateway", "prefill", "decode")
 CLUSTER_NAME = "tandem-cluster"
+INSTANCE_URI_PREFIX = "spiffe://tandem/"
+_INSTANCE = re.compile(r"[A-Za-z0-9._-]+")  # a worker id (cluster.registry.WorkerInfo)
 
 
 def role_name(role: str) -> str:
@@ -280,9 +288,18 @@ def _is_ip(name: str) -> bool:
     return True
 
 
+def instance_uri(role: str, instance: str) -> str:
+    """The URI subject alternative name that names one worker instance, e.g.
+    ``spiffe://tandem/prefill/prefill-0`` (a SPIFFE ID: the form cert-manager's CSI driver and
+    SPIRE issue too)."""
+    return f"{INSTANCE_URI_PREFIX}{role}/{instance}"
+
+
 def init_certs(directory: str, extra_names: Sequence[str] = (), days: int = 825) -> list[Path]:
     """Make a development CA and one certificate per role in ``directory`` (created; existing
-    files are overwritten). Keys are ECDSA P-256, written with mode 0600.
+    files are overwritten). Keys are ECDSA P-256, written with mode 0600. The role certificates
+    name no instance: the gateway's serves its port; a worker registered in Redis needs a
+    certificate of its own instance (:func:`issue_instance_cert`).
 
     Args:
         directory: where to write.
@@ -299,29 +316,14 @@ def init_certs(directory: str, extra_names: Sequence[str] = (), days: int = 825)
     for name in extra_names:
         _check_name(name, "extra_names")
     from cryptography import x509
-    from cryptography.hazmat.primitives import hashes, serialization
+    from cryptography.hazmat.primitives import hashes
     from cryptography.hazmat.primitives.asymmetric import ec
-    from cryptography.x509.oid import ExtendedKeyUsageOID, NameOID
+    from cryptography.x509.oid import NameOID
 
     out = Path(directory)
     out.mkdir(parents=True, exist_ok=True)
-    now = datetime.datetime.now(datetime.timezone.utc)
     written: list[Path] = []
-
-    def write(name: str, data: bytes, private: bool = False) -> None:
-        path = out / name
-        fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600 if private else 0o644)
-        with os.fdopen(fd, "wb") as f:
-            f.write(data)
-        written.append(path)
-
-    def key_pem(key) -> bytes:
-        return key.private_bytes(serialization.Encoding.PEM, serialization.PrivateFormat.PKCS8,
-                                 serialization.NoEncryption())
-
-    def san(name: str) -> x509.GeneralName:
-        return x509.IPAddress(ipaddress.ip_address(name)) if _is_ip(name) else x509.DNSName(name)
-
+    now = datetime.datetime.now(datetime.timezone.utc)
     ca_key = ec.generate_private_key(ec.SECP256R1())
     ca_name = x509.Name([x509.NameAttribute(NameOID.COMMON_NAME, "Tandem cluster CA")])
     ca_cert = (x509.CertificateBuilder().subject_name(ca_name).issuer_name(ca_name)
@@ -332,23 +334,100 @@ def init_certs(directory: str, extra_names: Sequence[str] = (), days: int = 825)
                                             data_encipherment=False, key_agreement=False, key_cert_sign=True,
                                             crl_sign=True, encipher_only=False, decipher_only=False), critical=True)
                .sign(ca_key, hashes.SHA256()))
-    write("ca.pem", ca_cert.public_bytes(serialization.Encoding.PEM))
-    write("ca-key.pem", key_pem(ca_key), private=True)
+    written.append(_write(out / "ca.pem", _cert_pem(ca_cert)))
+    written.append(_write(out / "ca-key.pem", _key_pem(ca_key), private=True))
     for role in ROLES:
-        key = ec.generate_private_key(ec.SECP256R1())
-        names = [CLUSTER_NAME, role_name(role), role]
-        if role == "gateway":
-            names += ["localhost", "127.0.0.1", "::1", *extra_names]
-        cert = (x509.CertificateBuilder()
-                .subject_name(x509.Name([x509.NameAttribute(NameOID.COMMON_NAME, role_name(role))]))
-                .issuer_name(ca_name).public_key(key.public_key()).serial_number(x509.random_serial_number())
-                .not_valid_before(now - datetime.timedelta(minutes=5))
-                .not_valid_after(now + datetime.timedelta(days=days))
-                .add_extension(x509.SubjectAlternativeName([san(n) for n in dict.fromkeys(names)]), critical=False)
-                .add_extension(x509.BasicConstraints(ca=False, path_length=None), critical=True)
-                .add_extension(x509.ExtendedKeyUsage([ExtendedKeyUsageOID.SERVER_AUTH,
-                                                      ExtendedKeyUsageOID.CLIENT_AUTH]), critical=False)
-                .sign(ca_key, hashes.SHA256()))
-        write(f"{role}.pem", cert.public_bytes(serialization.Encoding.PEM))
-        write(f"{role}-key.pem", key_pem(key), private=True)
+        extra = ["localhost", "127.0.0.1", "::1", *extra_names] if role == "gateway" else []
+        written += _issue(ca_cert, ca_key, out, role, extra, uri=None, days=days)
     return written
+
+
+def issue_instance_cert(ca_dir: str, role: str, instance: str, out_dir: str, days: int = 825) -> list[Path]:
+    """Issue a certificate for one worker instance from the CA of ``ca_dir`` (a directory of
+    :func:`init_certs`: ``ca.pem`` and ``ca-key.pem``) and write a TLS directory for it at
+    ``out_dir``: ``ca.pem``, ``{role}.pem`` and ``{role}-key.pem`` (no CA key). The certificate
+    carries the role's DNS names and the URI :func:`instance_uri` (``role``, ``instance``): the
+    gateway routes to a registry entry only if the certificate on its address names its id
+    (:mod:`cluster.identity`).
+
+    Args:
+        ca_dir: the CA's directory.
+        role: ``prefill`` or ``decode``.
+        instance: the worker id the instance registers under (``TANDEM_WORKER_ID``).
+        out_dir: where to write (created).
+        days: validity, days.
+
+    Returns:
+        The written files.
+
+    Raises:
+        ValueError: an unknown role, an instance id outside ``[A-Za-z0-9._-]+``, or the CA's
+            files cannot be read (naming the file).
+    """
+    if role not in ("prefill", "decode"):
+        raise ValueError(f"role must be prefill or decode, got {role!r}")
+    if not _INSTANCE.fullmatch(instance):
+        raise ValueError(f"instance must match [A-Za-z0-9._-]+, got {instance!r}")
+    from cryptography import x509
+    from cryptography.hazmat.primitives import serialization
+
+    try:
+        ca_pem = (Path(ca_dir) / "ca.pem").read_bytes()
+        ca_key = serialization.load_pem_private_key((Path(ca_dir) / "ca-key.pem").read_bytes(), password=None)
+    except OSError as exc:
+        raise ValueError(f"cannot read {exc.filename}: {exc.strerror}") from None
+    out = Path(out_dir)
+    out.mkdir(parents=True, exist_ok=True)
+    written = [_write(out / "ca.pem", ca_pem)]
+    return written + _issue(x509.load_pem_x509_certificate(ca_pem), ca_key, out, role, [],
+                            uri=instance_uri(role, instance), days=days)
+
+
+def _issue(ca_cert, ca_key, out: Path, role: str, extra_names: Sequence[str], uri: str | None,
+           days: int) -> list[Path]:
+    """Write ``{role}.pem`` and ``{role}-key.pem`` (a fresh P-256 key) signed by the CA: DNS names
+    ``tandem-cluster``, ``tandem-{role}``, ``role`` and ``extra_names``, the URI ``uri`` if any."""
+    from cryptography import x509
+    from cryptography.hazmat.primitives import hashes
+    from cryptography.hazmat.primitives.asymmetric import ec
+    from cryptography.x509.oid import ExtendedKeyUsageOID, NameOID
+
+    def san(name: str) -> x509.GeneralName:
+        return x509.IPAddress(ipaddress.ip_address(name)) if _is_ip(name) else x509.DNSName(name)
+
+    now = datetime.datetime.now(datetime.timezone.utc)
+    key = ec.generate_private_key(ec.SECP256R1())
+    names = [san(n) for n in dict.fromkeys([CLUSTER_NAME, role_name(role), role, *extra_names])]
+    if uri is not None:
+        names.append(x509.UniformResourceIdentifier(uri))
+    cert = (x509.CertificateBuilder()
+            .subject_name(x509.Name([x509.NameAttribute(NameOID.COMMON_NAME, role_name(role))]))
+            .issuer_name(ca_cert.subject).public_key(key.public_key()).serial_number(x509.random_serial_number())
+            .not_valid_before(now - datetime.timedelta(minutes=5))
+            .not_valid_after(now + datetime.timedelta(days=days))
+            .add_extension(x509.SubjectAlternativeName(names), critical=False)
+            .add_extension(x509.BasicConstraints(ca=False, path_length=None), critical=True)
+            .add_extension(x509.ExtendedKeyUsage([ExtendedKeyUsageOID.SERVER_AUTH,
+                                                  ExtendedKeyUsageOID.CLIENT_AUTH]), critical=False)
+            .sign(ca_key, hashes.SHA256()))
+    return [_write(out / f"{role}.pem", _cert_pem(cert)), _write(out / f"{role}-key.pem", _key_pem(key), private=True)]
+
+
+def _write(path: Path, data: bytes, private: bool = False) -> Path:
+    fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600 if private else 0o644)
+    with os.fdopen(fd, "wb") as f:
+        f.write(data)
+    return path
+
+
+def _cert_pem(cert) -> bytes:
+    from cryptography.hazmat.primitives import serialization
+
+    return cert.public_bytes(serialization.Encoding.PEM)
+
+
+def _key_pem(key) -> bytes:
+    from cryptography.hazmat.primitives import serialization
+
+    return key.private_bytes(serialization.Encoding.PEM, serialization.PrivateFormat.PKCS8,
+                             serialization.NoEncryption())

@@ -31,6 +31,7 @@ from cluster import tracing
 from cluster.channels import server_keepalive_options
 from cluster.health import SERVING
 from cluster.heartbeat import Heartbeat
+from cluster.identity import check_own_instance
 from cluster.log import configure_logging
 from cluster.metrics import WorkerMetrics
 from cluster.prefix_index import PrefixIndex
@@ -194,13 +195,16 @@ class WorkerServer:
 
         Raises:
             BindError: the listen address or the metrics port cannot be bound.
-            StartupError: neither TLS nor ``insecure`` is set, or the TLS files cannot be read.
+            StartupError: neither TLS nor ``insecure`` is set, the TLS files cannot be read, or
+                (with Redis) the certificate does not name this worker's id (``cluster.identity``).
         """
         s = self.settings
         try:
             s.check_transport_security()
             credentials = (server_credentials(s.tls_dir, str(self.role), True, setting_name(WorkerSettings, "tls_dir"))
                            if s.tls_dir else None)
+            if s.tls_dir and s.redis_url:  # a registry entry the gateway trusts names this instance
+                check_own_instance(s.tls_dir, str(self.role), self.worker_id, setting_name(WorkerSettings, "tls_dir"))
         except ValueError as exc:
             raise StartupError(str(exc)) from None
         services = self.servicer.services()

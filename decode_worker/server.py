@@ -36,6 +36,7 @@ from cluster.translate import (
 )
 from cluster.worker import Admission, kv_transport, published_config, request_outcome
 from decode_worker.settings import DecodeWorkerSettings
+from decode_worker.spot_check import SpotChecker, spot_check
 from engine.core.core_client import EngineCoreClient
 from engine.block_hash import prompt_key
 from engine.core.block_pool import NoFreeBlocksError
@@ -80,6 +81,7 @@ class DecodeServicer(worker_pb2_grpc.DecodeWorkerServicer):
         self.kv_receiver = KVTransferServicer(
             KVReceiver(pool, self.table, nixl=self.nixl, verify_checksums=settings.kv_verify_checksums),
             on_integrity_failure=lambda transport: metrics.kv_integrity_failures.labels(transport).inc())
+        self.spot_checker = SpotChecker(engine, pool, settings.kv_spot_check_rate)
         self.layout = pool.layout
         transports = self.kv_receiver.receiver.transports
         self.config = published_config(engine.info, engine.kv_pools, transports, settings.serves_prefill)
@@ -146,7 +148,8 @@ class DecodeServicer(worker_pb2_grpc.DecodeWorkerServicer):
         return worker_pb2.AdmitResponse(
             reservation_id=reservation.reservation_id, num_blocks=reservation.num_blocks,
             lease_ms=round(reservation.lease_s * 1000), layout=self.layout.to_proto(),
-            num_cached_blocks=num_cached, kv_transports=self.kv_receiver.receiver.transports)
+            num_cached_blocks=num_cached, kv_transports=self.kv_receiver.receiver.transports,
+            kv_spot_check=self.spot_checker.wanted(request.kv_spot_check))
 
     async def TransferKV(self, request_iterator, context):  # noqa: N802
         start = time.perf_counter()
@@ -172,7 +175,11 @@ class DecodeServicer(worker_pb2_grpc.DecodeWorkerServicer):
                                                    cache_salt=salt)
                     self.metrics.local_prefills.inc()
                 else:
+                    num_cached = self.table.get(request.reservation_id).num_cached
                     block_ids = self.table.claim(request.reservation_id, request_id, key)  # now ours to free
+                    if request.kv_spot_check:
+                        await spot_check(self.spot_checker, self.engine, self.metrics, request_id, prompt, block_ids,
+                                         num_cached)
                     outputs = self.engine.add_prefilled(request_id, prompt, first, params, block_ids, salt)
                 self._decoding.add(request_id)
                 try:

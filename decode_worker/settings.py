@@ -1,6 +1,6 @@
 """Decode worker settings: a worker's (:class:`cluster.settings.WorkerSettings`) plus what only a
-decode worker reads: its reservations' lease, how its streams batch tokens, and whether it also
-serves prefill for other decode workers."""
+decode worker reads: its reservations' lease, how its streams batch tokens, whether it also
+serves prefill for other decode workers, and how often it spot-checks received KV."""
 
 from __future__ import annotations
 
@@ -24,3 +24,9 @@ class DecodeWorkerSettings(WorkerSettings):
                                                     "another decode worker and send it the KV, as a prefill "
                                                     "worker does, when the gateway's placement lends this "
                                                     "worker's GPUs (published as serves_prefill)")
+    kv_spot_check_rate: float = Field(1 / 64, ge=0, le=1,
+                                      description="share of transferred prompts whose KV is spot-checked: one "
+                                                  "sampled received block recomputed here and compared before "
+                                                  "the request decodes (a mismatch fails it over and quarantines "
+                                                  "the prefill worker); a request the gateway asks for is "
+                                                  "checked whatever the rate")

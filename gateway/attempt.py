@@ -50,6 +50,8 @@ class Attempt:
     still counts the request on that worker (``prefill_done`` / ``decode_done`` not yet called).
     ``*_holds``: the worker may still hold state of the request (it gets an Abort at release). ``decode_call``: the Decode stream once started
     (already with the first message read, for a local prefill: ``first_messages``).
+    ``kv_spot_check``: the decode worker spot-checks the received KV before it decodes (its
+    Admit said so): the prefill's first tokens wait for the Decode stream's first message.
     """
 
     route: Route
@@ -64,6 +66,7 @@ class Attempt:
     decode_call: object = None
     first_messages: list = field(default_factory=list)
     decode_cached_tokens: int = 0
+    kv_spot_check: bool = False
 
     def __post_init__(self) -> None:
         if self.route.prefill is None:  # the decode worker prefills: nothing to release on a prefill worker
@@ -114,13 +117,17 @@ class Attempts:
         """
         route, rid, calls = attempt.route, attempt.worker_request_id, self.calls
         prompt, sampling, pool = request.prompt, request.sampling, request.pool
+        quarantine = self.view.quarantine
+        suspect = quarantine is not None and any(w is not None and quarantine.on_probation(w.worker_id)
+                                                 for w in (route.prefill, route.lender))
         admit = self.clients.decode(route.decode.address).Admit(
             worker_pb2.AdmitRequest(request_id=rid, prompt_token_ids=prompt, cache_salt=attempt.cache_salt,
-                                    sampling=sampling),
+                                    sampling=sampling, kv_spot_check=suspect),
             timeout=calls.hop_timeout(time_left))
         attempt.calls.append(admit)
         admitted = await calls.staged(admit, "Admit", route.decode, time_left)
         attempt.reservation_id = admitted.reservation_id
+        attempt.kv_spot_check = admitted.kv_spot_check
         attempt.decode_cached_tokens = admitted.num_cached_blocks * pool.block_size
         local_tokens = len(prompt) - attempt.decode_cached_tokens
         remote_tokens = len(prompt) - route.cached_blocks * pool.block_size
@@ -180,7 +187,8 @@ class Attempts:
             worker_pb2.DecodeRequest(request_id=attempt.worker_request_id, reservation_id=attempt.reservation_id,
                                      prompt_token_ids=request.prompt, first_token_ids=first_ids,
                                      sampling=request.sampling, local_prefill=local_prefill,
-                                     cache_salt=attempt.cache_salt, num_resumed_tokens=request.num_resumed_tokens),
+                                     cache_salt=attempt.cache_salt, num_resumed_tokens=request.num_resumed_tokens,
+                                     kv_spot_check=attempt.kv_spot_check and not local_prefill),
             timeout=remaining(time_left))
         attempt.calls.append(call)
         attempt.decode_call = call

@@ -60,7 +60,12 @@ class DecodeStreamer:
         if first is not None and (len(first.first_tokens) != n or len(first.finish_reasons) != n):
             raise StatusError(grpc.StatusCode.INTERNAL,
                               f"prefill worker returned {len(first.first_tokens)} first tokens for n={n}")
-        if first is not None:
+        # A spot-checked request's first tokens wait for the Decode stream's first message (the
+        # check passed): a prefill worker whose KV is wrong may have sampled them from it too.
+        # One whose first tokens finish it needs no decode, nor the KV.
+        held = list(zip(first.first_tokens, first.finish_reasons)) if first is not None and attempt.kv_spot_check \
+            and not all(first.finish_reasons) else []
+        if first is not None and not held:
             for index, (token, finish) in enumerate(zip(first.first_tokens, first.finish_reasons)):
                 yield output.piece(index, [token.token_id], [token], finish)
             if output.done:
@@ -77,7 +82,7 @@ class DecodeStreamer:
                                               output.max_tokens - tokens_past):
             call = attempt.decode_call if first is None else self.attempts.decode_call(
                 attempt, request, [t.token_id for t in first.first_tokens], time_left)
-            async with contextlib.aclosing(self._decode_stream(attempt, call, output)) as responses:
+            async with contextlib.aclosing(self._decode_stream(attempt, call, output, held)) as responses:
                 async for response in responses:
                     yield response
             tracing.annotate({"tandem.output_tokens": output.most_tokens()}, decoding)
@@ -87,16 +92,26 @@ class DecodeStreamer:
             metrics.TPOT.observe(tpot)
             self.placement.observe_step(decode.worker_id, tpot)
 
-    async def _decode_stream(self, attempt: Attempt, call, output: RequestOutput):
-        """The Decode stream's tokens into ``output`` (after the first token).
+    async def _decode_stream(self, attempt: Attempt, call, output: RequestOutput, held: list):
+        """The Decode stream's tokens into ``output`` (after the first token; ``held``: the
+        prefill's first tokens and finish reasons, per sample, still to go out, before the
+        stream's first message).
 
         Raises:
-            DecodeLost: the stream failed or stalled.
+            DecodeLost: the stream failed or stalled, or (before any token) the decode worker's
+                spot check found the prefill worker's KV wrong: the prefill worker is
+                quarantined.
             StatusError: any other failure.
         """
         samples, n, decode = output.samples, len(output.samples), attempt.route.decode
         try:
             async for message in _chain(attempt.first_messages, call, self.calls.next_message):
+                if held:
+                    for index, (token, finish) in enumerate(held):
+                        yield output.piece(index, [token.token_id], [token], finish)
+                    held = []
+                    if output.done:
+                        break
                 if message.index >= n or samples[message.index].done:
                     continue
                 yield output.piece(message.index, list(message.token_ids), message.logprobs, message.finish_reason)
@@ -111,6 +126,15 @@ class DecodeStreamer:
                                          f"decode worker {decode.worker_id} stalled mid-stream: no token "
                                          f"within {self.calls.decode_stall_timeout_s} s"), decode.worker_id) from exc
         except grpc.aio.AioRpcError as exc:
+            prefill = attempt.route.prefill
+            if exc.code() == grpc.StatusCode.DATA_LOSS and held and prefill is not None:
+                metrics.SPOT_CHECK_FAILURES.inc()
+                if self.view.quarantine is not None:
+                    await self.view.quarantine.add(prefill.worker_id, f"decode worker {decode.worker_id}: "
+                                                                      f"{exc.details()}")
+                raise DecodeLost(StatusError(grpc.StatusCode.UNAVAILABLE,
+                                             f"the KV of prefill worker {prefill.worker_id} failed decode worker "
+                                             f"{decode.worker_id}'s spot check"), decode.worker_id) from exc
             logger.warning("Decode on %s failed after the first token: %s %s", decode.address,
                            exc.code().name, exc.details())
             if exc.code() == grpc.StatusCode.UNAVAILABLE:
@@ -122,6 +146,8 @@ class DecodeStreamer:
                                              f"{exc.code().name} {exc.details()}"), decode.worker_id) from exc
             raise client_status(WorkerCallError("Decode", exc.code(), exc.details() or "", False)) from exc
         else:
+            for index, (token, finish) in enumerate(held):  # the stream ended with no message
+                yield output.piece(index, [token.token_id], [token], finish)
             if output.done:
                 # The worker finished every sample (its finish reasons came): it holds nothing of
                 # the request, whether or not the stream's status has arrived yet (it usually has

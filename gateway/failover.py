@@ -16,7 +16,8 @@ comes first).
 Resume: once the client has tokens, a failed or stalled Decode stream
 (:class:`~gateway.worker_calls.DecodeLost`) is resumed on another decode worker when its tokens
 are reproducible: one sample (``n`` = 1) that is greedy or seeded (the sampler's noise depends
-only on the seed, the sample and the position, ``kernels/sampling.py``). The prompt plus the
+only on the seed, the sample and the position, ``kernels/sampling.py``), or when it has none yet
+(a spot-checked request's first tokens wait for the check). The prompt plus the
 tokens already sent is prefilled again (Admit → Prefill → Decode, on workers other than the
 failed one) with ``max_tokens`` reduced by them, and the stream goes on where it stopped: the
 client sees one stream, its usage counting the original prompt and every output token. At most
@@ -121,8 +122,8 @@ class Failover:
                 status of the resumed request's failure.
         """
         params = request.params
-        if not (params.n == 1 and (params.greedy or params.seed is not None)) \
-                or resumes > self.max_retries or expired(time_left):
+        reproducible = params.n == 1 and (params.greedy or params.seed is not None)
+        if (sent and not reproducible) or resumes > self.max_retries or expired(time_left):
             raise lost.status from lost
         if len(sent) >= params.max_tokens:
             return None

@@ -21,6 +21,12 @@ RETRIES = Counter("tandem_gateway_retries", "Requests retried on other workers b
 RESUMES = Counter("tandem_gateway_resumes", "Streams resumed on another decode worker after theirs failed mid-stream.")
 REFUSED_WORKERS = Gauge("tandem_gateway_refused_workers",
                         "Live workers refused because their model or cache settings disagree with the pool.")
+SPOT_CHECK_FAILURES = Counter("tandem_gateway_kv_spot_check_failures",
+                              "Requests failed over because a decode worker's spot check found their KV wrong.")
+QUARANTINED_WORKERS = Gauge("tandem_gateway_quarantined_workers",
+                            "Workers quarantined: a decode worker's spot check found their KV wrong.")
+UNTRUSTED_WORKERS = Gauge("tandem_gateway_untrusted_workers",
+                          "Registry entries refused because the certificate on their address does not name them.")
 PREFILLS = Counter("tandem_gateway_prefills", "Prompts prefilled, by where (remote: a prefill worker; local: the "
                    "decode worker itself; lent: another decode worker) and the KV transport the blocks took.",
                    ["where", "kv_transport"])

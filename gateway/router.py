@@ -14,6 +14,11 @@ ones while any live worker has them, else the most common), and refuses the othe
 log line each and the ``tandem_gateway_refused_workers`` gauge: a worker with another block
 size or KV dtype would corrupt transfers or miss every cached prefix. ``max_model_len`` may
 differ (a worker with less KV memory holds shorter sequences): the pool serves the shortest.
+With an ``identity`` check (the gateway's under TLS with Redis: ``cluster.identity``), an entry
+is refused the same way, and counted in ``tandem_gateway_untrusted_workers``, unless the
+certificate on its address names its worker id; such entries do not count towards the pool's
+settings either. A quarantined worker (``gateway.quarantine``: a spot check caught its KV wrong)
+is picked neither to prefill nor to lend.
 
 Score of worker ``w`` (higher wins), in tokens:
 
@@ -60,6 +65,7 @@ from cluster.registry import (
 from engine.core.block_pool import cdiv
 from gateway import metrics
 from gateway.outlier import OutlierDetector
+from gateway.quarantine import Quarantine
 
 logger = logging.getLogger(__name__)
 
@@ -294,6 +300,10 @@ class ClusterView:
             loads with it, so that a load published just before an outage (a pool full after a
             burst, say) does not hold for the whole outage. Default: none (loads stay as last
             published).
+        identity: why a listed worker's entry is not trusted (``None``: it is;
+            ``cluster.identity.InstanceVerifier.refusal``). Default: every entry is trusted.
+        quarantine: workers a spot check caught sending wrong KV (``gateway.quarantine``): never
+            picked to prefill (nor lent) while quarantined. Default: none.
     """
 
     def __init__(
@@ -306,7 +316,11 @@ class ClusterView:
         *,
         outliers: OutlierDetector,
         load_probe: Callable[[WorkerInfo], Awaitable[WorkerLoad | None]] | None = None,
+        identity: Callable[[WorkerInfo], Awaitable[str | None]] | None = None,
+        quarantine: Quarantine | None = None,
     ) -> None:
+        self.identity = identity
+        self.quarantine = quarantine
         self.registry = registry
         self.outliers = outliers
         self.index = index
@@ -351,6 +365,8 @@ class ClusterView:
         and routing should not answer UNAVAILABLE meanwhile.
         """
         in_flight = self._in_flight.snapshot()
+        if self.quarantine is not None:
+            await self.quarantine.refresh()
         try:
             fresh = await asyncio.gather(*(self.registry.live_workers(role) for role in Role))
         except REDIS_ERRORS as exc:
@@ -363,9 +379,11 @@ class ClusterView:
         if self._degraded:
             logger.info("Redis reachable again: prefix-aware routing resumes")
         self._degraded = False
-        ours = [w for workers in fresh for w in workers if w.config.model_id == self.model_id]
+        listed = [w for workers in fresh for w in workers]
+        untrusted = await self._untrusted(listed)
+        ours = [w for w in listed if w.config.model_id == self.model_id and w.worker_id not in untrusted]
         self._pool = choose_pool(ours, self._pool)
-        accepted = self._accept([w for workers in fresh for w in workers])
+        accepted = self._accept(listed, untrusted)
         if accepted:
             self._pool = dataclasses.replace(self._pool, max_model_len=min(w.config.max_model_len for w in accepted))
         now = time.monotonic()
@@ -388,11 +406,21 @@ class ClusterView:
                                    for w, load in zip(known, loads)]
         self._in_flight.mark_refresh(in_flight)
 
-    def _accept(self, workers: list[WorkerInfo]) -> list[WorkerInfo]:
-        """The workers that can join the pool; logs each refused one once (per reason)."""
+    async def _untrusted(self, workers: list[WorkerInfo]) -> dict[str, str]:
+        """Worker id → why its entry is not trusted (the ``identity`` check), for ``workers``."""
+        if self.identity is None:
+            return {}
+        reasons = await asyncio.gather(*(self.identity(w) for w in workers))
+        untrusted = {w.worker_id: reason for w, reason in zip(workers, reasons) if reason is not None}
+        metrics.UNTRUSTED_WORKERS.set(len(untrusted))
+        return untrusted
+
+    def _accept(self, workers: list[WorkerInfo], untrusted: Mapping[str, str]) -> list[WorkerInfo]:
+        """The workers that can join the pool (``untrusted``: ids refused already, with the
+        reason); logs each refused one once (per reason)."""
         accepted, refused = [], {}
         for worker in workers:
-            reason = refusal(worker, self.model_id, self._pool)
+            reason = untrusted.get(worker.worker_id) or refusal(worker, self.model_id, self._pool)
             if reason is None:
                 accepted.append(worker)
                 continue
@@ -415,7 +443,7 @@ class ClusterView:
             exclude: worker ids to avoid (they failed this request already). Workers are
                 preferred in this order: neither excluded nor down nor ejected; not excluded
                 nor down; (decode only) not down; any. A prefill worker is never picked
-                excluded or down: the decode worker prefills instead. Nor is one on a GPU of
+                excluded, down or quarantined: the decode worker prefills instead. Nor is one on a GPU of
                 the chosen decode worker while another can take the request, whatever it
                 caches: two processes time-slice a GPU, so its prefill would stall the decode
                 worker's batch like a local one (``gateway.placement``'s ``local_shared``). A
@@ -432,7 +460,9 @@ class ClusterView:
         if prompt_len < 1 or len(block_hashes) != prompt_len // pool.block_size:
             raise ValueError(f"{len(block_hashes)} block hashes do not fit prompt_len={prompt_len}")
         down, ejected = self.outliers.avoided()
-        prefills = _preferred(self.workers(Role.PREFILL), [exclude | down | ejected, exclude | down])
+        quarantined = frozenset(self.quarantine.active()) if self.quarantine is not None else frozenset()
+        prefills = _preferred(self.workers(Role.PREFILL),
+                              [exclude | down | ejected | quarantined, exclude | down | quarantined])
         decodes = _preferred(self.workers(Role.DECODE), [exclude | down | ejected, exclude | down, down, frozenset()])
         prompt_blocks = cdiv(prompt_len, pool.block_size)
         cached = await self._cached_runs(prefills + decodes, block_hashes)
@@ -445,7 +475,7 @@ class ClusterView:
         paired = self._paired(prefills, decode)
         elsewhere = [w for w in paired if not shares_device(w.config, decode.config)]
         prefill = pick_prefill(elsewhere or paired, cached, pool.block_size, self.policy, self._rng)
-        lender = self._lender(decode, prompt_blocks, cached, exclude | down | ejected)
+        lender = self._lender(decode, prompt_blocks, cached, exclude | down | ejected | quarantined)
         for worker in (prefill, decode):
             if worker is not None:
                 self.index.note_routed(worker.worker_id, block_hashes)

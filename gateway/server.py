@@ -25,6 +25,7 @@ import grpc
 from cluster import tracing
 from cluster.channels import ChannelCache, client_keepalive_options, server_keepalive_options
 from cluster.health import NOT_SERVING, SERVING
+from cluster.identity import InstanceVerifier
 from cluster.periodic import PeriodicTask
 from cluster.registry import ClusterNamespace, Role, WorkerRegistry, redis_client
 from cluster.server import ServerScaffold, StartupError, serve_metrics
@@ -40,6 +41,7 @@ from gateway.outlier import OutlierDetector
 from gateway.placement import ServiceLevel
 from gateway.prober import HealthProber
 from gateway.request import Intake
+from gateway.quarantine import Quarantine
 from gateway.router import ClusterView
 from gateway.served_model import ServedModel, load_served_model
 from gateway.settings import GatewaySettings
@@ -228,15 +230,19 @@ class Gateway:
             from gateway.static_cluster import probe_load
 
             self._redis = redis_client(s.redis_url, password=s.redis_password, tls_ca=s.redis_tls_ca)
+            # Under TLS a registry entry is routed to only if the certificate on its address names it.
+            identity = InstanceVerifier(s.tls_dir, "gateway").refusal if s.tls_dir else None
             return ClusterView(WorkerRegistry(self._redis, ns), PrefixIndex(self._redis, ns), self.model.model_id,
-                               outliers=outliers, load_probe=functools.partial(probe_load, self._clients))
+                               outliers=outliers, load_probe=functools.partial(probe_load, self._clients),
+                               identity=identity, quarantine=Quarantine(self._redis, ns, s.quarantine_s))
         from gateway.static_cluster import RoutedPrefixIndex, StaticRegistry
 
         logger.warning("no Redis configured: static workers prefill=%s decode=%s, in-process prefix index "
                        "built from this gateway's own routing", s.static_prefill, s.static_decode)
         registry = StaticRegistry(self._clients,
                                   {Role.PREFILL: s.static_prefill, Role.DECODE: s.static_decode}, ns)
-        return ClusterView(registry, RoutedPrefixIndex(), self.model.model_id, outliers=outliers)
+        return ClusterView(registry, RoutedPrefixIndex(), self.model.model_id, outliers=outliers,
+                           quarantine=Quarantine(None, ns, s.quarantine_s))
 
     async def _refresh(self) -> None:
         """Re-read the pool; SERVING exactly while a request can be routed."""

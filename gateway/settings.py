@@ -72,6 +72,10 @@ class GatewaySettings(ServerSettings):
     outlier_base_ejection_s: float = Field(5.0, gt=0, description="seconds of a worker's first ejection; each "
                                                                   "repeat doubles it")
     outlier_max_ejection_s: float = Field(60.0, gt=0, description="seconds an ejection lasts at most")
+    quarantine_s: float = Field(600.0, gt=0, description="seconds a prefill worker caught sending wrong KV by a "
+                                                         "decode worker's spot check is not routed to (every "
+                                                         "gateway of the deployment, through Redis), and then "
+                                                         "has each of its requests spot-checked as long again")
     health_probe_interval_s: float = Field(1.0, gt=0, description="seconds between the gateway's health probes "
                                                                   "of each worker")
     health_probe_timeout_s: float = Field(1.0, gt=0, description="seconds a health probe waits; no SERVING "

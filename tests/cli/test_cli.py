@@ -151,6 +151,18 @@ def test_certs_init_gives_the_gateway_certificate_the_names_its_clients_dial(tmp
         assert dialed == ((True, True) if role == "gateway" else (False, False)), role
 
 
+def test_certs_issue_writes_an_instance_directory_whose_certificate_names_the_instance(tmp_path):
+    from cluster.identity import certificate_instances
+
+    assert tandem("certs", "init", str(tmp_path / "ca")).returncode == 0
+    made = tandem("certs", "issue", str(tmp_path / "ca"), "decode", "decode-3", "--out", str(tmp_path / "d3"))
+    assert made.returncode == 0, made
+    assert set(made.stdout.splitlines()) == {str(tmp_path / "d3" / n) for n in ("ca.pem", "decode.pem", "decode-key.pem")}
+    assert certificate_instances((tmp_path / "d3" / "decode.pem").read_bytes(), "decode") == ["decode-3"]
+    refused = tandem("certs", "issue", str(tmp_path / "ca"), "gateway", "gw-1", "--out", str(tmp_path / "g"))
+    assert refused.returncode == 2 and "role must be prefill or decode" in refused.stderr, refused
+
+
 def test_certs_init_refuses_a_name_that_is_no_host_in_one_line(tmp_path):
     made = tandem("certs", "init", str(tmp_path / "ca"), "--san", "gw.example.com,not a host")
     assert made.returncode == 2, made

@@ -1,5 +1,6 @@
 """The client commands against a real TLS gateway (in this process, its pool registered in the
-real Redis at addresses where nothing listens, so it reports SERVING): the CA and the API key
+real Redis at addresses that present the entries' certificates, then close: it reports SERVING
+and its calls find no worker listening): the CA and the API key
 come from flags or the documented variables, and every failure says what to do."""
 
 from __future__ import annotations
@@ -7,6 +8,7 @@ from __future__ import annotations
 import os
 import subprocess
 import sys
+import time
 import uuid
 
 import pytest
@@ -20,7 +22,7 @@ from gateway.server import Gateway, load_served_model
 from gateway.settings import GatewaySettings
 
 from tests.helpers.paths import ROOT
-from tests.helpers.gateway import ServerThread, register_workers
+from tests.helpers.gateway import ServerThread, instance_ports, register_workers
 from tests.helpers.shared_redis import delete_keys
 
 pytestmark = pytest.mark.slow
@@ -38,18 +40,28 @@ def gateway(tmp_path_factory, redis_url):
                                api_keys=[f"{hash_key(KEY)}:carol"])
     model = load_served_model(settings)
     config = WorkerConfig(model.model_id, 16, 2048, "float32", hash_seed(model.model_id, 16, "float32"), 49152)
-    register_workers(redis_url, prefix, config)
     try:
         with ServerThread(Gateway(settings, model)) as server:
             address = f"127.0.0.1:{server.port}"
-            assert _eventually_serving(address, str(certs / "ca.pem"))
+            # The gateway trusts an entry whose address presents its instance's certificate, for
+            # minutes: after that the ports close, and a call that passes authentication finds
+            # no worker listening.
+            with instance_ports(certs) as ports:
+                for role, worker_address in ports.items():
+                    register_workers(redis_url, prefix, config, roles=(role,), address=worker_address)
+                assert _eventually_serving(address, str(certs / "ca.pem"))
             yield address, str(certs / "ca.pem")
     finally:
         delete_keys(redis_url, prefix)
 
 
-def _eventually_serving(address: str, ca: str) -> bool:
-    return any(check(address, timeout_s=2.0, ca_file=ca) for _ in range(20))
+def _eventually_serving(address: str, ca: str, timeout_s: float = 30.0) -> bool:
+    deadline = time.monotonic() + timeout_s
+    while not check(address, timeout_s=2.0, ca_file=ca):
+        if time.monotonic() > deadline:
+            return False
+        time.sleep(0.1)
+    return True
 
 
 def tandem(*args: str, stdin: str = "", env: dict[str, str] | None = None) -> subprocess.CompletedProcess:

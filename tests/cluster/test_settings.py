@@ -39,7 +39,7 @@ GATEWAY = SHARED | {"chat_split_special_tokens", "static_prefill", "static_decod
                     "slo_tpot_s", "prefill_timeout_s_per_token", "max_request_bytes", "max_prompt_bytes",
                     "tokenizer_threads", "tokenizer_queue", "hop_timeout_s", "decode_stall_timeout_s",
                     "max_retries", "outlier_consecutive_failures", "outlier_base_ejection_s",
-                    "outlier_max_ejection_s", "health_probe_interval_s", "health_probe_timeout_s", "api_keys",
+                    "outlier_max_ejection_s", "quarantine_s", "health_probe_interval_s", "health_probe_timeout_s", "api_keys",
                     "api_keys_file", "allow_open", "http_addr"}
 
 # (module run as the process, its settings class, the reviewed settings, the code that reads them)
@@ -47,7 +47,8 @@ PROCESSES = {
     "gateway": ("gateway", GatewaySettings, GATEWAY, ["gateway/*.py", "cluster/settings.py"]),
     "prefill": ("prefill_worker", WorkerSettings, WORKER,
                 ["prefill_worker/*.py", "cluster/prefill_service.py", "cluster/worker.py", "cluster/settings.py"]),
-    "decode": ("decode_worker", DecodeWorkerSettings, WORKER | {"lease_s", "stream_interval", "serves_prefill"},
+    "decode": ("decode_worker", DecodeWorkerSettings, WORKER | {"lease_s", "stream_interval", "serves_prefill",
+                                                                "kv_spot_check_rate"},
                ["decode_worker/*.py", "cluster/prefill_service.py", "cluster/worker.py", "cluster/settings.py"]),
 }
 # The nested models are handed on whole; their fields are read where they go.

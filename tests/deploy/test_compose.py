@@ -10,96 +10,24 @@ from __future__ import annotations
 
 import os
 import re
-import shlex
 import shutil
 import stat
 import subprocess
 import sys
-from dataclasses import dataclass
 
 import pytest
 import yaml
 
 from cluster.tls import ROLES
-from tests.helpers.deploy import compose_config
+from tests.helpers.deploy import Image, compose_config, parse_image, volume_source_target
 from tests.helpers.paths import ROOT
 
 IMAGE = "tandem:latest"
 WORKERS = ("prefill", "decode", "prefill-tp2", "decode-tp2", "prefill-cpu", "decode-cpu")
 
 
-@dataclass(frozen=True)
-class Image:
-    """What the Dockerfile says about the image's user and directories.
-
-    Attributes:
-        user: the last ``USER``: who the image runs as.
-        uid: that user's ``useradd --uid``.
-        owned_dirs: directories an ``install -d -o USER`` makes, owned by the user.
-    """
-
-    user: str
-    uid: int
-    owned_dirs: frozenset[str]
-
-
-def instructions(dockerfile: str) -> list[tuple[str, str]]:
-    """``(INSTRUCTION, arguments)`` of a Dockerfile: comments dropped, continuation lines joined."""
-    joined, current = [], ""
-    for line in dockerfile.splitlines():
-        line = line.strip()
-        if not line or line.startswith("#"):
-            continue
-        if line.endswith("\\"):
-            current += line[:-1] + " "
-            continue
-        joined.append(current + line)
-        current = ""
-    return [(word.upper(), rest.strip()) for word, _, rest in (line.partition(" ") for line in joined)]
-
-
-def shell_commands(run: str) -> list[list[str]]:
-    """A ``RUN`` line's commands (split at ``&&`` and ``;``), each as its words."""
-    commands, words = [], []
-    for word in shlex.split(run):
-        if word in ("&&", ";"):
-            commands.append(words)
-            words = []
-        else:
-            words.append(word)
-    return [c for c in commands + [words] if c]
-
-
-def parse_image(dockerfile: str) -> Image:
-    """The image's user, its uid, and the directories made owned by it (module docstring)."""
-    steps = instructions(dockerfile)
-    [user] = [args for word, args in steps if word == "USER"][-1:]
-    uid, owned = None, set()
-    for word, args in steps:
-        if word != "RUN":
-            continue
-        for command in shell_commands(args):
-            if command[0] == "useradd" and command[-1] == user:
-                uid = int(command[command.index("--uid") + 1])
-            if command[0] == "install" and "-d" in command:
-                owner = command[command.index("-o") + 1] if "-o" in command else "root"
-                paths = [w for i, w in enumerate(command[1:], 1) if w.startswith("/") and command[i - 1] != "-m"]
-                if owner == user:
-                    owned.update(paths)
-    assert uid is not None, f"no `useradd --uid N {user}` in the Dockerfile"
-    return Image(user, uid, frozenset(owned))
-
-
 def compose() -> dict:
     return yaml.safe_load((ROOT / "docker-compose.yml").read_text())
-
-
-def volume_source_target(volume) -> tuple[str, str]:
-    """A service's volume as (source, target): the long syntax or ``source:target[:mode]``."""
-    if isinstance(volume, dict):
-        return volume.get("source", ""), volume["target"]
-    source, _, rest = str(volume).partition(":")
-    return source, rest.partition(":")[0]
 
 
 def test_the_dockerfile_parser_reads_users_and_owned_directories():
@@ -146,8 +74,10 @@ def test_the_certs_service_gives_each_role_its_own_files_and_the_gateway_the_hos
     """The service's own script, run here with its paths moved under ``tmp_path`` (and ``tandem``
     as this checkout's CLI) over the mount points the image makes: each role's volume gets the CA
     certificate and that role's pair only, keys private, the gateway's certificate the names of
-    TANDEM_GATEWAY_SANS; a second start keeps what the first made."""
+    TANDEM_GATEWAY_SANS, a worker's its instance; a second start keeps what the first made."""
     from cryptography import x509
+
+    from cluster.identity import certificate_instances
 
     service = compose()["services"]["certs"]
     assert service["environment"]["TANDEM_GATEWAY_SANS"] == "${TANDEM_GATEWAY_SANS:-}"
@@ -168,6 +98,10 @@ def test_the_certs_service_gives_each_role_its_own_files_and_the_gateway_the_hos
         hosts = {"tandem.example.com", "203.0.113.7"}
         given = set(names.get_values_for_type(x509.DNSName)) | {str(ip) for ip in names.get_values_for_type(x509.IPAddress)}
         assert (hosts <= given) == (role == "gateway"), role
+        # a worker's names its instance, the worker id its services register under
+        assert certificate_instances((volume / f"{role}.pem").read_bytes(), role) == (
+            [] if role == "gateway" else [f"{role}-0"]), role
+    assert not list((tmp_path / "certs").rglob("ca-key.pem"))
     made = (tmp_path / "certs" / "gateway" / "gateway.pem").read_bytes()
     subprocess.run(["sh", "-c", script], cwd=ROOT, env=env, check=True, timeout=120, capture_output=True)
     assert (tmp_path / "certs" / "gateway" / "gateway.pem").read_bytes() == made
@@ -211,6 +145,8 @@ def test_compose_file_is_valid_and_workers_have_no_host_ports():
         # each role sees its own certificate volume only, read-only
         volumes = [v for v in services[name]["volumes"] if volume_source_target(v)[0].startswith("certs")]
         role = re.sub(r"-(tp2|cpu)$", "", name)
+        # a worker registers as the instance its certificate names (the certs service's)
+        assert env_of.get("TANDEM_WORKER_ID") == (None if role == "gateway" else f"{role}-0"), name
         assert [volume_source_target(v) for v in volumes] == [(f"certs-{role}", "/certs")], volumes
         assert all(v.get("read_only") if isinstance(v, dict) else str(v).endswith(":ro") for v in volumes), volumes
     assert services["redis"]["environment"]["REDISCLI_AUTH"] == "s3cret"

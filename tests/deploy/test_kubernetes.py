@@ -1,7 +1,8 @@
 """deploy/kubernetes, checked offline: every overlay renders (tests/helpers/kustomize_render.py;
 ``kubectl kustomize`` agrees where kubectl exists) and validates against the Kubernetes schemas
 (kubernetes-validate, strict), and the invariants of the compose file hold: one published Service (gRPC and HTTP),
-each role mounts only its own key (and no Secret holds the CA's), NVLink multicast off in every
+each pod mounts only its own key (a worker's from cert-manager's CSI driver, naming the pod; no
+Secret holds the CA's), NVLink multicast off in every
 GPU container, every variable a real setting with docker-compose.yml's values, grpc probes on
 the health port for the services the servers serve, a grace period that covers the drain, a
 disruption budget per pool, and an autoscaler on metrics the gateway exports."""
@@ -52,6 +53,9 @@ COMPOSE_TP2_ONLY = {"TANDEM_GPU_MEMORY_UTILIZATION"}
 FROM_SECRETS = {"TANDEM_REDIS_PASSWORD": ("redis", "password"),
                 "TANDEM_API_KEYS": ("gateway-api-keys", "TANDEM_API_KEYS")}
 POD_IP = "10.1.2.3"
+POD_NAME = "decode-5d4f8b7c9-x2x7k"
+# Set in both, differently: compose's one instance per service has a fixed worker id, a pod's is its name.
+FROM_POD = {"TANDEM_WORKER_ID": "metadata.name"}
 
 
 @pytest.fixture(scope="module")
@@ -115,7 +119,7 @@ def no_network(monkeypatch):
 @pytest.mark.parametrize("overlay", OVERLAYS)
 def test_every_object_validates_against_the_kubernetes_schemas_offline(rendered, overlay, version, no_network):
     kinds = sorted(o["kind"] for o in rendered[overlay])
-    expected = ["Deployment"] * 4 + ["Namespace"] + ["PodDisruptionBudget"] * 3 + ["Secret"] * 5 + ["Service"] * 2
+    expected = ["Deployment"] * 4 + ["Namespace"] + ["PodDisruptionBudget"] * 3 + ["Secret"] * 3 + ["Service"] * 2
     assert kinds == sorted(expected + (["HorizontalPodAutoscaler"] if overlay == "large" else []))
     for obj in rendered[overlay]:
         # strict: an unknown field fails; a kind with no schema raises SchemaNotFoundError
@@ -181,20 +185,39 @@ def test_only_the_gateway_service_is_published_on_its_grpc_and_http_ports(render
 
 
 @pytest.mark.parametrize("overlay", OVERLAYS)
-def test_each_role_mounts_only_its_own_key_and_no_secret_holds_the_ca_key(rendered, overlay, ca_dir):
+def test_each_pod_mounts_only_its_own_key_and_no_secret_holds_the_ca_key(rendered, overlay, ca_dir):
+    """The gateway's key from its Secret; each worker pod's from cert-manager's CSI driver, a
+    certificate naming the pod (the worker id it registers as: cluster.identity)."""
     ca_key = (ca_dir / "ca-key.pem").read_bytes()
     for secret in objects(rendered, overlay, "Secret"):
         assert all(ca_key not in value for value in secret_data(rendered, overlay, secret).values()), secret
     for role in ROLES:
         pod = objects(rendered, overlay, "Deployment")[role]["spec"]["template"]["spec"]
-        secret_volumes = {v["name"]: v["secret"]["secretName"] for v in pod["volumes"] if "secret" in v}
-        assert list(secret_volumes.values()) == [f"certs-{role}"]
-        certs = secret_data(rendered, overlay, f"certs-{role}")
-        assert set(certs) == {"ca.pem", f"{role}.pem", f"{role}-key.pem"}
-        assert certs[f"{role}-key.pem"] == (ca_dir / f"{role}-key.pem").read_bytes()
-        [mount] = [m for m in pod["containers"][0]["volumeMounts"] if m["name"] in secret_volumes]
+        cert_volumes = {v["name"]: v for v in pod["volumes"] if "secret" in v or "csi" in v}
+        [volume] = cert_volumes.values()
+        env = env_of(pod["containers"][0])
+        if role == "gateway":
+            assert volume["secret"]["secretName"] == "certs-gateway"
+            certs = secret_data(rendered, overlay, "certs-gateway")
+            assert set(certs) == {"ca.pem", "gateway.pem", "gateway-key.pem"}
+            assert certs["gateway-key.pem"] == (ca_dir / "gateway-key.pem").read_bytes()
+            assert "TANDEM_WORKER_ID" not in env
+        else:
+            csi = volume["csi"]
+            assert (csi["driver"], csi["readOnly"]) == ("csi.cert-manager.io", True)
+            attributes = {k.removeprefix("csi.cert-manager.io/"): v for k, v in csi["volumeAttributes"].items()}
+            assert attributes["uri-sans"] == f"spiffe://tandem/{role}/${{POD_NAME}}"
+            assert set(attributes["dns-names"].split(",")) == {"tandem-cluster", f"tandem-{role}", role}
+            assert {"server auth", "client auth"} <= set(attributes["key-usages"].split(","))
+            assert (attributes["certificate-file"], attributes["privatekey-file"], attributes["ca-file"]) == (
+                f"{role}.pem", f"{role}-key.pem", "ca.pem")  # cluster.tls.TlsFiles' names
+            assert (attributes["issuer-kind"], attributes["issuer-name"]) == ("ClusterIssuer", "tandem-ca")
+            assert attributes["fs-group"] == str(pod["securityContext"]["fsGroup"])
+            # the worker id is the pod's name, which the CSI driver's ${POD_NAME} is
+            assert env["TANDEM_WORKER_ID"]["valueFrom"]["fieldRef"]["fieldPath"] == "metadata.name"
+        [mount] = [m for m in pod["containers"][0]["volumeMounts"] if m["name"] in cert_volumes]
         assert (mount["mountPath"], mount.get("readOnly")) == ("/certs", True)
-        assert env_of(pod["containers"][0])["TANDEM_TLS_DIR"]["value"] == "/certs"
+        assert env["TANDEM_TLS_DIR"]["value"] == "/certs"
         secret_refs = [e["valueFrom"]["secretKeyRef"]["name"] for e in pod["containers"][0]["env"]
                        if "secretKeyRef" in e.get("valueFrom", {})]
         assert set(secret_refs) == ({"redis", "gateway-api-keys"} if role == "gateway" else {"redis"})
@@ -228,8 +251,7 @@ def resolved_env(c: dict, secrets: dict[str, dict[str, bytes]]) -> dict[str, str
         if "secretKeyRef" in source:
             value = secrets[source["secretKeyRef"]["name"]][source["secretKeyRef"]["key"]].decode()
         elif "fieldRef" in source:
-            assert source["fieldRef"]["fieldPath"] == "status.podIP"
-            value = POD_IP
+            value = {"status.podIP": POD_IP, "metadata.name": POD_NAME}[source["fieldRef"]["fieldPath"]]
         else:
             value = re.sub(r"\$\((\w+)\)", lambda m: env[m.group(1)], e["value"])
         env[e["name"]] = value
@@ -280,6 +302,8 @@ def test_settings_image_and_commands_mirror_docker_compose(rendered, overlay, su
             if name in FROM_SECRETS:
                 assert "${" in theirs[name] and ours[name]["valueFrom"]["secretKeyRef"] == dict(
                     zip(("name", "key"), FROM_SECRETS[name])), name
+            elif name in FROM_POD:
+                assert ours[name]["valueFrom"]["fieldRef"]["fieldPath"] == FROM_POD[name], name
             else:
                 assert ours[name].get("value") == compose_value(theirs[name]), (role, name)
         assert {int(p) for p in service.get("expose", [])} <= {p["containerPort"] for p in c["ports"]}, role

@@ -18,7 +18,7 @@ import yaml
 from cli.plan_files import UNPLANNED_PROFILE, compose_override, kubernetes_overlay
 from cli.planner import Layout
 from cluster.tls import init_certs
-from tests.helpers.deploy import compose_config, kubernetes_copy
+from tests.helpers.deploy import compose_config, kubernetes_copy, parse_image, volume_source_target
 from tests.helpers.kustomize_render import render
 from tests.helpers.paths import ROOT
 
@@ -64,9 +64,12 @@ def check_compose(services: dict[str, dict], layout: Layout) -> None:
         assert len(gpus) == tp and [int(g) for g in gpus] == list(range(int(gpus[0]), int(gpus[0]) + tp)), name
         used += gpus
         assert service["environment"].pop("TANDEM_TENSOR_PARALLEL_SIZE") == str(tp)
+        assert service["environment"].pop("TANDEM_WORKER_ID") == name  # the instance its certificate names
         assert "profiles" not in service
-        same = {k: v for k, v in base[role].items() if k not in ("deploy", "profiles")}
-        assert {k: v for k, v in service.items() if k != "deploy"} == same, name
+        volumes = [volume_source_target(v) for v in service["volumes"]]
+        assert (f"certs-{name}", "/certs") in volumes and (f"certs-{role}", "/certs") not in volumes, name
+        same = {k: v for k, v in base[role].items() if k not in ("deploy", "profiles", "volumes")}
+        assert {k: v for k, v in service.items() if k not in ("deploy", "volumes")} == same, name
     assert sorted(used, key=int) == [str(g) for g in range(layout.gpus)]
 
 
@@ -93,6 +96,37 @@ def test_a_compose_override_runs_each_planned_worker_on_its_gpus(tmp_path, layou
     override.write_text(compose_override(layout, ROOT / "docker-compose.yml", "a plan\n\nits command"))
     assert override.read_text().startswith("# a plan\n#\n# its command\n")
     check_compose(planned_services(override), layout)
+
+
+def test_the_override_issues_each_planned_worker_a_certificate_naming_it_in_a_volume_of_its_own(tmp_path):
+    """The override's certs script, run here with its paths under ``tmp_path`` (as
+    tests/deploy/test_compose.py runs the base file's): every planned worker's volume holds the CA
+    certificate and a certificate naming the worker's service name, at a mount point the image
+    makes owned by its user."""
+    from cluster.identity import certificate_instances
+
+    layout = Layout(2, 1, 3, 2)
+    override = yaml.safe_load(compose_override(layout, ROOT / "docker-compose.yml", "a plan"))
+    certs = override["services"]["certs"]
+    owned = parse_image((ROOT / "Dockerfile").read_text()).owned_dirs
+    script = (certs["command"][2].replace("/tmp/ca", str(tmp_path / "ca")).replace("/certs", str(tmp_path / "certs"))
+              .replace("tandem ", f"{sys.executable} -m cli "))
+    for volume in certs["volumes"]:
+        name, target = volume.split(":")
+        assert target in owned, target
+        (tmp_path / target.lstrip("/")).mkdir(parents=True)
+    subprocess.run(["sh", "-c", script], cwd=ROOT, check=True, timeout=120, capture_output=True)
+    workers = [f"prefill-{i}" for i in range(2)] + [f"decode-{i}" for i in range(3)]
+    assert set(override["volumes"]) == {f"certs-{w}" for w in workers}
+    for worker in workers:
+        role = worker.rpartition("-")[0]
+        files = tmp_path / "certs" / worker
+        assert {p.name for p in files.iterdir()} == {"ca.pem", f"{role}.pem", f"{role}-key.pem"}
+        assert certificate_instances((files / f"{role}.pem").read_bytes(), role) == [worker]
+        assert override["services"][worker]["environment"]["TANDEM_WORKER_ID"] == worker
+        assert f"certs-{worker}:/certs:ro" in override["services"][worker]["volumes"]
+    with pytest.raises(ValueError, match="at most 8 workers"):
+        compose_override(Layout(0, 0, 9, 1), ROOT / "docker-compose.yml", "too many")
 
 
 @pytest.mark.parametrize("layout", LAYOUTS, ids=lambda layout: layout.label)

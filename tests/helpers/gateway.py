@@ -1,13 +1,21 @@
 """Helpers of the gateway tests: a real Gateway on its own event loop in a background thread
 (the tests use synchronous gRPC stubs), worker entries registered in the real Redis the
-way workers register themselves, and a clock the tests move by hand."""
+way workers register themselves (and TLS ports presenting their instances' certificates), and a
+clock the tests move by hand."""
 
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import threading
+from collections.abc import Iterator
+from concurrent.futures import ThreadPoolExecutor
+from pathlib import Path
+
+import grpc
 
 from cluster.registry import ClusterNamespace, Role, WorkerConfig, WorkerInfo, WorkerLoad, WorkerRegistry, redis_client
+from cluster.tls import TlsFiles, issue_instance_cert
 from gateway.server import Gateway
 
 
@@ -61,6 +69,30 @@ def register_workers(redis_url: str, key_prefix: str, config: WorkerConfig, ttl_
         return workers
 
     return asyncio.run(main())
+
+
+@contextlib.contextmanager
+def instance_ports(ca_dir: Path, roles: tuple[str, ...] = ("prefill", "decode")) -> Iterator[dict[str, str]]:
+    """Per role, a TLS port on loopback presenting the certificate of instance ``{role}-0``
+    (issued from ``ca_dir``'s CA), as the registered worker would: the gateway's identity check
+    (``cluster.identity``) accepts :func:`register_workers`' entries at these addresses. It
+    serves no method; the ports close on exit. Yields role → address."""
+    servers, addresses = [], {}
+    try:
+        for role in roles:
+            out = ca_dir / "instances" / f"{role}-0"
+            issue_instance_cert(str(ca_dir), role, f"{role}-0", str(out))
+            files = TlsFiles.load(str(out), role, "tls_dir")
+            server = grpc.server(ThreadPoolExecutor(1))
+            port = server.add_secure_port("127.0.0.1:0", grpc.ssl_server_credentials(
+                [(files.key, files.cert)], root_certificates=files.ca, require_client_auth=True))
+            server.start()
+            servers.append(server)
+            addresses[role] = f"127.0.0.1:{port}"
+        yield addresses
+    finally:
+        for server in servers:
+            server.stop(0)
 
 
 class Clock:

@@ -9,12 +9,14 @@ import contextlib
 import dataclasses
 from collections.abc import AsyncIterator
 from dataclasses import dataclass
+from pathlib import Path
 
 import grpc
 
 from cluster.metrics import WorkerMetrics
 from cluster.registry import Role
 from cluster.settings import WorkerSettings
+from cluster.tls import issue_instance_cert
 from cluster.worker import WorkerServer
 from decode_worker.server import DecodeServicer
 from decode_worker.settings import DecodeWorkerSettings
@@ -80,10 +82,20 @@ async def worker(llm: EngineCore, role: Role, **overrides) -> AsyncIterator[Work
 
 
 @contextlib.asynccontextmanager
-async def pair(engines, **overrides) -> AsyncIterator[Pair]:
-    """A prefill worker on ``engines[0]`` and a decode worker on ``engines[1]`` (:func:`worker`)."""
-    async with worker(engines[0], Role.PREFILL, **overrides) as p, worker(engines[1], Role.DECODE, **overrides) as d:
+async def pair(engines, prefill: dict | None = None, decode: dict | None = None, **overrides) -> AsyncIterator[Pair]:
+    """A prefill worker on ``engines[0]`` and a decode worker on ``engines[1]`` (:func:`worker`
+    with ``overrides``, and ``prefill`` / ``decode`` for one of them: its own TLS directory, say)."""
+    async with worker(engines[0], Role.PREFILL, **overrides, **(prefill or {})) as p, \
+            worker(engines[1], Role.DECODE, **overrides, **(decode or {})) as d:
         yield Pair(p, d)
+
+
+def instance_tls(ca_dir: Path, role: Role, worker_id: str) -> dict[str, str]:
+    """The overrides of a worker registering as ``worker_id`` with a certificate of its own
+    instance issued from ``ca_dir``'s CA (into ``ca_dir/instances/{worker_id}``)."""
+    out = ca_dir / "instances" / worker_id
+    issue_instance_cert(str(ca_dir), str(role), worker_id, str(out))
+    return {"tls_dir": str(out), "worker_id": worker_id}
 
 
 @contextlib.asynccontextmanager

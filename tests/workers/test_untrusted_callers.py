@@ -11,7 +11,7 @@ import pytest
 
 from protos.tandem.v1 import gateway_pb2, worker_pb2
 
-from tests.helpers.workers import pair
+from tests.helpers.workers import instance_tls, pair
 
 pytestmark = pytest.mark.slow
 
@@ -203,16 +203,18 @@ async def _claim(p, admit, prompt, salt) -> list[int]:
 def test_kv_goes_only_to_a_registered_decode_worker_over_mtls(engines, tmp_path, redis_url, key_prefix):
     """Workers with a TLS directory: plaintext callers are refused, and a prefill worker sends KV
     only to an address the registry lists as a live decode worker (the issue's SSRF)."""
-    from cluster.registry import ClusterNamespace, Role, WorkerRegistry, redis_client
-    from cluster.tls import CLUSTER_NAME, TlsFiles, init_certs
+    from cluster.registry import ClusterNamespace, Role, WorkerInfo, WorkerRegistry, redis_client
+    from cluster.server import ServerScaffold
+    from cluster.tls import CLUSTER_NAME, TlsFiles, init_certs, server_credentials
     from protos.tandem.v1 import worker_pb2_grpc
 
     init_certs(str(tmp_path))
     gateway_cert = TlsFiles.load(str(tmp_path), "gateway", "tls_dir").channel_credentials()
 
     async def main():
-        async with pair(engines, tls_dir=str(tmp_path), redis_url=redis_url, redis_key_prefix=key_prefix,
-                        heartbeat_interval_s=0.2) as p:
+        async with pair(engines, instance_tls(tmp_path, Role.PREFILL, "prefill-0"),
+                        instance_tls(tmp_path, Role.DECODE, "decode-0"), redis_url=redis_url,
+                        redis_key_prefix=key_prefix, heartbeat_interval_s=0.2) as p:
             registry = WorkerRegistry(redis_client(redis_url), ClusterNamespace(key_prefix, 3.0))
             while not await registry.live_workers(Role.DECODE):
                 await asyncio.sleep(0.05)
@@ -232,6 +234,24 @@ def test_kv_goes_only_to_a_registered_decode_worker_over_mtls(engines, tmp_path,
                         destination=worker_pb2.KVDestination(address=address, reservation_id=admit.reservation_id))))
                     assert err.code() == grpc.StatusCode.PERMISSION_DENIED
                     assert err.details().startswith("destination.address")
+                # decode-0's stolen key and the Redis password register a second decode worker:
+                # the prefill worker sends it no KV (the certificate there names decode-0)
+                fake = ServerScaffold(["tandem.v1.Test"], reflection=False)
+                fake_port = fake.bind("127.0.0.1:0", "listen", server_credentials(
+                    str(tmp_path / "instances" / "decode-0"), "decode", True, "tls_dir"))
+                await fake.start()
+                registry = WorkerRegistry(redis_client(redis_url), ClusterNamespace(key_prefix, 30.0))
+                await registry.heartbeat(WorkerInfo("evil-decode", Role.DECODE, f"127.0.0.1:{fake_port}",
+                                                    p.decode.server.servicer.config))
+                err = await refused(lambda: prefill.Prefill(worker_pb2.PrefillRequest(
+                    request_id="kv", prompt_token_ids=prompt, sampling=sampling,
+                    destination=worker_pb2.KVDestination(address=f"127.0.0.1:{fake_port}",
+                                                         reservation_id=admit.reservation_id))))
+                assert err.code() == grpc.StatusCode.PERMISSION_DENIED, err
+                assert err.details().startswith("destination.address")
+                await registry.deregister("evil-decode", Role.DECODE)
+                await registry.client.aclose()
+                await fake.stop(0)
                 pre = await prefill.Prefill(worker_pb2.PrefillRequest(
                     request_id="kv", prompt_token_ids=prompt, sampling=sampling,
                     destination=worker_pb2.KVDestination(

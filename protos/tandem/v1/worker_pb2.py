@@ -26,39 +26,39 @@ from protos.tandem.v1 import gateway_pb2 as protos_dot_tandem_dot_v1_dot_gateway
 from protos.tandem.v1 import kvtransfer_pb2 as protos_dot_tandem_dot_v1_dot_kvtransfer__pb2
 
 
-DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x1dprotos/tandem/v1/worker.proto\x12\ttandem.v1\x1a\x1eprotos/tandem/v1/gateway.proto\x1a!protos/tandem/v1/kvtransfer.proto\"}\n\x0c\x41\x64mitRequest\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12\x18\n\x10prompt_token_ids\x18\x02 \x03(\r\x12\x12\n\ncache_salt\x18\x03 \x01(\t\x12+\n\x08sampling\x18\x04 \x01(\x0b\x32\x19.tandem.v1.SamplingParams\"\xa9\x01\n\rAdmitResponse\x12\x16\n\x0ereservation_id\x18\x01 \x01(\t\x12\x12\n\nnum_blocks\x18\x02 \x01(\r\x12\x10\n\x08lease_ms\x18\x03 \x01(\r\x12(\n\x06layout\x18\x04 \x01(\x0b\x32\x18.tandem.v1.KVBlockLayout\x12\x19\n\x11num_cached_blocks\x18\x05 \x01(\r\x12\x15\n\rkv_transports\x18\x06 \x03(\t\"\x94\x01\n\rKVDestination\x12\x0f\n\x07\x61\x64\x64ress\x18\x01 \x01(\t\x12\x16\n\x0ereservation_id\x18\x02 \x01(\t\x12(\n\x06layout\x18\x03 \x01(\x0b\x32\x18.tandem.v1.KVBlockLayout\x12\x19\n\x11num_cached_blocks\x18\x04 \x01(\r\x12\x15\n\rkv_transports\x18\x05 \x03(\t\"\xca\x01\n\x0ePrefillRequest\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12\x18\n\x10prompt_token_ids\x18\x02 \x03(\r\x12+\n\x08sampling\x18\x03 \x01(\x0b\x32\x19.tandem.v1.SamplingParams\x12-\n\x0b\x64\x65stination\x18\x05 \x01(\x0b\x32\x18.tandem.v1.KVDestination\x12\x12\n\ncache_salt\x18\x06 \x01(\t\x12\x1a\n\x12num_resumed_tokens\x18\x07 \x01(\r\"\xa3\x01\n\x0fPrefillResponse\x12.\n\x0c\x66irst_tokens\x18\x01 \x03(\x0b\x32\x18.tandem.v1.TokenLogprobs\x12\x19\n\x11num_cached_tokens\x18\x02 \x01(\r\x12\x14\n\x0ckv_transport\x18\x04 \x01(\t\x12/\n\x0e\x66inish_reasons\x18\x03 \x03(\x0e\x32\x17.tandem.v1.FinishReason\"\xe2\x01\n\rDecodeRequest\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12\x16\n\x0ereservation_id\x18\x02 \x01(\t\x12\x18\n\x10prompt_token_ids\x18\x03 \x03(\r\x12\x17\n\x0f\x66irst_token_ids\x18\x04 \x03(\r\x12+\n\x08sampling\x18\x05 \x01(\x0b\x32\x19.tandem.v1.SamplingParams\x12\x15\n\rlocal_prefill\x18\x07 \x01(\x08\x12\x12\n\ncache_salt\x18\x08 \x01(\t\x12\x1a\n\x12num_resumed_tokens\x18\t \x01(\r\"\x8e\x01\n\x0e\x44\x65\x63odeResponse\x12\r\n\x05index\x18\x01 \x01(\r\x12\x11\n\ttoken_ids\x18\x02 \x03(\r\x12*\n\x08logprobs\x18\x03 \x03(\x0b\x32\x18.tandem.v1.TokenLogprobs\x12.\n\rfinish_reason\x18\x04 \x01(\x0e\x32\x17.tandem.v1.FinishReason\"2\n\x0c\x41\x62ortRequest\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12\x0e\n\x06reason\x18\x02 \x01(\t\"\x1e\n\rAbortResponse\x12\r\n\x05\x66ound\x18\x01 \x01(\x08\"\x11\n\x0fGetStatsRequest\"\xaf\x02\n\x0cWorkerConfig\x12\x10\n\x08model_id\x18\x01 \x01(\t\x12\x12\n\nblock_size\x18\x02 \x01(\r\x12\x15\n\rmax_model_len\x18\x03 \x01(\r\x12\x16\n\x0ekv_cache_dtype\x18\x04 \x01(\t\x12\x11\n\thash_seed\x18\x05 \x01(\x0c\x12\x12\n\nvocab_size\x18\x06 \x01(\r\x12\x0c\n\x04role\x18\x07 \x01(\t\x12\x1c\n\x14tensor_parallel_size\x18\x08 \x01(\r\x12\x15\n\rkv_transports\x18\t \x03(\t\x12\x14\n\x0cquantization\x18\n \x01(\t\x12\x1e\n\x16max_num_batched_tokens\x18\x0b \x01(\r\x12\x12\n\ndevice_ids\x18\x0c \x03(\t\x12\x16\n\x0eserves_prefill\x18\r \x01(\x08\"\x93\x01\n\x0bWorkerStats\x12\x17\n\x0fnum_free_blocks\x18\x01 \x01(\r\x12\x18\n\x10num_total_blocks\x18\x02 \x01(\r\x12\x13\n\x0bnum_running\x18\x03 \x01(\r\x12\x13\n\x0bnum_waiting\x18\x04 \x01(\r\x12\'\n\x06\x63onfig\x18\x05 \x01(\x0b\x32\x17.tandem.v1.WorkerConfig2\xca\x02\n\x0c\x44\x65\x63odeWorker\x12:\n\x05\x41\x64mit\x12\x17.tandem.v1.AdmitRequest\x1a\x18.tandem.v1.AdmitResponse\x12\x41\n\nTransferKV\x12\x12.tandem.v1.KVChunk\x1a\x1d.tandem.v1.TransferKVResponse(\x01\x12?\n\x06\x44\x65\x63ode\x12\x18.tandem.v1.DecodeRequest\x1a\x19.tandem.v1.DecodeResponse0\x01\x12:\n\x05\x41\x62ort\x12\x17.tandem.v1.AbortRequest\x1a\x18.tandem.v1.AbortResponse\x12>\n\x08GetStats\x12\x1a.tandem.v1.GetStatsRequest\x1a\x16.tandem.v1.WorkerStats2\xcd\x01\n\rPrefillWorker\x12@\n\x07Prefill\x12\x19.tandem.v1.PrefillRequest\x1a\x1a.tandem.v1.PrefillResponse\x12:\n\x05\x41\x62ort\x12\x17.tandem.v1.AbortRequest\x1a\x18.tandem.v1.AbortResponse\x12>\n\x08GetStats\x12\x1a.tandem.v1.GetStatsRequest\x1a\x16.tandem.v1.WorkerStatsb\x06proto3')
+DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x1dprotos/tandem/v1/worker.proto\x12\ttandem.v1\x1a\x1eprotos/tandem/v1/gateway.proto\x1a!protos/tandem/v1/kvtransfer.proto\"\x94\x01\n\x0c\x41\x64mitRequest\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12\x18\n\x10prompt_token_ids\x18\x02 \x03(\r\x12\x12\n\ncache_salt\x18\x03 \x01(\t\x12+\n\x08sampling\x18\x04 \x01(\x0b\x32\x19.tandem.v1.SamplingParams\x12\x15\n\rkv_spot_check\x18\x05 \x01(\x08\"\xc0\x01\n\rAdmitResponse\x12\x16\n\x0ereservation_id\x18\x01 \x01(\t\x12\x12\n\nnum_blocks\x18\x02 \x01(\r\x12\x10\n\x08lease_ms\x18\x03 \x01(\r\x12(\n\x06layout\x18\x04 \x01(\x0b\x32\x18.tandem.v1.KVBlockLayout\x12\x19\n\x11num_cached_blocks\x18\x05 \x01(\r\x12\x15\n\rkv_transports\x18\x06 \x03(\t\x12\x15\n\rkv_spot_check\x18\x07 \x01(\x08\"\x94\x01\n\rKVDestination\x12\x0f\n\x07\x61\x64\x64ress\x18\x01 \x01(\t\x12\x16\n\x0ereservation_id\x18\x02 \x01(\t\x12(\n\x06layout\x18\x03 \x01(\x0b\x32\x18.tandem.v1.KVBlockLayout\x12\x19\n\x11num_cached_blocks\x18\x04 \x01(\r\x12\x15\n\rkv_transports\x18\x05 \x03(\t\"\xca\x01\n\x0ePrefillRequest\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12\x18\n\x10prompt_token_ids\x18\x02 \x03(\r\x12+\n\x08sampling\x18\x03 \x01(\x0b\x32\x19.tandem.v1.SamplingParams\x12-\n\x0b\x64\x65stination\x18\x05 \x01(\x0b\x32\x18.tandem.v1.KVDestination\x12\x12\n\ncache_salt\x18\x06 \x01(\t\x12\x1a\n\x12num_resumed_tokens\x18\x07 \x01(\r\"\xa3\x01\n\x0fPrefillResponse\x12.\n\x0c\x66irst_tokens\x18\x01 \x03(\x0b\x32\x18.tandem.v1.TokenLogprobs\x12\x19\n\x11num_cached_tokens\x18\x02 \x01(\r\x12\x14\n\x0ckv_transport\x18\x04 \x01(\t\x12/\n\x0e\x66inish_reasons\x18\x03 \x03(\x0e\x32\x17.tandem.v1.FinishReason\"\xf9\x01\n\rDecodeRequest\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12\x16\n\x0ereservation_id\x18\x02 \x01(\t\x12\x18\n\x10prompt_token_ids\x18\x03 \x03(\r\x12\x17\n\x0f\x66irst_token_ids\x18\x04 \x03(\r\x12+\n\x08sampling\x18\x05 \x01(\x0b\x32\x19.tandem.v1.SamplingParams\x12\x15\n\rlocal_prefill\x18\x07 \x01(\x08\x12\x12\n\ncache_salt\x18\x08 \x01(\t\x12\x1a\n\x12num_resumed_tokens\x18\t \x01(\r\x12\x15\n\rkv_spot_check\x18\n \x01(\x08\"\x8e\x01\n\x0e\x44\x65\x63odeResponse\x12\r\n\x05index\x18\x01 \x01(\r\x12\x11\n\ttoken_ids\x18\x02 \x03(\r\x12*\n\x08logprobs\x18\x03 \x03(\x0b\x32\x18.tandem.v1.TokenLogprobs\x12.\n\rfinish_reason\x18\x04 \x01(\x0e\x32\x17.tandem.v1.FinishReason\"2\n\x0c\x41\x62ortRequest\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12\x0e\n\x06reason\x18\x02 \x01(\t\"\x1e\n\rAbortResponse\x12\r\n\x05\x66ound\x18\x01 \x01(\x08\"\x11\n\x0fGetStatsRequest\"\xaf\x02\n\x0cWorkerConfig\x12\x10\n\x08model_id\x18\x01 \x01(\t\x12\x12\n\nblock_size\x18\x02 \x01(\r\x12\x15\n\rmax_model_len\x18\x03 \x01(\r\x12\x16\n\x0ekv_cache_dtype\x18\x04 \x01(\t\x12\x11\n\thash_seed\x18\x05 \x01(\x0c\x12\x12\n\nvocab_size\x18\x06 \x01(\r\x12\x0c\n\x04role\x18\x07 \x01(\t\x12\x1c\n\x14tensor_parallel_size\x18\x08 \x01(\r\x12\x15\n\rkv_transports\x18\t \x03(\t\x12\x14\n\x0cquantization\x18\n \x01(\t\x12\x1e\n\x16max_num_batched_tokens\x18\x0b \x01(\r\x12\x12\n\ndevice_ids\x18\x0c \x03(\t\x12\x16\n\x0eserves_prefill\x18\r \x01(\x08\"\x93\x01\n\x0bWorkerStats\x12\x17\n\x0fnum_free_blocks\x18\x01 \x01(\r\x12\x18\n\x10num_total_blocks\x18\x02 \x01(\r\x12\x13\n\x0bnum_running\x18\x03 \x01(\r\x12\x13\n\x0bnum_waiting\x18\x04 \x01(\r\x12\'\n\x06\x63onfig\x18\x05 \x01(\x0b\x32\x17.tandem.v1.WorkerConfig2\xca\x02\n\x0c\x44\x65\x63odeWorker\x12:\n\x05\x41\x64mit\x12\x17.tandem.v1.AdmitRequest\x1a\x18.tandem.v1.AdmitResponse\x12\x41\n\nTransferKV\x12\x12.tandem.v1.KVChunk\x1a\x1d.tandem.v1.TransferKVResponse(\x01\x12?\n\x06\x44\x65\x63ode\x12\x18.tandem.v1.DecodeRequest\x1a\x19.tandem.v1.DecodeResponse0\x01\x12:\n\x05\x41\x62ort\x12\x17.tandem.v1.AbortRequest\x1a\x18.tandem.v1.AbortResponse\x12>\n\x08GetStats\x12\x1a.tandem.v1.GetStatsRequest\x1a\x16.tandem.v1.WorkerStats2\xcd\x01\n\rPrefillWorker\x12@\n\x07Prefill\x12\x19.tandem.v1.PrefillRequest\x1a\x1a.tandem.v1.PrefillResponse\x12:\n\x05\x41\x62ort\x12\x17.tandem.v1.AbortRequest\x1a\x18.tandem.v1.AbortResponse\x12>\n\x08GetStats\x12\x1a.tandem.v1.GetStatsRequest\x1a\x16.tandem.v1.WorkerStatsb\x06proto3')
 
 _globals = globals()
 _builder.BuildMessageAndEnumDescriptors(DESCRIPTOR, _globals)
 _builder.BuildTopDescriptorsAndMessages(DESCRIPTOR, 'protos.tandem.v1.worker_pb2', _globals)
 if not _descriptor._USE_C_DESCRIPTORS:
   DESCRIPTOR._loaded_options = None
-  _globals['_ADMITREQUEST']._serialized_start=111
-  _globals['_ADMITREQUEST']._serialized_end=236
-  _globals['_ADMITRESPONSE']._serialized_start=239
-  _globals['_ADMITRESPONSE']._serialized_end=408
-  _globals['_KVDESTINATION']._serialized_start=411
-  _globals['_KVDESTINATION']._serialized_end=559
-  _globals['_PREFILLREQUEST']._serialized_start=562
-  _globals['_PREFILLREQUEST']._serialized_end=764
-  _globals['_PREFILLRESPONSE']._serialized_start=767
-  _globals['_PREFILLRESPONSE']._serialized_end=930
-  _globals['_DECODEREQUEST']._serialized_start=933
-  _globals['_DECODEREQUEST']._serialized_end=1159
-  _globals['_DECODERESPONSE']._serialized_start=1162
-  _globals['_DECODERESPONSE']._serialized_end=1304
-  _globals['_ABORTREQUEST']._serialized_start=1306
-  _globals['_ABORTREQUEST']._serialized_end=1356
-  _globals['_ABORTRESPONSE']._serialized_start=1358
-  _globals['_ABORTRESPONSE']._serialized_end=1388
-  _globals['_GETSTATSREQUEST']._serialized_start=1390
-  _globals['_GETSTATSREQUEST']._serialized_end=1407
-  _globals['_WORKERCONFIG']._serialized_start=1410
-  _globals['_WORKERCONFIG']._serialized_end=1713
-  _globals['_WORKERSTATS']._serialized_start=1716
-  _globals['_WORKERSTATS']._serialized_end=1863
-  _globals['_DECODEWORKER']._serialized_start=1866
-  _globals['_DECODEWORKER']._serialized_end=2196
-  _globals['_PREFILLWORKER']._serialized_start=2199
-  _globals['_PREFILLWORKER']._serialized_end=2404
+  _globals['_ADMITREQUEST']._serialized_start=112
+  _globals['_ADMITREQUEST']._serialized_end=260
+  _globals['_ADMITRESPONSE']._serialized_start=263
+  _globals['_ADMITRESPONSE']._serialized_end=455
+  _globals['_KVDESTINATION']._serialized_start=458
+  _globals['_KVDESTINATION']._serialized_end=606
+  _globals['_PREFILLREQUEST']._serialized_start=609
+  _globals['_PREFILLREQUEST']._serialized_end=811
+  _globals['_PREFILLRESPONSE']._serialized_start=814
+  _globals['_PREFILLRESPONSE']._serialized_end=977
+  _globals['_DECODEREQUEST']._serialized_start=980
+  _globals['_DECODEREQUEST']._serialized_end=1229
+  _globals['_DECODERESPONSE']._serialized_start=1232
+  _globals['_DECODERESPONSE']._serialized_end=1374
+  _globals['_ABORTREQUEST']._serialized_start=1376
+  _globals['_ABORTREQUEST']._serialized_end=1426
+  _globals['_ABORTRESPONSE']._serialized_start=1428
+  _globals['_ABORTRESPONSE']._serialized_end=1458
+  _globals['_GETSTATSREQUEST']._serialized_start=1460
+  _globals['_GETSTATSREQUEST']._serialized_end=1477
+  _globals['_WORKERCONFIG']._serialized_start=1480
+  _globals['_WORKERCONFIG']._serialized_end=1783
+  _globals['_WORKERSTATS']._serialized_start=1786
+  _globals['_WORKERSTATS']._serialized_end=1933
+  _globals['_DECODEWORKER']._serialized_start=1936
+  _globals['_DECODEWORKER']._serialized_end=2266
+  _globals['_PREFILLWORKER']._serialized_start=2269
+  _globals['_PREFILLWORKER']._serialized_end=2474
 # @@protoc_insertion_point(module_scope)

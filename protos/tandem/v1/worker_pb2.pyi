@@ -9,32 +9,36 @@ from typing import ClassVar as _ClassVar, Optional as _Optional, Union as _Union
 DESCRIPTOR: _descriptor.FileDescriptor
 
 class AdmitRequest(_message.Message):
-    __slots__ = ("request_id", "prompt_token_ids", "cache_salt", "sampling")
+    __slots__ = ("request_id", "prompt_token_ids", "cache_salt", "sampling", "kv_spot_check")
     REQUEST_ID_FIELD_NUMBER: _ClassVar[int]
     PROMPT_TOKEN_IDS_FIELD_NUMBER: _ClassVar[int]
     CACHE_SALT_FIELD_NUMBER: _ClassVar[int]
     SAMPLING_FIELD_NUMBER: _ClassVar[int]
+    KV_SPOT_CHECK_FIELD_NUMBER: _ClassVar[int]
     request_id: str
     prompt_token_ids: _containers.RepeatedScalarFieldContainer[int]
     cache_salt: str
     sampling: _gateway_pb2.SamplingParams
-    def __init__(self, request_id: _Optional[str] = ..., prompt_token_ids: _Optional[_Iterable[int]] = ..., cache_salt: _Optional[str] = ..., sampling: _Optional[_Union[_gateway_pb2.SamplingParams, _Mapping]] = ...) -> None: ...
+    kv_spot_check: bool
+    def __init__(self, request_id: _Optional[str] = ..., prompt_token_ids: _Optional[_Iterable[int]] = ..., cache_salt: _Optional[str] = ..., sampling: _Optional[_Union[_gateway_pb2.SamplingParams, _Mapping]] = ..., kv_spot_check: _Optional[bool] = ...) -> None: ...
 
 class AdmitResponse(_message.Message):
-    __slots__ = ("reservation_id", "num_blocks", "lease_ms", "layout", "num_cached_blocks", "kv_transports")
+    __slots__ = ("reservation_id", "num_blocks", "lease_ms", "layout", "num_cached_blocks", "kv_transports", "kv_spot_check")
     RESERVATION_ID_FIELD_NUMBER: _ClassVar[int]
     NUM_BLOCKS_FIELD_NUMBER: _ClassVar[int]
     LEASE_MS_FIELD_NUMBER: _ClassVar[int]
     LAYOUT_FIELD_NUMBER: _ClassVar[int]
     NUM_CACHED_BLOCKS_FIELD_NUMBER: _ClassVar[int]
     KV_TRANSPORTS_FIELD_NUMBER: _ClassVar[int]
+    KV_SPOT_CHECK_FIELD_NUMBER: _ClassVar[int]
     reservation_id: str
     num_blocks: int
     lease_ms: int
     layout: _kvtransfer_pb2.KVBlockLayout
     num_cached_blocks: int
     kv_transports: _containers.RepeatedScalarFieldContainer[str]
-    def __init__(self, reservation_id: _Optional[str] = ..., num_blocks: _Optional[int] = ..., lease_ms: _Optional[int] = ..., layout: _Optional[_Union[_kvtransfer_pb2.KVBlockLayout, _Mapping]] = ..., num_cached_blocks: _Optional[int] = ..., kv_transports: _Optional[_Iterable[str]] = ...) -> None: ...
+    kv_spot_check: bool
+    def __init__(self, reservation_id: _Optional[str] = ..., num_blocks: _Optional[int] = ..., lease_ms: _Optional[int] = ..., layout: _Optional[_Union[_kvtransfer_pb2.KVBlockLayout, _Mapping]] = ..., num_cached_blocks: _Optional[int] = ..., kv_transports: _Optional[_Iterable[str]] = ..., kv_spot_check: _Optional[bool] = ...) -> None: ...
 
 class KVDestination(_message.Message):
     __slots__ = ("address", "reservation_id", "layout", "num_cached_blocks", "kv_transports")
@@ -79,7 +83,7 @@ class PrefillResponse(_message.Message):
     def __init__(self, first_tokens: _Optional[_Iterable[_Union[_gateway_pb2.TokenLogprobs, _Mapping]]] = ..., num_cached_tokens: _Optional[int] = ..., kv_transport: _Optional[str] = ..., finish_reasons: _Optional[_Iterable[_Union[_gateway_pb2.FinishReason, str]]] = ...) -> None: ...
 
 class DecodeRequest(_message.Message):
-    __slots__ = ("request_id", "reservation_id", "prompt_token_ids", "first_token_ids", "sampling", "local_prefill", "cache_salt", "num_resumed_tokens")
+    __slots__ = ("request_id", "reservation_id", "prompt_token_ids", "first_token_ids", "sampling", "local_prefill", "cache_salt", "num_resumed_tokens", "kv_spot_check")
     REQUEST_ID_FIELD_NUMBER: _ClassVar[int]
     RESERVATION_ID_FIELD_NUMBER: _ClassVar[int]
     PROMPT_TOKEN_IDS_FIELD_NUMBER: _ClassVar[int]
@@ -88,6 +92,7 @@ class DecodeRequest(_message.Message):
     LOCAL_PREFILL_FIELD_NUMBER: _ClassVar[int]
     CACHE_SALT_FIELD_NUMBER: _ClassVar[int]
     NUM_RESUMED_TOKENS_FIELD_NUMBER: _ClassVar[int]
+    KV_SPOT_CHECK_FIELD_NUMBER: _ClassVar[int]
     request_id: str
     reservation_id: str
     prompt_token_ids: _containers.RepeatedScalarFieldContainer[int]
@@ -96,7 +101,8 @@ class DecodeRequest(_message.Message):
     local_prefill: bool
     cache_salt: str
     num_resumed_tokens: int
-    def __init__(self, request_id: _Optional[str] = ..., reservation_id: _Optional[str] = ..., prompt_token_ids: _Optional[_Iterable[int]] = ..., first_token_ids: _Optional[_Iterable[int]] = ..., sampling: _Optional[_Union[_gateway_pb2.SamplingParams, _Mapping]] = ..., local_prefill: _Optional[bool] = ..., cache_salt: _Optional[str] = ..., num_resumed_tokens: _Optional[int] = ...) -> None: ...
+    kv_spot_check: bool
+    def __init__(self, request_id: _Optional[str] = ..., reservation_id: _Optional[str] = ..., prompt_token_ids: _Optional[_Iterable[int]] = ..., first_token_ids: _Optional[_Iterable[int]] = ..., sampling: _Optional[_Union[_gateway_pb2.SamplingParams, _Mapping]] = ..., local_prefill: _Optional[bool] = ..., cache_salt: _Optional[str] = ..., num_resumed_tokens: _Optional[int] = ..., kv_spot_check: _Optional[bool] = ...) -> None: ...
 
 class DecodeResponse(_message.Message):
     __slots__ = ("index", "token_ids", "logprobs", "finish_reason")
