@@ -14,12 +14,18 @@ from engine.config import EngineConfig
 from engine.core.block_pool import BlockPool
 from engine.core.kv_cache_manager import KVCacheManager
 from engine.core.scheduler import Scheduler
-from engine.core.sequence import Sequence
+from engine.core.sequence import Sequence, SequenceStatus
 from engine.speculative.acceptance import num_accepted
 from engine.speculative.ngram import propose_ngram
+from engine.speculative.suffix import SuffixProposer, SuffixTrie
 from tests.helpers.prompts import GROUNDED_CHATS
 
 NGRAM = {"method": "ngram", "num_speculative_tokens": 4}
+# The weights dequantized to float32 (the path that matches HF transformers): a verify step's
+# logits come from a multi-token query, a plain decode's from one token, and with the GGUF
+# weights' bfloat16 matmuls the two differ by up to a bfloat16 step, which flips near-ties
+# (bench/speculative.py measures how often on that path).
+EXACT = dict(block_size=16, num_blocks=256, quantization="none")
 
 
 def test_ngram_drafts_follow_the_latest_longest_match():
@@ -31,6 +37,39 @@ def test_ngram_drafts_follow_the_latest_longest_match():
     assert propose_ngram(tokens, 3, 3, 2) == []
     # a match near the end drafts only what follows it
     assert propose_ngram(np.array([4, 6, 4], dtype=np.int64), 1, 2, 5) == [6, 4]
+
+
+def test_suffix_trie_counts_substrings_and_uncounts_them():
+    trie = SuffixTrie(max_depth=4)
+    active = trie.add([1, 2, 3, 4])
+    trie.add([1, 2, 3, 5, 1, 2, 3], active=active)  # one stream, added in two parts
+    length, node = trie.match([7, 1, 2, 3])
+    assert length == 3 and {t: c.count for t, c in node.children.items()} == {4: 1, 5: 1}
+    assert trie.root.children[1].count == 3 and trie.root.count == 11
+    other = SuffixTrie(max_depth=4)
+    other.add([9, 9, 8])
+    other.add([9, 9, 8], sign=-1)
+    assert other.root.children == {} and other.root.count == 0
+
+
+def _seq(tokens, index=0):
+    return Sequence("r", index, list(tokens), 1, SamplingParams(), index)
+
+
+def test_suffix_proposer_drafts_from_its_own_and_recent_requests_tokens():
+    proposer = SuffixProposer(max_depth=8, max_cached_requests=1, min_token_prob=0.1)
+    seq = _seq([5, 6, 7, 8, 1, 5, 6])
+    assert proposer.propose([seq], [3]) == [[7, 8, 1]]
+    seq.token_ids += [7, 8]  # grown since: only the new tokens are added
+    assert proposer.propose([seq], [2]) == [[1, 5]]
+    finished = _seq([40, 41, 42, 43, 44])
+    finished.status = SequenceStatus.FINISHED
+    proposer.release(finished)
+    assert proposer.propose([_seq([3, 40, 41])], [4]) == [[42, 43, 44]]
+    newer = _seq([50, 51])
+    newer.status = SequenceStatus.FINISHED
+    proposer.release(newer)  # one request kept: the older one's tokens leave the shared tree
+    assert proposer.propose([_seq([3, 40, 41], 1)], [4]) == [[]]
 
 
 def test_acceptance_is_the_longest_matching_prefix():
@@ -69,7 +108,7 @@ def test_scheduler_budgets_drafts_and_rewind_frees_their_blocks():
 @pytest.fixture(scope="module")
 def engines():
     """(plain, speculating) LLMs on the real SmolLM2."""
-    return LLM(block_size=16, num_blocks=256), LLM(block_size=16, num_blocks=256, speculative_config=NGRAM)
+    return LLM(**EXACT), LLM(**EXACT, speculative_config=NGRAM)
 
 
 @pytest.fixture(autouse=True)
@@ -189,8 +228,7 @@ def test_temperature_one_token_distribution_matches_no_speculation(engines):
 
 @pytest.mark.slow
 def test_speculation_is_off_above_disable_by_batch_size():
-    llm = LLM(block_size=16, num_blocks=128,
-              speculative_config={**NGRAM, "disable_by_batch_size": 2})
+    llm = LLM(block_size=16, num_blocks=128, speculative_config={**NGRAM, "disable_by_batch_size": 2})
     params = SamplingParams(max_tokens=12, temperature=0)
     llm.chat(GROUNDED_CHATS, params, use_tqdm=False)  # three running: no drafts
     assert llm.engine.stats().spec_decoding.num_drafts == 0
@@ -198,3 +236,19 @@ def test_speculation_is_off_above_disable_by_batch_size():
     stats = llm.engine.stats().spec_decoding
     assert stats.num_drafts > 0 and len(stats.acceptance_rate_per_position) == 4
     assert llm.engine.num_free_blocks == 128
+
+
+@pytest.mark.slow
+def test_suffix_method_is_exact_and_learns_from_finished_requests(engines):
+    plain, _ = engines
+    llm = LLM(**EXACT, speculative_config={"method": "suffix", "num_speculative_tokens": 6})
+    params = SamplingParams(max_tokens=40, temperature=0)
+    want = _tokens(plain.chat(GROUNDED_CHATS, params, use_tqdm=False))
+    assert _tokens(llm.chat(GROUNDED_CHATS, params, use_tqdm=False)) == want
+    first = llm.engine.stats().spec_decoding
+    # The same chats again: their answers are in the shared tree now, so nearly every draft holds.
+    assert _tokens(llm.chat(GROUNDED_CHATS, params, use_tqdm=False)) == want
+    second = llm.engine.stats().spec_decoding
+    rate = (second.num_accepted_tokens - first.num_accepted_tokens) / (second.num_draft_tokens - first.num_draft_tokens)
+    assert rate > 0.8 and rate > first.acceptance_rate
+    assert llm.engine.num_free_blocks == 256
