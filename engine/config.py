@@ -57,7 +57,9 @@ class SpeculativeConfig:
                                      "is below this")
     disable_by_batch_size: int | None = Field(
         None, ge=1, description="a step speculates only while at most this many sequences run (above it, "
-                                "verifying drafts costs more than it saves); unset: always")
+                                "verifying drafts costs more than it saves); unset: 2 on the CPU (where the GGUF "
+                                "weights' int4 matmul costs 1.5x a one-token step up to 4 tokens and 2.8x at 5-8: "
+                                "bench/speculative.py), no bound on CUDA")
 
     @field_validator("prompt_lookup_min")
     @classmethod
@@ -175,6 +177,18 @@ class EngineConfig:
             raise ValueError(f"must be a list of {'at least one size' if least else 'sizes'} in "
                              f"[1, max_num_batched_tokens], got {sizes!r}")
         return sorted(set(sizes))
+
+
+# Running sequences above which a CPU engine stops speculating (SpeculativeConfig.disable_by_batch_size).
+CPU_SPECULATION_MAX_BATCH = 2
+
+
+def resolve_disable_by_batch_size(config: SpeculativeConfig, device_type: str) -> int | None:
+    """The running sequences above which an engine on ``device_type`` does not speculate
+    (``disable_by_batch_size``, resolved; ``None``: no bound)."""
+    if config.disable_by_batch_size is not None:
+        return config.disable_by_batch_size
+    return CPU_SPECULATION_MAX_BATCH if device_type == "cpu" else None
 
 
 def resolve_async_scheduling(config: EngineConfig, device_type: str) -> bool:

@@ -22,7 +22,7 @@ from typing import TypeVar
 import torch
 
 from engine.block_hash import hash_seed
-from engine.config import EngineConfig, resolve_async_scheduling
+from engine.config import EngineConfig, resolve_async_scheduling, resolve_disable_by_batch_size
 from engine.core.block_pool import BlockPool, cdiv
 from engine.core.kv_cache_manager import KVCacheManager
 from engine.core.scheduler import ScheduledSequence, Scheduler, SchedulerOutput
@@ -154,6 +154,7 @@ class EngineCore:
         self.scheduler.on_release = self._on_release
         spec = config.speculative_config
         self.proposer = build_proposer(spec) if spec is not None else None
+        self._spec_max_batch = resolve_disable_by_batch_size(spec, self.device.type) if spec is not None else None
         # Speculative decoding's counts: drafts per position, accepted per position.
         self._spec_drafts: list[int] = [0] * (spec.num_speculative_tokens if spec else 0)
         self._spec_accepted: list[int] = [0] * len(self._spec_drafts)
@@ -561,12 +562,12 @@ class EngineCore:
     # ------------------------------------------------------ speculative decoding
     def _propose(self) -> dict[Sequence, list[int]]:
         """Drafts for this step's decoding sequences, unless more than ``disable_by_batch_size``
-        run. A sequence whose logits are processed (penalties, bias, bad words, ``min_tokens``,
+        (resolved) run. A sequence whose logits are processed (penalties, bias, bad words, ``min_tokens``,
         structured output: their state follows the output token by token) decodes one token a
         step."""
         spec = self.config.speculative_config
         running = self.scheduler.running
-        if spec.disable_by_batch_size is not None and len(running) > spec.disable_by_batch_size:
+        if self._spec_max_batch is not None and len(running) > self._spec_max_batch:
             return {}
         seqs = [s for s in running if s.num_computed_tokens == s.num_tokens - 1 and not s.num_output_placeholders
                 and not s.params.processes_logits]

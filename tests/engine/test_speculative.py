@@ -10,7 +10,7 @@ import pytest
 import torch
 
 from engine import LLM, SamplingParams
-from engine.config import EngineConfig
+from engine.config import EngineConfig, SpeculativeConfig, resolve_disable_by_batch_size
 from engine.core.block_pool import BlockPool
 from engine.core.kv_cache_manager import KVCacheManager
 from engine.core.scheduler import Scheduler
@@ -20,7 +20,8 @@ from engine.speculative.ngram import propose_ngram
 from engine.speculative.suffix import SuffixProposer, SuffixTrie
 from tests.helpers.prompts import GROUNDED_CHATS
 
-NGRAM = {"method": "ngram", "num_speculative_tokens": 4}
+# Speculating at every batch size (the CPU's default stops above 2 running sequences).
+NGRAM = {"method": "ngram", "num_speculative_tokens": 4, "disable_by_batch_size": 1024}
 # The weights dequantized to float32 (the path that matches HF transformers): a verify step's
 # logits come from a multi-token query, a plain decode's from one token, and with the GGUF
 # weights' bfloat16 matmuls the two differ by up to a bfloat16 step, which flips near-ties
@@ -76,6 +77,12 @@ def test_acceptance_is_the_longest_matching_prefix():
     assert num_accepted([5, 6, 7], [5, 6, 7, 8]) == 3
     assert num_accepted([5, 6, 7], [5, 9, 7, 8]) == 1
     assert num_accepted([5], [4, 1]) == 0
+
+
+def test_speculation_stops_above_two_running_sequences_on_the_cpu_by_default():
+    assert resolve_disable_by_batch_size(SpeculativeConfig(), "cpu") == 2
+    assert resolve_disable_by_batch_size(SpeculativeConfig(), "cuda") is None
+    assert resolve_disable_by_batch_size(SpeculativeConfig(disable_by_batch_size=8), "cpu") == 8
 
 
 def test_config_refuses_bad_speculative_settings():
@@ -241,7 +248,7 @@ def test_speculation_is_off_above_disable_by_batch_size():
 @pytest.mark.slow
 def test_suffix_method_is_exact_and_learns_from_finished_requests(engines):
     plain, _ = engines
-    llm = LLM(**EXACT, speculative_config={"method": "suffix", "num_speculative_tokens": 6})
+    llm = LLM(**EXACT, speculative_config={**NGRAM, "method": "suffix", "num_speculative_tokens": 6})
     params = SamplingParams(max_tokens=40, temperature=0)
     want = _tokens(plain.chat(GROUNDED_CHATS, params, use_tqdm=False))
     assert _tokens(llm.chat(GROUNDED_CHATS, params, use_tqdm=False)) == want
