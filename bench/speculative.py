@@ -6,7 +6,7 @@ For each method (``ngram``, ``suffix``; ``--num-speculative-tokens`` drafts a st
 on the CPU the GGUF weights' int4 matmul costs about 1.5x a one-token step up to four tokens a
 sequence and 2.8x at five) and for no speculation, fresh engines on SmolLM2-135M-Instruct (the
 default model: on the CPU its GGUF weights as they are, on CUDA dequantized to bfloat16), greedy,
-``--max-tokens`` new tokens (:func:`measure` says how the runs interleave):
+``--max-tokens`` new tokens (:func:`measure` says how the engines take turns):
 
 - one stream: the first ``--prompts`` chats one after the other, each alone in the engine;
 - ``N`` streams (``--streams``): ``N`` chats at once (the data's chats, repeated in order when
@@ -55,10 +55,11 @@ def measure(device: str, methods: list[str], k: int, chats: list[list[dict]], ma
     """Per method (``None``: no speculation): the answers, tokens per second and acceptance;
     and the engines' device, quantization and dtype.
 
-    Fresh engines, one per method, alive together: the one-stream run takes the chats in turn
-    through every engine, so that a busy host's slow and fast moments fall on all of them alike
-    (the batched run takes one batch through each in turn); no run's prefix cache or suffix tree
-    helps another's."""
+    Fresh engines, one per method, alive together, over the same requests (one chat at a time,
+    or all ``chats`` at once); no run's prefix cache or suffix tree helps another's. On the CPU
+    they take turns, one step each, and an engine's time is the sum of its own steps, so a busy
+    host's slow and fast moments fall on all of them alike; on CUDA (whose steps overlap the
+    host's work under async scheduling) each engine runs the requests through alone in turn."""
     params = SamplingParams(max_tokens=max_tokens, temperature=0)
     memory = {"gpu_memory_utilization": 0.8 / (1 + len(methods))} if device.startswith("cuda") else {}
     llms = {}
@@ -68,18 +69,27 @@ def measure(device: str, methods: list[str], k: int, chats: list[list[dict]], ma
         llm = llms[method] = LLM(device=device, max_num_seqs=max(64, streams), speculative_config=spec, **memory)
         llm.chat(WARMUP, SamplingParams(max_tokens=16, temperature=0), use_tqdm=False)
     before = {m: _spec_counts(llm) for m, llm in llms.items()}
-    answers: dict[str | None, list[list[int]]] = {m: [] for m in llms}
+    prompts = [llms[None].engine.tokenizer.apply_chat_template(chat) for chat in chats]
+    answers: dict[str | None, dict[str, list[int]]] = {m: {} for m in llms}
     seconds = dict.fromkeys(llms, 0.0)
-    for batch in ([[chat] for chat in chats] if streams == 1 else [chats]):
-        for method, llm in llms.items():
-            started = time.perf_counter()
-            outs = llm.chat(batch, params, use_tqdm=False)
-            seconds[method] += time.perf_counter() - started
-            answers[method] += [o.outputs[0].token_ids for o in outs]
+    for batch in ([[i] for i in range(len(prompts))] if streams == 1 else [list(range(len(prompts)))]):
+        for group in ([llms] if device == "cpu" else [{m: llm} for m, llm in llms.items()]):
+            for llm in group.values():
+                for i in batch:
+                    llm.engine.add_request(f"chat-{i}", prompts[i], params)
+            while any(llm.engine.has_unfinished_requests for llm in group.values()):
+                for method, llm in group.items():
+                    if not llm.engine.has_unfinished_requests:
+                        continue
+                    started = time.perf_counter()
+                    outputs = llm.engine.step().outputs
+                    seconds[method] += time.perf_counter() - started
+                    answers[method].update((o.request_id, o.outputs[0].token_ids) for o in outputs if o.finished)
     runs = {}
     for method, llm in llms.items():
         drafts, draft_tokens, accepted = (a - b for a, b in zip(_spec_counts(llm), before[method]))
-        runs[method] = {"answers": answers[method], "tok_s": sum(map(len, answers[method])) / seconds[method],
+        ordered = [answers[method][f"chat-{i}"] for i in range(len(prompts))]
+        runs[method] = {"answers": ordered, "tok_s": sum(map(len, ordered)) / seconds[method],
                         "acceptance_rate": accepted / draft_tokens if draft_tokens else 0.0,
                         "mean_accepted_length": 1 + accepted / drafts if drafts else 1.0}
     engine = llms[None].engine

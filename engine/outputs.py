@@ -82,7 +82,9 @@ class StepStats:
         num_kv_slots_used: tokens in the scheduled sequences' KV cache after the step.
         num_kv_slots_allocated: slots of the blocks those sequences hold (``block_size`` each);
             ``1 - used / allocated`` is the step's reservation waste.
-        num_draft_tokens: draft tokens the step verified (speculative decoding).
+        num_verifies: of the sequences, those that verified drafts (speculative decoding: one
+            query of their last token and the drafts).
+        num_draft_tokens: draft tokens the step verified.
         num_accepted_tokens: of those, the ones accepted.
     """
 
@@ -98,16 +100,19 @@ class StepStats:
     step_s: float = 0.0
     piecewise_graph_tokens: int | None = None
     completed_at: float = 0.0
+    num_verifies: int = 0
     num_draft_tokens: int = 0
     num_accepted_tokens: int = 0
 
     @property
     def kind(self) -> str:
-        """``"decode"`` (every sequence decodes one token), ``"prefill"`` (prompt chunks only) or
-        ``"mixed"`` (both: chunked prefill beside the running batch)."""
-        if self.num_decodes == self.num_seqs:
+        """``"decode"`` (every sequence decodes: one token, or its last and its drafts),
+        ``"prefill"`` (prompt chunks only) or ``"mixed"`` (both: chunked prefill beside the
+        running batch)."""
+        decodes = self.num_decodes + self.num_verifies
+        if decodes == self.num_seqs:
             return "decode"
-        return "prefill" if self.num_decodes == 0 else "mixed"
+        return "prefill" if decodes == 0 else "mixed"
 
 
 @dataclass(frozen=True)

@@ -555,7 +555,8 @@ class EngineCore:
                 self._retire(req)
         now = time.perf_counter()
         stats = dataclasses.replace(result.stats, step_s=now - started, completed_at=now,
-                                    num_draft_tokens=num_drafted, num_accepted_tokens=num_kept)
+                                    num_verifies=len(verified), num_draft_tokens=num_drafted,
+                                    num_accepted_tokens=num_kept)
         self._step_totals[stats.kind] = self._step_totals.get(stats.kind, StepTotals()).add(stats)
         return StepOutput(outputs, True, stats)
 

@@ -18,6 +18,7 @@ from engine.core.sequence import Sequence, SequenceStatus
 from engine.speculative.acceptance import num_accepted
 from engine.speculative.ngram import propose_ngram
 from engine.speculative.suffix import SuffixProposer, SuffixTrie
+from tests.helpers.engine import prefill_then_decode
 from tests.helpers.prompts import GROUNDED_CHATS
 
 # Speculating at every batch size (the CPU's default stops above 2 running sequences).
@@ -190,7 +191,8 @@ def test_prefix_cache_holds_only_accepted_tokens(engines):
 @pytest.mark.slow
 def test_seeded_sampling_equals_no_speculation(engines):
     plain, spec = engines
-    params = [SamplingParams(max_tokens=32, temperature=t, top_p=0.95, seed=s) for t, s in ((0.7, 1), (1.0, 2), (1.3, 3))]
+    params = [SamplingParams(max_tokens=32, temperature=t, top_p=0.95, seed=seed)
+              for t, seed in ((0.7, 1), (1.0, 2), (1.3, 3))]
     assert _tokens(spec.chat(GROUNDED_CHATS, params, use_tqdm=False)) == _tokens(
         plain.chat(GROUNDED_CHATS, params, use_tqdm=False))
 
@@ -242,6 +244,7 @@ def test_speculation_is_off_above_disable_by_batch_size():
     llm.chat(GROUNDED_CHATS[:2], params, use_tqdm=False)
     stats = llm.engine.stats().spec_decoding
     assert stats.num_drafts > 0 and len(stats.acceptance_rate_per_position) == 4
+    assert set(llm.engine.stats().step_totals) == {"prefill", "decode"}  # a verify step is a decode step
     assert llm.engine.num_free_blocks == 128
 
 
@@ -259,3 +262,14 @@ def test_suffix_method_is_exact_and_learns_from_finished_requests(engines):
     rate = (second.num_accepted_tokens - first.num_accepted_tokens) / (second.num_draft_tokens - first.num_draft_tokens)
     assert rate > 0.8 and rate > first.acceptance_rate
     assert llm.engine.num_free_blocks == 256
+
+
+@pytest.mark.slow
+def test_a_decode_engine_speculates_after_a_prefill_on_another(engines):
+    plain, spec = engines
+    prompt = plain.engine.tokenizer.apply_chat_template(GROUNDED_CHATS[0])
+    params = SamplingParams(max_tokens=32, temperature=0)
+    before = spec.engine.stats().spec_decoding.num_accepted_tokens
+    out = prefill_then_decode(plain.engine, spec.engine, "split", prompt, params)
+    assert out.outputs[0].token_ids == plain.generate([prompt], params, use_tqdm=False)[0].outputs[0].token_ids
+    assert spec.engine.stats().spec_decoding.num_accepted_tokens > before
