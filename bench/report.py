@@ -281,6 +281,26 @@ BENCHMARKS: dict[str, Benchmark] = {
             Column("sampler b1 constrained (ms)", "sampler_ms_batch1_constrained"),
             Column("sampler b64 (ms)", "sampler_ms_batch64_unconstrained"),
             Column("sampler b64 constrained (ms)", "sampler_ms_batch64_constrained"))),
+    "speculative": Benchmark(
+        "Speculative decoding: n-gram and suffix drafts",
+        "`python -m bench.speculative`: input-grounded chats (passages, code edits, extraction, multi-turn), "
+        "greedy; tokens per second over no speculation at one stream and at 16 (on the CPU above "
+        "`disable_by_batch_size`, 2 by default, speculation is off), answers equal to no speculation's, "
+        "draft tokens accepted and tokens a verification yields.",
+        variant=lambda r: (("workload", "{} prompts x {} tokens, k={}".format(
+            *(r.workload.get(key, "?") for key in ("one_stream_prompts", "max_tokens", "num_speculative_tokens")))),),
+        columns=(
+            Column("1 stream, plain (tok/s)", "cpu_one_stream_tok_s_plain"),
+            Column("1 stream, ngram", "cpu_one_stream_speedup_ngram"),
+            Column("1 stream, suffix", "cpu_one_stream_speedup_suffix"),
+            Column("16 streams, ngram", "cpu_batch16_speedup_ngram"),
+            Column("16 streams, suffix", "cpu_batch16_speedup_suffix"),
+            Column("GPU batch 1, ngram", "gpu_batch1_speedup_ngram"),
+            Column("GPU batch 64, ngram", "gpu_batch64_speedup_ngram"),
+            Column("equal, ngram", "greedy_equal_fraction_ngram"),
+            Column("accepted, ngram", "acceptance_rate_ngram"),
+            Column("mean accepted length, ngram", "mean_accepted_length_ngram"),
+            Column("accepted, suffix", "acceptance_rate_suffix"))),
     "soak": Benchmark(
         "CPU: soak with faults",
         "`python -m bench.soak`: mixed traffic with a fault every 30 s (SIGKILL, SIGSTOP, SIGTERM of workers, "

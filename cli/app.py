@@ -100,11 +100,13 @@ def decode_cmd(ctx: typer.Context) -> None:
 
 def _run_local(model: str | None, listen: str, prefill: int, decode: int, once: str | None, max_tokens: int,
                temperature: float, timeout_s: float, quiet: bool, quiet_after_ready: bool = False,
-               insecure: bool = False, http: str | None = None, **placement) -> int:
+               insecure: bool = False, http: str | None = None, speculative_config: str | None = None,
+               **placement) -> int:
     """Start a LocalCluster, then answer ``once`` or serve until a signal; stop it. Returns an exit code.
     ``placement`` (``gpus``, ``prefill_tp``, ``decode_tp``, ``decode_serves_prefill``) goes to the
     LocalCluster; ``http``: the address of the OpenAI-compatible HTTP API (``None``: a free
-    loopback port, ``""``: off).
+    loopback port, ``""``: off); ``speculative_config``: the decode workers' (JSON,
+    ``EngineConfig.speculative_config``).
 
     Unless ``insecure``, a fresh CA and certificates are made in a temporary directory (removed
     on exit): the gateway serves TLS and its clients trust that directory's ``ca.pem``.
@@ -142,9 +144,10 @@ def _run_local(model: str | None, listen: str, prefill: int, decode: int, once: 
     stop = threading.Event()
     previous = {sig: signal.signal(sig, lambda *_: stop.set()) for sig in (signal.SIGTERM, signal.SIGINT)}
     try:
+        spec_env = {"TANDEM_SPECULATIVE_CONFIG": speculative_config} if speculative_config else {}
         cluster = LocalCluster(model=model, gateway_addr=listen, http_addr=http, num_prefill=prefill,
-                               num_decode=decode, sink=sink,
-                               tls_dir=tls_dir, **placement)
+                               num_decode=decode, sink=sink, tls_dir=tls_dir,
+                               worker_env={f"decode-{i}": spec_env for i in range(decode)}, **placement)
     except ValueError as exc:
         err_console.print(f"[red]{exc}[/red]")
         return 2
@@ -211,6 +214,9 @@ def serve_cmd(
     decode_serves_prefill: bool = typer.Option(
         False, "--decode-serves-prefill", help="Every decode worker also serves prefill for the others "
                                                "(TANDEM_SERVES_PREFILL: adaptive placement may lend it a prompt)."),
+    speculative_config: str = typer.Option(
+        None, help="The decode workers' speculative decoding, JSON (e.g. '{\"method\": \"ngram\", "
+                   "\"num_speculative_tokens\": 4}'; the workers' --speculative-config)."),
 ) -> None:
     """Run a whole cluster locally (Redis, 1 prefill, 1 decode, gateway) until Ctrl-C / SIGTERM."""
     if not local:
@@ -219,7 +225,8 @@ def serve_cmd(
         raise typer.Exit(2)
     raise typer.Exit(_run_local(model, listen, prefill, decode, once, max_tokens, temperature, timeout, quiet,
                                 insecure=insecure, http=http, gpus=gpus, prefill_tp=prefill_tp, decode_tp=decode_tp,
-                                decode_serves_prefill=decode_serves_prefill))
+                                decode_serves_prefill=decode_serves_prefill,
+                                speculative_config=speculative_config))
 
 
 @app.command("demo")

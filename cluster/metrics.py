@@ -45,6 +45,26 @@ class _EngineCollector:
             for kind, totals in sorted(s.step_totals.items()):
                 family.add_metric([self.role, kind], getattr(totals, field))
             yield family
+        spec = s.spec_decoding
+        if spec is None:
+            return
+        # vLLM's spec-decode counters: acceptance rate = accepted / draft tokens, mean accepted
+        # length = 1 + accepted / drafts.
+        for name, doc, value in [
+            ("tandem_spec_decode_drafts", "Verifications of a sequence's drafts (speculative decoding).",
+             spec.num_drafts),
+            ("tandem_spec_decode_draft_tokens", "Draft tokens verified.", spec.num_draft_tokens),
+            ("tandem_spec_decode_accepted_tokens", "Draft tokens accepted.", spec.num_accepted_tokens),
+        ]:
+            family = CounterMetricFamily(name, doc, labels=["role"])
+            family.add_metric([self.role], value)
+            yield family
+        family = CounterMetricFamily("tandem_spec_decode_accepted_tokens_per_pos",
+                                     "Draft tokens accepted, by position in the draft (0: the first).",
+                                     labels=["role", "position"])
+        for position, value in enumerate(spec.num_accepted_per_position):
+            family.add_metric([self.role, str(position)], value)
+        yield family
 
 
 class WorkerMetrics:

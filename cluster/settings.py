@@ -267,13 +267,19 @@ def cli_parser(settings_cls: type[S], prog: str, description: str) -> tuple[argp
     """The argument parser of ``settings_cls``'s flags and the pydantic-settings CLI source that
     fills it: one flag per setting, named by the setting (module docstring), its help the
     field's description, default and environment variable. A nested model's own JSON flag
-    (``--engine '{...}'``) is left out: each of its fields has a flag."""
+    (``--engine '{...}'``) is left out: each of its fields has a flag; a setting that is a model
+    in turn (``--speculative-config '{...}'``) is one JSON flag."""
     parser = _OneLineErrors(prog=prog, description=description, allow_abbrev=False)
 
     def add_flag(group, *_names: str, dest: str, help: str, **kwargs):  # noqa: A002 (argparse's name)
-        name = _setting_at(settings_cls, dest.split("."))
+        path = dest.split(".")
+        # A setting that is itself a model (``speculative_config``) is one JSON flag, not one per field.
+        name = _setting_at(settings_cls, path) if len(path) <= 2 else None
         if name is None:
             return None
+        if help == argparse.SUPPRESS:  # pydantic-settings hides a model's JSON flag: not ours
+            outer, inner = settings_fields(settings_cls)[name]
+            help = settings_cls.model_fields[outer].annotation.__pydantic_fields__[inner].description  # noqa: A001
         return group.add_argument(f"--{name.replace('_', '-')}", dest=dest, **kwargs,
                                   help=f"{help} [env {env_name(settings_cls, name)}]")
 

@@ -7,6 +7,7 @@ and take the worker's flags, environment variables and ``--help`` from these fie
 
 from __future__ import annotations
 
+import json
 from typing import Literal
 
 from pydantic import ConfigDict, Field, ValidationInfo, field_validator
@@ -24,6 +25,49 @@ DTYPE_NAMES = ("float32", "bfloat16", "float16")
 QUANTIZATIONS = ("auto", "gguf", "none")
 # KV cache dtypes (vLLM's names): "auto" is the model's dtype (``engine.runner.devices.resolve_kv_cache_dtype``).
 KV_CACHE_DTYPES = ("auto", "fp8_e4m3")
+# Model-free proposers of speculative decoding (``engine.speculative``), vLLM's method names.
+SPECULATIVE_METHODS = ("ngram", "suffix")
+
+
+@dataclass(config=ConfigDict(extra="forbid"))
+class SpeculativeConfig:
+    """Speculative decoding (vLLM's ``speculative_config``): a proposer drafts up to
+    ``num_speculative_tokens`` tokens per decoding sequence, the target verifies them in one
+    forward (:mod:`engine.speculative`).
+
+    Raises:
+        pydantic.ValidationError: (a ``ValueError``) a field is out of range or unknown; the
+            error names it.
+    """
+
+    method: Literal[*SPECULATIVE_METHODS] = Field(
+        "ngram", description="ngram: prompt lookup, the tokens that followed the latest earlier occurrence of the "
+                             "sequence's last n tokens; suffix: a suffix tree over the request's and recent "
+                             "requests' tokens, the most frequent continuation of the longest matched suffix")
+    num_speculative_tokens: int = Field(4, ge=1, le=32, description="draft tokens per sequence and step at most (k)")
+    prompt_lookup_max: int = Field(5, ge=1, le=64, description="ngram: the longest n-gram matched")
+    prompt_lookup_min: int = Field(2, ge=1, le=64, description="ngram: the shortest n-gram matched")
+    suffix_max_depth: int = Field(24, ge=2, le=256, description="suffix: the longest suffix matched, and the "
+                                                                 "depth of the tree")
+    suffix_max_cached_requests: int = Field(
+        64, ge=0, description="suffix: finished requests whose tokens stay in the shared tree (0: only the "
+                              "request's own tokens)")
+    suffix_min_token_prob: float = Field(
+        0.1, ge=0, le=1, description="suffix: a draft stops at a token whose frequency among its siblings "
+                                     "is below this")
+    disable_by_batch_size: int | None = Field(
+        None, ge=1, description="a step speculates only while at most this many sequences run (above it, "
+                                "verifying drafts costs more than it saves); unset: 2 on the CPU (where the GGUF "
+                                "weights' int4 matmul costs 1.5x a one-token step up to 4 tokens and 2.8x at 5-8: "
+                                "bench/speculative.py), no bound on CUDA")
+
+    @field_validator("prompt_lookup_min")
+    @classmethod
+    def _check_lookup_min(cls, value: int, info: ValidationInfo) -> int:
+        bound = info.data.get("prompt_lookup_max")
+        if bound is not None and value > bound:
+            raise ValueError(f"must be <= prompt_lookup_max={bound}, got {value}")
+        return value
 
 
 @dataclass(config=ConfigDict(extra="forbid"))
@@ -89,7 +133,24 @@ class EngineConfig:
         None, description="schedule and launch each step while the one before it runs on the device, its "
                           "sampled tokens fed to the next step there (engine.core.engine_core.EngineCore.step); "
                           "unset: on CUDA only (on the CPU a step has run by the time it is launched, so "
-                          "overlapping would only delay each token by a step)")
+                          "overlapping would only delay each token by a step); off with speculative_config")
+    speculative_config: SpeculativeConfig | None = Field(
+        None, description="speculative decoding (engine.config.SpeculativeConfig, a dict or JSON: "
+                          "{\"method\": \"ngram\", \"num_speculative_tokens\": 4}); unset: none. Its steps "
+                          "are scheduled synchronously (each verify needs the last step's tokens on the host)")
+
+    @field_validator("speculative_config", mode="before")
+    @classmethod
+    def _parse_speculative(cls, value: object) -> object:
+        return json.loads(value) if isinstance(value, str) else value
+
+    @field_validator("speculative_config")
+    @classmethod
+    def _check_speculative(cls, value: SpeculativeConfig | None, info: ValidationInfo) -> SpeculativeConfig | None:
+        if value is not None and info.data.get("async_scheduling"):
+            raise ValueError("needs async_scheduling off (each verify step reads the tokens of the one before "
+                             "on the host)")
+        return value
 
     @field_validator("block_size")
     @classmethod
@@ -118,7 +179,21 @@ class EngineConfig:
         return sorted(set(sizes))
 
 
+# Running sequences above which a CPU engine stops speculating (SpeculativeConfig.disable_by_batch_size).
+CPU_SPECULATION_MAX_BATCH = 2
+
+
+def resolve_disable_by_batch_size(config: SpeculativeConfig, device_type: str) -> int | None:
+    """The running sequences above which an engine on ``device_type`` does not speculate
+    (``disable_by_batch_size``, resolved; ``None``: no bound)."""
+    if config.disable_by_batch_size is not None:
+        return config.disable_by_batch_size
+    return CPU_SPECULATION_MAX_BATCH if device_type == "cpu" else None
+
+
 def resolve_async_scheduling(config: EngineConfig, device_type: str) -> bool:
     """Whether an engine of ``config`` on a device of ``device_type`` (``"cuda"``, ``"cpu"``)
-    schedules asynchronously (``async_scheduling``, resolved)."""
+    schedules asynchronously (``async_scheduling``, resolved: never while speculating)."""
+    if config.speculative_config is not None:
+        return False
     return device_type == "cuda" if config.async_scheduling is None else config.async_scheduling

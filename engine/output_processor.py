@@ -60,12 +60,16 @@ class OutputProcessor:
                 if detoks is None:
                     continue
                 detok = detoks[sample.index]
-                for token_id in new_tokens:
+                for i, token_id in enumerate(new_tokens):
                     stop = detok.push(token_id)
                     if stop is not None:
                         if not sample.finished:
                             self.engine.stop_sample(out.request_id, sample.index, stop)
                         sample.finish_reason, sample.stop_reason = "stop", stop
+                        # A step that yields several tokens (speculative decoding) may run past it.
+                        kept = seen[sample.index] - len(new_tokens) + i + 1
+                        del sample.token_ids[kept:], sample.logprobs[kept:]
+                        seen[sample.index] = kept
                         break
                 sample.text += detok.take_new_text(finished=sample.finished)
             out.finished = all(s.finished for s in out.outputs)

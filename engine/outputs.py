@@ -82,6 +82,10 @@ class StepStats:
         num_kv_slots_used: tokens in the scheduled sequences' KV cache after the step.
         num_kv_slots_allocated: slots of the blocks those sequences hold (``block_size`` each);
             ``1 - used / allocated`` is the step's reservation waste.
+        num_verifies: of the sequences, those that verified drafts (speculative decoding: one
+            query of their last token and the drafts).
+        num_draft_tokens: draft tokens the step verified.
+        num_accepted_tokens: of those, the ones accepted.
     """
 
     num_seqs: int
@@ -96,14 +100,19 @@ class StepStats:
     step_s: float = 0.0
     piecewise_graph_tokens: int | None = None
     completed_at: float = 0.0
+    num_verifies: int = 0
+    num_draft_tokens: int = 0
+    num_accepted_tokens: int = 0
 
     @property
     def kind(self) -> str:
-        """``"decode"`` (every sequence decodes one token), ``"prefill"`` (prompt chunks only) or
-        ``"mixed"`` (both: chunked prefill beside the running batch)."""
-        if self.num_decodes == self.num_seqs:
+        """``"decode"`` (every sequence decodes: one token, or its last and its drafts),
+        ``"prefill"`` (prompt chunks only) or ``"mixed"`` (both: chunked prefill beside the
+        running batch)."""
+        decodes = self.num_decodes + self.num_verifies
+        if decodes == self.num_seqs:
             return "decode"
-        return "prefill" if self.num_decodes == 0 else "mixed"
+        return "prefill" if decodes == 0 else "mixed"
 
 
 @dataclass(frozen=True)
@@ -162,6 +171,42 @@ class StartupStats:
 
 
 @dataclass(frozen=True)
+class SpecDecodingStats:
+    """Speculative decoding since the engine started (vLLM's spec-decode metrics).
+
+    Attributes:
+        num_drafts: verifications: a sequence verifying its drafts in a step, counted once.
+        num_draft_tokens: draft tokens verified.
+        num_accepted_tokens: of those, the ones accepted.
+        num_drafts_per_position: ``[i]`` verifications with a draft at position ``i`` (0: the
+            first draft token).
+        num_accepted_per_position: ``[i]`` of those, the ones whose draft ``i`` was accepted.
+    """
+
+    num_drafts: int = 0
+    num_draft_tokens: int = 0
+    num_accepted_tokens: int = 0
+    num_drafts_per_position: tuple[int, ...] = ()
+    num_accepted_per_position: tuple[int, ...] = ()
+
+    @property
+    def acceptance_rate(self) -> float:
+        """Accepted draft tokens / draft tokens (0 before any)."""
+        return self.num_accepted_tokens / self.num_draft_tokens if self.num_draft_tokens else 0.0
+
+    @property
+    def acceptance_rate_per_position(self) -> list[float]:
+        """Per draft position, the fraction of its drafts accepted."""
+        return [a / d if d else 0.0 for a, d in zip(self.num_accepted_per_position, self.num_drafts_per_position)]
+
+    @property
+    def mean_accepted_length(self) -> float:
+        """Tokens a verification yields on average: its accepted drafts plus the target's token
+        after them (1 before any)."""
+        return 1 + self.num_accepted_tokens / self.num_drafts if self.num_drafts else 1.0
+
+
+@dataclass(frozen=True)
 class EngineStats:
     """A snapshot of the engine's load.
 
@@ -177,6 +222,7 @@ class EngineStats:
         num_preemptions: sequences preempted since start.
         step_totals: the steps run since start, by kind (``"decode"``, ``"prefill"``,
             ``"mixed"``; a kind not run yet is absent).
+        spec_decoding: speculative decoding since start (``None``: the engine does not speculate).
     """
 
     num_running: int = 0
@@ -189,3 +235,4 @@ class EngineStats:
     prefix_cache_hit_rate: float = 0.0
     num_preemptions: int = 0
     step_totals: dict[str, StepTotals] = field(default_factory=dict)
+    spec_decoding: SpecDecodingStats | None = None

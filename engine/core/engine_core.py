@@ -22,15 +22,15 @@ from typing import TypeVar
 import torch
 
 from engine.block_hash import hash_seed
-from engine.config import EngineConfig, resolve_async_scheduling
+from engine.config import EngineConfig, resolve_async_scheduling, resolve_disable_by_batch_size
 from engine.core.block_pool import BlockPool, cdiv
 from engine.core.kv_cache_manager import KVCacheManager
-from engine.core.scheduler import Scheduler, SchedulerOutput
+from engine.core.scheduler import ScheduledSequence, Scheduler, SchedulerOutput
 from engine.core.sequence import Sequence
 from engine.core.stop import check_stop
 from engine.loading.quantized_loader import resolve_quantization
 from engine.model_source import gguf_file
-from engine.outputs import CompletionOutput, EngineStats, RequestOutput, StepOutput, StepTotals
+from engine.outputs import CompletionOutput, EngineStats, RequestOutput, SpecDecodingStats, StepOutput, StepTotals
 from engine.parallel.distributed import RankFailedError
 from engine.parallel.tp_ranks import FollowerRanks
 from engine.runner.devices import resolve_device, resolve_dtype, resolve_kv_cache_dtype, use_device
@@ -39,6 +39,8 @@ from engine.runner.logits_processors import LogitsProcessors
 from engine.runner.model_runner import PendingStep
 from engine.runner.model_shard import PoolAllocator, build_shard
 from engine.sampling_params import SamplingParams
+from engine.speculative import build_proposer
+from engine.speculative.acceptance import num_accepted
 from engine.validation import check_prompt
 
 logger = logging.getLogger(__name__)
@@ -149,7 +151,14 @@ class EngineCore:
                                    config.max_num_batched_tokens, self.max_model_len)
         self.grammars = Grammars(self.tokenizer, self.vocab_size, self.eos_token_ids)
         self.runner.logits = LogitsProcessors(self.vocab_size, self.device, sorted(self.eos_token_ids), self.grammars)
-        self.scheduler.on_release = self.runner.logits.release
+        self.scheduler.on_release = self._on_release
+        spec = config.speculative_config
+        self.proposer = build_proposer(spec) if spec is not None else None
+        self._spec_max_batch = resolve_disable_by_batch_size(spec, self.device.type) if spec is not None else None
+        # Speculative decoding's counts: drafts per position, accepted per position.
+        self._spec_drafts: list[int] = [0] * (spec.num_speculative_tokens if spec else 0)
+        self._spec_accepted: list[int] = [0] * len(self._spec_drafts)
+        self._spec_verifications = 0
         self.requests: dict[str, _Request] = {}
         self.pinned: dict[str, list[int]] = {}  # finished requests whose pinned blocks await release
         self._arrivals = itertools.count()
@@ -461,7 +470,7 @@ class EngineCore:
                 # the step in flight's tokens reach the host before the next step is scheduled.
                 completed = self._complete(*self._in_flight.popleft())
             started = time.perf_counter()
-            step = self.scheduler.schedule()
+            step = self.scheduler.schedule(self._propose() if self.proposer is not None else None)
             if not step.is_empty:
                 self._in_flight.append((step, self._guard(self.runner.launch, step), started))
                 launched = True
@@ -506,20 +515,38 @@ class EngineCore:
         for s in step.scheduled:
             computed = s.num_computed_after
             # Only a step that fills a block (or pins one) has prefix-cache or pin work.
-            if s.start // bs == computed // bs and computed != s.seq.num_prompt_tokens or s.stale:
-                continue
+            if s.start // bs == computed // bs and computed != s.seq.num_prompt_tokens or s.stale or s.spec_token_ids:
+                continue  # (a verify row's blocks are cached once its accepted tokens are known)
             if caching:
                 self.kv_manager.cache_computed_blocks(s.seq, computed)
             req = self.requests[s.seq.request_id]
             if req.pin_prompt_blocks and self._pin_computed_prompt_blocks(req, s.seq, computed):
                 touched[req.request_id] = req
         self.scheduler.complete(step)
-        for seq, token_id, logprobs in zip(result.sequences, result.token_ids, result.logprobs):
+        verified = {s.seq: s for s in step.scheduled if s.spec_token_ids}
+        num_drafted = num_kept = 0
+        row, seqs = 0, result.sequences
+        while row < len(seqs):
+            seq = seqs[row]
+            s = verified.get(seq)
+            count = 1 + len(s.spec_token_ids) if s is not None else 1  # a verify row's rows are adjacent
+            tokens, logprobs = result.token_ids[row:row + count], result.logprobs[row:row + count]
+            row += count
             seq.num_output_placeholders -= 1
             req = self.requests.get(seq.request_id)
             if seq.is_finished or req is None or req.seqs[seq.index] is not seq:
                 continue  # ended while the step was in flight: the token is past its end
-            self._append_token(req, seq, token_id, logprobs)
+            if s is not None:
+                accepted = self._accept(s, tokens)
+                num_drafted += len(s.spec_token_ids)
+                num_kept += accepted
+                tokens, logprobs = tokens[:accepted + 1], logprobs[:accepted + 1]
+            for token_id, token_logprobs in zip(tokens, logprobs):
+                self._append_token(req, seq, token_id, token_logprobs)
+                if seq.is_finished:
+                    break  # a stop inside an accepted run: the rest is past the sample's end
+            if s is not None and caching and not seq.is_finished:
+                self.kv_manager.cache_computed_blocks(seq)
             touched[req.request_id] = req
         outputs = []
         for req in touched.values():
@@ -527,9 +554,48 @@ class EngineCore:
             if req.finished:
                 self._retire(req)
         now = time.perf_counter()
-        stats = dataclasses.replace(result.stats, step_s=now - started, completed_at=now)
+        stats = dataclasses.replace(result.stats, step_s=now - started, completed_at=now,
+                                    num_verifies=len(verified), num_draft_tokens=num_drafted,
+                                    num_accepted_tokens=num_kept)
         self._step_totals[stats.kind] = self._step_totals.get(stats.kind, StepTotals()).add(stats)
         return StepOutput(outputs, True, stats)
+
+    # ------------------------------------------------------ speculative decoding
+    def _propose(self) -> dict[Sequence, list[int]]:
+        """Drafts for this step's decoding sequences, unless more than ``disable_by_batch_size``
+        (resolved) run. A sequence whose logits are processed (penalties, bias, bad words, ``min_tokens``,
+        structured output: their state follows the output token by token) decodes one token a
+        step."""
+        spec = self.config.speculative_config
+        running = self.scheduler.running
+        if self._spec_max_batch is not None and len(running) > self._spec_max_batch:
+            return {}
+        seqs = [s for s in running if s.num_computed_tokens == s.num_tokens - 1 and not s.num_output_placeholders
+                and not s.params.processes_logits]
+        if not seqs:
+            return {}
+        k = spec.num_speculative_tokens
+        drafts = self.proposer.propose(seqs, [k] * len(seqs))
+        return {seq: d for seq, d in zip(seqs, drafts) if d}
+
+    def _accept(self, s: ScheduledSequence, sampled: list[int]) -> int:
+        """Verify a verify row's drafts against what the target sampled at their positions
+        (:func:`engine.speculative.acceptance.num_accepted`), drop the rejected ones' KV and
+        count them. Returns how many drafts were accepted."""
+        drafts = s.spec_token_ids
+        accepted = num_accepted(drafts, sampled)
+        self.kv_manager.rewind(s.seq, s.start + 1 + accepted)
+        self._spec_verifications += 1
+        for i in range(len(drafts)):
+            self._spec_drafts[i] += 1
+            self._spec_accepted[i] += i < accepted
+        return accepted
+
+    def _on_release(self, seq: Sequence) -> None:
+        """A sequence was preempted or ended: the sampler's and the proposer's state for it goes."""
+        self.runner.logits.release(seq)
+        if self.proposer is not None:
+            self.proposer.release(seq)
 
     def _pin_computed_prompt_blocks(self, req: _Request, seq: Sequence, num_computed: int) -> bool:
         """Pin the prompt blocks of ``seq`` (sample 0) whose KV a completed step wrote (its first
@@ -575,6 +641,9 @@ class EngineCore:
             prefix_cache_hit_rate=self.kv_manager.prefix_hit_rate,
             num_preemptions=sched.num_preemptions,
             step_totals=dict(self._step_totals),
+            spec_decoding=None if self.proposer is None else SpecDecodingStats(
+                self._spec_verifications, sum(self._spec_drafts), sum(self._spec_accepted),
+                tuple(self._spec_drafts), tuple(self._spec_accepted)),
         )
 
     @property

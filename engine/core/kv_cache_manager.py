@@ -216,6 +216,18 @@ class KVCacheManager:
         seq.num_computed_tokens = 0
         self._num_registered.pop(seq.key, None)
 
+    def rewind(self, seq: Sequence, num_computed: int) -> None:
+        """Keep only the KV of ``seq``'s first ``num_computed`` tokens (speculative decoding:
+        the rejected drafts' KV goes): ``num_computed_tokens`` moves back, and the blocks past
+        the last one those tokens touch are freed (a new block table, as whenever an entry
+        changes). None of the dropped blocks is in the prefix cache: a block is cached only once
+        its tokens are on the host, and drafts are not."""
+        keep = cdiv(num_computed, self.block_size)
+        if keep < len(seq.block_table):
+            self.pool.free(seq.block_table[keep:][::-1])
+            seq.block_table = seq.block_table[:keep]
+        seq.num_computed_tokens = num_computed
+
     def release_deferred(self, completed_step: int) -> None:
         """Free the blocks :meth:`free` held back for steps up to ``completed_step``."""
         if not self._deferred:

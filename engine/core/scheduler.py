@@ -14,6 +14,10 @@ output placeholder until the engine appends it. A sequence whose in-flight token
 is admitted only once its placeholders have landed, since its recompute needs every token on the
 host. The blocks of a sequence that ends while a step that writes them is still in flight are
 freed when that step completes (:meth:`Scheduler.complete`).
+
+Speculative decoding: a decoding sequence given drafts is scheduled with its last token and the
+drafts, ``1 + k`` tokens of the budget, as one multi-token query; the engine rewinds its
+``num_computed_tokens`` to the accepted ones once the step has run.
 """
 
 from __future__ import annotations
@@ -34,11 +38,14 @@ class ScheduledSequence:
     moves it on by ``num_new_tokens``). ``samples`` is true when the step computes the sequence's
     last token, so its logits are sampled into a new token. ``forks`` are the request's other
     samples (``n > 1``) that sample from the same logits, when the step completes the prompt;
-    they join the running batch once it has run.
+    they join the running batch once it has run. ``spec_token_ids``: a decoding sequence's
+    drafts (speculative decoding), the step's last ``len(spec_token_ids)`` tokens, after the
+    sequence's last token; the step samples after each of its ``1 + len(spec_token_ids)`` tokens.
     """
 
     seq: Sequence
     num_new_tokens: int
+    spec_token_ids: list[int] = field(default_factory=list)
     start: int = field(init=False)
     samples: bool = field(init=False)
     forks: list[Sequence] = field(init=False, default_factory=list)
@@ -46,8 +53,14 @@ class ScheduledSequence:
 
     def __post_init__(self) -> None:
         self.start = self.seq.num_computed_tokens
-        self.samples = self.start + self.num_new_tokens == self.seq.num_tokens_with_placeholders
+        end = self.seq.num_tokens_with_placeholders + len(self.spec_token_ids)
+        self.samples = self.start + self.num_new_tokens == end
         self._preemptions = self.seq.num_preemptions
+
+    @property
+    def num_sampled(self) -> int:
+        """Tokens the step samples for the sequence itself (forks aside)."""
+        return (1 + len(self.spec_token_ids)) if self.samples else 0
 
     @property
     def stale(self) -> bool:
@@ -109,8 +122,9 @@ class Scheduler:
         self.num_preemptions = 0
         self.last_step_id = 0  # the last step scheduled
         self.completed_step_id = 0  # every step up to this one has completed
-        # Told of each sequence that is preempted or finishes: what the sampler holds for it
-        # (engine.runner.logits_processors) goes with its blocks.
+        # Told of each sequence that is preempted or finishes (its status already FINISHED then):
+        # what the sampler (engine.runner.logits_processors) and a proposer hold for it goes
+        # with its blocks.
         self.on_release: Callable[[Sequence], None] | None = None
 
     def add(self, seq: Sequence) -> None:
@@ -127,8 +141,14 @@ class Scheduler:
     def has_unfinished(self) -> bool:
         return bool(self.waiting or self.running)
 
-    def schedule(self) -> SchedulerOutput:
+    def schedule(self, spec_token_ids: dict[Sequence, list[int]] | None = None) -> SchedulerOutput:
         """Build the next step.
+
+        Args:
+            spec_token_ids: drafts of decoding sequences (speculative decoding; steps scheduled
+                synchronously): each such sequence is scheduled with its last token and as many
+                of its drafts as the token budget, ``max_tokens`` and ``max_model_len`` leave room
+                for, or with its last token alone when the pool has no blocks for them.
 
         Returns:
             The step to run; empty when nothing can run (e.g. every waiting sequence needs more
@@ -146,6 +166,12 @@ class Scheduler:
                 i += 1
                 continue
             num_new = min(seq.num_tokens_with_placeholders - seq.num_computed_tokens, budget)
+            drafts = self._room_for_drafts(seq, spec_token_ids.get(seq, ()), budget) if spec_token_ids else []
+            if drafts and self.kv.allocate_slots(seq, num_new + len(drafts)):
+                scheduled.append(ScheduledSequence(seq, num_new + len(drafts), drafts))
+                budget -= num_new + len(drafts)
+                i += 1
+                continue
             while not self.kv.allocate_slots(seq, num_new):
                 victim = running.pop()  # the newest sequence gives way
                 self._preempt(victim)
@@ -192,6 +218,14 @@ class Scheduler:
                         seq.num_output_placeholders += 1
         return out
 
+    def _room_for_drafts(self, seq: Sequence, drafts: list[int], budget: int) -> list[int]:
+        """The leading ``drafts`` a decoding ``seq`` can verify in a step with ``budget`` tokens
+        left: every one may be accepted, and the token sampled after them too, so they stop
+        short of ``max_tokens`` and their KV within ``max_model_len``."""
+        room = min(budget - 1, seq.params.max_tokens - seq.num_output_tokens - 1,
+                   self.max_model_len - seq.num_tokens)
+        return list(drafts[:max(room, 0)])
+
     def _in_flight_tokens_finish(self, seq: Sequence) -> bool:
         """Whether the tokens ``seq`` has in flight already end it by length (``max_tokens`` or
         ``max_model_len``), so that another step for it would be wasted."""
@@ -234,6 +268,6 @@ class Scheduler:
             self.waiting.remove(seq)
         in_flight = seq.scheduled_step > self.completed_step_id
         self.kv.free(seq, until_step=seq.scheduled_step if in_flight else None)
+        seq.status = SequenceStatus.FINISHED
         if self.on_release is not None:
             self.on_release(seq)
-        seq.status = SequenceStatus.FINISHED

@@ -39,8 +39,10 @@ class StepInputs:
         input_ids, positions: ``[num_tokens]`` int64 (padding tokens included).
         metadata: the step's attention metadata.
         sampled: the sequences that sample a token, in batch order (fork children right after
-            their parent, sampling from its row).
-        logits_indices: ``[len(sampled)]`` int64 token row of each sampled sequence's last token.
+            their parent, sampling from its row; a verify row's sequence once per token it
+            samples, speculative decoding).
+        logits_indices: ``[len(sampled)]`` int64 token row each sampled token is sampled after
+            (a row's last token; each of a verify row's tokens).
         sample_positions: ``[len(sampled)]`` int64 position of the token each one samples.
         num_kv_slots_used, num_kv_slots_allocated: tokens in the scheduled sequences' KV after the
             step, and the slots of their blocks (block_size per block): the reservation waste.
@@ -164,16 +166,20 @@ class InputBuffers:
             raise ValueError(f"pad_to is for decode-only steps; this one has {num_seqs - nd} prefill chunks")
         sampled: list[Sequence] = []
         sample_rows: list[int] = []
+        sample_back: list[int] = []  # tokens between a sampled token's input and its row's last
         new_tokens, start_list = [], []
         for row, s in enumerate(sched):
             new_tokens.append(s.num_new_tokens)
             start_list.append(s.start)
             if s.samples:
-                sampled.append(s.seq)
-                sample_rows.append(row)
+                count = s.num_sampled  # a verify row samples after each of its tokens
+                sampled += [s.seq] * count
+                sample_rows += [row] * count
+                sample_back.extend(range(count - 1, -1, -1))
                 for child in s.forks:
                     sampled.append(child)
                     sample_rows.append(row)
+                    sample_back.append(0)
         num_sampled = len(sampled)
         num_tokens = step.num_tokens + num_rows - num_seqs
         if num_rows > self.max_num_seqs or max(num_tokens, num_sampled) > self.max_num_tokens:
@@ -221,7 +227,8 @@ class InputBuffers:
             num_blocks += len(table)
             if row >= nd:
                 start = int(starts[row])
-                input_ids[qsl[row]:qsl[row + 1]] = s.seq.token_ids[start:start + s.num_new_tokens]
+                ids = s.seq.token_ids[start:start + s.num_new_tokens]
+                input_ids[qsl[row]:qsl[row + 1]] = ids + s.spec_token_ids if s.spec_token_ids else ids
         input_ids[num_real_tokens:] = 0
         rows = np.repeat(np.arange(num_seqs), query_lens)
         positions = self.positions.host[:num_tokens]
@@ -232,8 +239,9 @@ class InputBuffers:
         slots[:num_real_tokens] = block_tables[rows, real // bs].astype(np.int64) * bs + real % bs
         slots[num_real_tokens:] = -1
         sample_rows_np = np.asarray(sample_rows, dtype=np.int64)
-        self.logits_indices.host[:num_sampled] = qsl[sample_rows_np + 1] - 1
-        self.sample_positions.host[:num_sampled] = seq_lens[sample_rows_np]
+        back = np.asarray(sample_back, dtype=np.int64)
+        self.logits_indices.host[:num_sampled] = qsl[sample_rows_np + 1] - 1 - back
+        self.sample_positions.host[:num_sampled] = seq_lens[sample_rows_np] - back
         self._shape = _StepShape(
             num_tokens=num_tokens, num_rows=num_rows, num_sampled=num_sampled, num_decodes=nd + num_rows - num_seqs,
             max_query_len=int(query_lens[nd:].max()) if num_seqs > nd else 0,

@@ -25,3 +25,14 @@ SHARED_PREFIX_CHATS = [
     )
 ]
 MAX_NEW_TOKENS = 64
+# Chats whose answers copy their input (what speculative decoding's model-free proposers draft from).
+GROUNDED_CHATS = [
+    [{"role": "user", "content": "Repeat this passage exactly:\n\nThe Amazon rainforest covers much of the Amazon "
+                                 "basin of South America. This basin encompasses seven million square kilometres, of "
+                                 "which five and a half million square kilometres are covered by the rainforest."}],
+    [{"role": "user", "content": "Rename the function add to add_numbers in this code and show the whole file:\n\n"
+                                 "def add(a, b):\n    return a + b\n\n\ndef main():\n    print(add(2, 3))\n"
+                                 "    print(add(10, 20))\n"}],
+    [{"role": "user", "content": "Extract the name, age and city from this text as JSON with keys name, age, city: "
+                                 "\"My name is Maria Lopez, I am 34 years old and I live in Barcelona.\""}],
+]
