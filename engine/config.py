@@ -59,7 +59,8 @@ class SpeculativeConfig:
         None, ge=1, description="a step speculates only while at most this many sequences run (above it, "
                                 "verifying drafts costs more than it saves); unset: 2 on the CPU (where the GGUF "
                                 "weights' int4 matmul costs 1.5x a one-token step up to 4 tokens and 2.8x at 5-8: "
-                                "bench/speculative.py), no bound on CUDA")
+                                "bench/speculative.py), 1 on CUDA (where a verify step, without async scheduling "
+                                "or a CUDA graph of its own, lost to plain decoding at batch 1 and 64)")
 
     @field_validator("prompt_lookup_min")
     @classmethod
@@ -179,8 +180,10 @@ class EngineConfig:
         return sorted(set(sizes))
 
 
-# Running sequences above which a CPU engine stops speculating (SpeculativeConfig.disable_by_batch_size).
-CPU_SPECULATION_MAX_BATCH = 2
+# Running sequences above which an engine stops speculating (SpeculativeConfig.disable_by_batch_size),
+# by device type: bench/results/speculative/ (the CPU's int4 matmul; on an H200, bf16, speculation
+# gave 0.79x plain decoding at batch 1 and 0.34x at 64).
+SPECULATION_MAX_BATCH = {"cpu": 2, "cuda": 1}
 
 
 def resolve_disable_by_batch_size(config: SpeculativeConfig, device_type: str) -> int | None:
@@ -188,7 +191,7 @@ def resolve_disable_by_batch_size(config: SpeculativeConfig, device_type: str) -
     (``disable_by_batch_size``, resolved; ``None``: no bound)."""
     if config.disable_by_batch_size is not None:
         return config.disable_by_batch_size
-    return CPU_SPECULATION_MAX_BATCH if device_type == "cpu" else None
+    return SPECULATION_MAX_BATCH.get(device_type)
 
 
 def resolve_async_scheduling(config: EngineConfig, device_type: str) -> bool:

@@ -82,7 +82,7 @@ def test_acceptance_is_the_longest_matching_prefix():
 
 def test_speculation_stops_above_two_running_sequences_on_the_cpu_by_default():
     assert resolve_disable_by_batch_size(SpeculativeConfig(), "cpu") == 2
-    assert resolve_disable_by_batch_size(SpeculativeConfig(), "cuda") is None
+    assert resolve_disable_by_batch_size(SpeculativeConfig(), "cuda") == 1
     assert resolve_disable_by_batch_size(SpeculativeConfig(disable_by_batch_size=8), "cpu") == 8
 
 
