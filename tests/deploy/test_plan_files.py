@@ -69,6 +69,7 @@ def check_compose(services: dict[str, dict], layout: Layout) -> None:
         volumes = [volume_source_target(v) for v in service["volumes"]]
         assert (f"certs-{name}", "/certs") in volumes and (f"certs-{role}", "/certs") not in volumes, name
         same = {k: v for k, v in base[role].items() if k not in ("deploy", "profiles", "volumes")}
+        same["environment"] = {k: v for k, v in same["environment"].items() if k != "TANDEM_WORKER_ID"}
         assert {k: v for k, v in service.items() if k not in ("deploy", "volumes")} == same, name
     assert sorted(used, key=int) == [str(g) for g in range(layout.gpus)]
 
