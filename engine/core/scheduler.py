@@ -16,7 +16,7 @@ host. The blocks of a sequence that ends while a step that writes them is still 
 freed when that step completes (:meth:`Scheduler.complete`).
 
 Speculative decoding: a decoding sequence given drafts is scheduled with its last token and the
-drafts, ``1 + k`` tokens of the budget, as one multi-token query; the engine rewinds its
+drafts, ``1 + k`` tokens of the budget (a verification); the engine rewinds its
 ``num_computed_tokens`` to the accepted ones once the step has run.
 """
 
@@ -97,6 +97,15 @@ class SchedulerOutput:
     @property
     def is_empty(self) -> bool:
         return not self.scheduled
+
+    @property
+    def verifies_as_decodes(self) -> bool:
+        """Whether the step has verifications (speculative decoding) and besides them only
+        decodes: it then runs as single-token decode rows, one per token of each verification
+        (its sequence's last token, then each draft), which the decode kernel and the decode
+        CUDA graphs run like any other decode."""
+        sched, nd = self.scheduled, self.num_decodes
+        return nd < len(sched) and all(s.spec_token_ids and s.samples and not s.forks for s in sched[nd:])
 
 
 class Scheduler:

@@ -8,8 +8,9 @@ smallest captured batch size ``>= n``, its padding rows given slot -1 (the cache
 them) and sequence length 0 (the paged decode kernel returns 0 for them), so they neither touch
 the KV cache nor change a real row (every op is row-wise). The decode kernel is given the fixed
 bound ``max_model_len`` instead of the step's longest context, so its grid, and hence the
-graph, serves every length. Steps with prefill chunks, fork children, or more sequences than
-the largest graph do not replay these (:mod:`engine.runner.piecewise_graphs` runs them). The logits
+graph, serves every length. A verification (speculative decoding) runs here as one decode row
+per token it verifies. Steps with prefill chunks, fork children, or more rows than the largest
+graph do not replay these (:mod:`engine.runner.piecewise_graphs` runs them). The logits
 head runs eagerly on the graph's output rows, so only the sampled rows are computed.
 
 A graph fixes the decode kernel's split count too: :func:`~kernels.decode_attention.num_kv_splits`
@@ -115,11 +116,17 @@ class CUDAGraphRunner:
 
     def batch_size_for(self, step: SchedulerOutput) -> int | None:
         """The captured batch size that runs ``step``, or ``None`` when no decode graph can (it
-        has prefill chunks, fork children, or too many sequences)."""
-        n = len(step.scheduled)
-        if step.num_decodes != n or n > self.max_batch_size or any(s.forks for s in step.scheduled):
+        has prefill chunks, fork children, or too many rows). A verification of ``k`` drafts
+        is ``1 + k`` decode rows (:attr:`SchedulerOutput.verifies_as_decodes`)."""
+        if step.num_decodes == len(step.scheduled):
+            n = len(step.scheduled)
+            if any(s.forks for s in step.scheduled):
+                return None
+        elif step.verifies_as_decodes:
+            n = step.num_tokens
+        else:
             return None
-        return self._size_for[n]
+        return self._size_for[n] if n <= self.max_batch_size else None
 
     def variants(self) -> list[tuple[int, int]]:
         """``(batch size, split count)`` of every graph :meth:`capture` takes, largest first."""

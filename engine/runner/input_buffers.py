@@ -144,7 +144,11 @@ class InputBuffers:
         """Fill the buffers for ``step`` and copy them to the device.
 
         Args:
-            step: the scheduled batch, decodes first.
+            step: the scheduled batch, decodes first. A step of decodes and verifications
+                (:attr:`SchedulerOutput.verifies_as_decodes`) is laid out as decode rows only,
+                ``1 + k`` adjacent rows for a verification of ``k`` drafts, row ``j`` at position
+                ``start + j`` with its context through it: the step's KV is written before any
+                attention reads it, so each row sees the drafts before its own.
             pad_to: for a decode-only step replayed from a CUDA graph, the graph's batch size:
                 rows past the step's get one padding token each with slot -1 (nothing is
                 written to the KV cache) and sequence length 0 (attention returns 0 for them).
@@ -160,19 +164,33 @@ class InputBuffers:
         """
         bs = self.block_size
         sched = step.scheduled
-        num_seqs, nd = len(sched), step.num_decodes
-        num_rows = pad_to or num_seqs
-        if pad_to is not None and nd != num_seqs:
-            raise ValueError(f"pad_to is for decode-only steps; this one has {num_seqs - nd} prefill chunks")
+        nd = step.num_decodes
+        as_decodes = step.verifies_as_decodes
+        if pad_to is not None and nd != len(sched) and not as_decodes:
+            raise ValueError(f"pad_to is for decode-only steps; this one has {len(sched) - nd} prefill chunks")
+        row_seqs: list[Sequence] = []  # a verification run as decodes: one row per token
         sampled: list[Sequence] = []
         sample_rows: list[int] = []
         sample_back: list[int] = []  # tokens between a sampled token's input and its row's last
         new_tokens, start_list = [], []
-        for row, s in enumerate(sched):
+        drafts: dict[int, int] | None = {} if as_decodes else None  # row -> its input draft token
+        for s in sched:
+            row = len(row_seqs)
+            if as_decodes and s.spec_token_ids:
+                count = 1 + len(s.spec_token_ids)
+                row_seqs += [s.seq] * count
+                new_tokens += [1] * count
+                start_list += range(s.start, s.start + count)
+                sampled += [s.seq] * count
+                sample_rows += range(row, row + count)
+                sample_back += [0] * count
+                drafts.update(zip(range(row + 1, row + count), s.spec_token_ids))
+                continue
+            row_seqs.append(s.seq)
             new_tokens.append(s.num_new_tokens)
             start_list.append(s.start)
             if s.samples:
-                count = s.num_sampled  # a verify row samples after each of its tokens
+                count = s.num_sampled  # a verification samples after each of its tokens
                 sampled += [s.seq] * count
                 sample_rows += [row] * count
                 sample_back.extend(range(count - 1, -1, -1))
@@ -180,6 +198,10 @@ class InputBuffers:
                     sampled.append(child)
                     sample_rows.append(row)
                     sample_back.append(0)
+        num_seqs = len(row_seqs)
+        if as_decodes:
+            nd = num_seqs
+        num_rows = pad_to or num_seqs
         num_sampled = len(sampled)
         num_tokens = step.num_tokens + num_rows - num_seqs
         if num_rows > self.max_num_seqs or max(num_tokens, num_sampled) > self.max_num_tokens:
@@ -201,22 +223,24 @@ class InputBuffers:
         input_ids = self.input_ids.host[:num_tokens]
         block_tables = self.block_tables.host
         decode_ids, in_flight_rows, in_flight_sampled = [], [], []
-        for row, s in enumerate(sched[:nd]):  # a decode's one new token is at its start
-            tokens = s.seq.token_ids
-            if s.start < len(tokens):
-                decode_ids.append(tokens[s.start])
+        for row, (seq, start) in enumerate(zip(row_seqs[:nd], start_list)):  # a decode's one new token
+            tokens = seq.token_ids
+            if start < len(tokens):
+                decode_ids.append(tokens[start])
+            elif drafts:  # a draft of a verification run as decodes
+                decode_ids.append(drafts[row])
             else:  # sampled by the step in flight: read on the device
                 decode_ids.append(0)
                 in_flight_rows.append(row)
-                in_flight_sampled.append(s.seq.sample_row)
+                in_flight_sampled.append(seq.sample_row)
         input_ids[:nd] = decode_ids
         num_in_flight = len(in_flight_rows)
         self.in_flight_rows.host[:num_in_flight] = in_flight_rows
         self.in_flight_sampled.host[:num_in_flight] = in_flight_sampled
         num_blocks = 0
         written = self._rows
-        for row, s in enumerate(sched):
-            table = s.seq.block_table
+        for row, seq in enumerate(row_seqs):
+            table = seq.block_table
             held = written[row]
             if held is None or held[0] is not table:
                 block_tables[row, :len(table)] = table
@@ -224,10 +248,12 @@ class InputBuffers:
             elif held[1] != len(table):  # tables only grow in place: write the new blocks
                 block_tables[row, held[1]:len(table)] = table[held[1]:]
                 written[row] = (table, len(table))
-            num_blocks += len(table)
-            if row >= nd:
+            if row == 0 or row_seqs[row - 1] is not seq:  # a verification's rows count once
+                num_blocks += len(table)
+            if row >= nd:  # a prefill chunk or verification (rows are the step's entries here)
+                s = sched[row]
                 start = int(starts[row])
-                ids = s.seq.token_ids[start:start + s.num_new_tokens]
+                ids = seq.token_ids[start:start + s.num_new_tokens]
                 input_ids[qsl[row]:qsl[row + 1]] = ids + s.spec_token_ids if s.spec_token_ids else ids
         input_ids[num_real_tokens:] = 0
         rows = np.repeat(np.arange(num_seqs), query_lens)
@@ -248,7 +274,8 @@ class InputBuffers:
             max_seq_len=int(seq_lens.max()) if num_rows else 0,
             max_decode_seq_len=max_decode_seq_len or (int(seq_lens[:nd].max()) if nd else 0),
             num_in_flight=num_in_flight)
-        return self._upload_all(sampled, int(seq_lens[:num_seqs].sum()), num_blocks * bs)
+        num_used = sum(s.num_computed_after for s in sched) if as_decodes else int(seq_lens[:num_seqs].sum())
+        return self._upload_all(sampled, num_used, num_blocks * bs)
 
     def pack(self) -> np.ndarray:
         """The last prepared step's inputs as one int64 array, for :meth:`load` in another rank."""

@@ -11,6 +11,7 @@ import torch
 import transformers
 
 from engine import EngineConfig, EngineCore, SamplingParams
+from engine.core.scheduler import ScheduledSequence, SchedulerOutput
 from engine.runner.cuda_graphs import CUDAGraphRunner, is_long_tail, round_up_table
 from engine.runner.piecewise_graphs import PiecewiseCUDAGraphs
 from tests.helpers.models import make_hf_model
@@ -69,6 +70,19 @@ def test_batch_size_for_pads_up_and_falls_back_to_eager(tiny_dir):
     step.scheduled[0].forks = []
     step.num_decodes = 2  # a prefill chunk in the step
     assert graphs.batch_size_for(step) is None
+
+
+def test_a_verification_pads_to_the_graph_of_its_rows(tiny_dir):
+    engine = EngineCore(str(tiny_dir), EngineConfig(block_size=8, num_blocks=64))
+    graphs = CUDAGraphRunner(engine.model, engine.kv_cache, [1, 2, 4], engine.runner.max_blocks_per_seq,
+                             engine.max_model_len)
+    step = _decode_batch(engine, 2)
+    decode, verified = step.scheduled
+    for drafts, size in (([50, 51], 4), ([50, 51, 52], None)):  # 1 + 3 rows; 1 + 4 rows past the ladder
+        verify = ScheduledSequence(verified.seq, 1 + len(drafts), drafts)
+        verify.start, verify.samples = verified.start, True
+        step = SchedulerOutput(scheduled=[decode, verify], num_decodes=1)
+        assert step.verifies_as_decodes and graphs.batch_size_for(step) == size
 
 
 def _mixed_step(engine: EngineCore):

@@ -66,6 +66,42 @@ def test_padding_rows_write_nothing_and_attend_to_nothing():
     assert inputs.sampled == [d0] and inputs.logits_indices.tolist() == [0]
 
 
+def _verify_step():
+    """A decode (context 5) and a verification of 2 drafts [91, 92] after a context of 6."""
+    d0 = _seq("d0", range(10, 16), 5, [7, 3])
+    v0 = _seq("v0", range(20, 27), 6, [1, 8, 2])
+    return SchedulerOutput(scheduled=[ScheduledSequence(d0, 1), ScheduledSequence(v0, 3, [91, 92])],
+                           num_decodes=1), (d0, v0)
+
+
+def test_a_verification_among_decodes_runs_as_one_decode_row_per_token():
+    step, (d0, v0) = _verify_step()
+    assert step.verifies_as_decodes
+    inputs = InputBuffers(8, 8, 4, BS, torch.device("cpu")).prepare(step, pad_to=8, max_decode_seq_len=16)
+    md = inputs.metadata
+    assert inputs.input_ids.tolist()[:4] == [15, 26, 91, 92]
+    assert inputs.positions.tolist()[:4] == [5, 6, 7, 8]
+    assert md.slot_mapping.tolist()[:5] == [3 * BS + 1, 8 * BS + 2, 8 * BS + 3, 2 * BS, -1]
+    assert md.seq_lens.tolist()[:5] == [6, 7, 8, 9, 0]  # each row sees the drafts before its own
+    assert md.block_tables[1:4, :3].tolist() == [[1, 8, 2]] * 3
+    assert (md.num_decodes, md.max_query_len) == (8, 0)
+    assert inputs.sampled == [d0, v0, v0, v0]
+    assert inputs.logits_indices.tolist() == [0, 1, 2, 3]
+    assert inputs.sample_positions.tolist() == [6, 7, 8, 9]
+    assert (inputs.num_kv_slots_used, inputs.num_kv_slots_allocated) == (6 + 9, 5 * BS)
+
+
+def test_a_verification_beside_a_prefill_chunk_is_one_multi_token_row():
+    step, (d0, v0) = _verify_step()
+    p0 = _seq("p0", range(30, 36), 0, [5, 6])
+    step.scheduled.append(ScheduledSequence(p0, 3))
+    assert not step.verifies_as_decodes
+    inputs = InputBuffers(16, 8, 4, BS, torch.device("cpu")).prepare(step)
+    assert inputs.input_ids.tolist() == [15, 26, 91, 92, 30, 31, 32]
+    assert inputs.metadata.seq_lens.tolist() == [6, 9, 3]
+    assert inputs.sampled == [d0, v0, v0, v0] and inputs.logits_indices.tolist() == [0, 1, 2, 3]
+
+
 def test_padding_a_step_with_prefill_is_refused():
     with pytest.raises(ValueError, match="pad_to"):
         InputBuffers(16, 8, 4, BS, torch.device("cpu")).prepare(_mixed_step()[0], pad_to=8)

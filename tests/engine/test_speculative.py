@@ -273,3 +273,28 @@ def test_a_decode_engine_speculates_after_a_prefill_on_another(engines):
     out = prefill_then_decode(plain.engine, spec.engine, "split", prompt, params)
     assert out.outputs[0].token_ids == plain.generate([prompt], params, use_tqdm=False)[0].outputs[0].token_ids
     assert spec.engine.stats().spec_decoding.num_accepted_tokens > before
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
+def test_on_cuda_verifications_replay_the_decode_graphs_and_stay_exact():
+    """float32 on the GPU: speculation's greedy answers equal plain decoding's, and every step
+    of decodes and verifications replays a decode CUDA graph (one row per verified token)."""
+    config = dict(device="cuda", dtype="float32", block_size=16, quantization="none", gpu_memory_utilization=0.3)
+    plain, spec = LLM(**config), LLM(**config, speculative_config={**NGRAM, "disable_by_batch_size": 8})
+    params = SamplingParams(max_tokens=48, temperature=0)
+    prompts = [plain.engine.tokenizer.apply_chat_template(chat) for chat in GROUNDED_CHATS]
+    want = _tokens(plain.generate(prompts, params, use_tqdm=False))
+    free = spec.engine.num_free_blocks
+    for i, prompt in enumerate(prompts):
+        spec.engine.add_request(f"r{i}", prompt, params)
+    answers, verify_graphs = {}, []
+    while spec.engine.has_unfinished_requests:
+        out = spec.engine.step()
+        if out.stats is not None and out.stats.num_verifies:
+            verify_graphs.append(out.stats.cuda_graph_size)
+        answers.update((o.request_id, [c.token_ids for c in o.outputs]) for o in out.outputs if o.finished)
+    assert [answers[f"r{i}"] for i in range(len(prompts))] == want
+    # (the steps beside a prompt's chunk run the paged prefill path)
+    assert verify_graphs and sum(size is not None for size in verify_graphs) >= 0.8 * len(verify_graphs)
+    assert spec.engine.num_free_blocks == free
