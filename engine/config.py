@@ -59,8 +59,8 @@ class SpeculativeConfig:
         None, ge=1, description="a step speculates only while at most this many sequences run (above it, "
                                 "verifying drafts costs more than it saves); unset: 2 on the CPU (where the GGUF "
                                 "weights' int4 matmul costs 1.5x a one-token step up to 4 tokens and 2.8x at 5-8: "
-                                "bench/speculative.py), 1 on CUDA (where a verify step, without async scheduling "
-                                "or a CUDA graph of its own, lost to plain decoding at batch 1 and 64)")
+                                "bench/speculative.py), 4 on CUDA (an H200, bf16 SmolLM2, n-gram: 1.3x plain decoding "
+                                "at 4 sequences, 0.24x at 64, where plain decoding keeps async scheduling)")
 
     @field_validator("prompt_lookup_min")
     @classmethod
@@ -134,24 +134,17 @@ class EngineConfig:
         None, description="schedule and launch each step while the one before it runs on the device, its "
                           "sampled tokens fed to the next step there (engine.core.engine_core.EngineCore.step); "
                           "unset: on CUDA only (on the CPU a step has run by the time it is launched, so "
-                          "overlapping would only delay each token by a step); off with speculative_config")
+                          "overlapping would only delay each token by a step); steps that speculate run without the overlap")
     speculative_config: SpeculativeConfig | None = Field(
         None, description="speculative decoding (engine.config.SpeculativeConfig, a dict or JSON: "
-                          "{\"method\": \"ngram\", \"num_speculative_tokens\": 4}); unset: none. Its steps "
-                          "are scheduled synchronously (each verify needs the last step's tokens on the host)")
+                          "{\"method\": \"ngram\", \"num_speculative_tokens\": 4}); unset: none. A step that "
+                          "speculates is scheduled once the step ahead of it has completed (drafts are proposed "
+                          "from the tokens on the host)")
 
     @field_validator("speculative_config", mode="before")
     @classmethod
     def _parse_speculative(cls, value: object) -> object:
         return json.loads(value) if isinstance(value, str) else value
-
-    @field_validator("speculative_config")
-    @classmethod
-    def _check_speculative(cls, value: SpeculativeConfig | None, info: ValidationInfo) -> SpeculativeConfig | None:
-        if value is not None and info.data.get("async_scheduling"):
-            raise ValueError("needs async_scheduling off (each verify step reads the tokens of the one before "
-                             "on the host)")
-        return value
 
     @field_validator("block_size")
     @classmethod
@@ -181,9 +174,9 @@ class EngineConfig:
 
 
 # Running sequences above which an engine stops speculating (SpeculativeConfig.disable_by_batch_size),
-# by device type: bench/results/speculative/ (the CPU's int4 matmul; on an H200, bf16, speculation
-# gave 0.79x plain decoding at batch 1 and 0.34x at 64).
-SPECULATION_MAX_BATCH = {"cpu": 2, "cuda": 1}
+# by device type: bench/results/speculative/ (the CPU's int4 matmul; on an H200, bf16, n-gram gave
+# 1.8x plain decoding at batch 1, 1.3x at 4 and 0.24x at 64).
+SPECULATION_MAX_BATCH = {"cpu": 2, "cuda": 4}
 
 
 def resolve_disable_by_batch_size(config: SpeculativeConfig, device_type: str) -> int | None:
@@ -196,7 +189,6 @@ def resolve_disable_by_batch_size(config: SpeculativeConfig, device_type: str) -
 
 def resolve_async_scheduling(config: EngineConfig, device_type: str) -> bool:
     """Whether an engine of ``config`` on a device of ``device_type`` (``"cuda"``, ``"cpu"``)
-    schedules asynchronously (``async_scheduling``, resolved: never while speculating)."""
-    if config.speculative_config is not None:
-        return False
+    schedules asynchronously (``async_scheduling``, resolved; a step that speculates still waits
+    for the one ahead of it: :meth:`engine.core.engine_core.EngineCore.step`)."""
     return device_type == "cuda" if config.async_scheduling is None else config.async_scheduling

@@ -446,10 +446,11 @@ class EngineCore:
         are in flight at once: step N+1 is scheduled and launched while step N runs on the
         device, and step N's results are processed after that launch, so the device never
         waits for the host between them; a call then returns the outputs of the step launched
-        by the call before. Without it each call launches a step and completes it. While a
-        structured-output sequence runs (its grammar matcher held by the sampler), the step in
-        flight completes before the next one is scheduled (the matcher needs its token): those
-        steps run without the overlap.
+        by the call before. Without it each call launches a step and completes it. The step in
+        flight completes before the next one is scheduled, so that those steps run without the
+        overlap, while a structured-output sequence runs (its grammar matcher needs each token),
+        while the engine speculates (drafts are proposed from the tokens on the host) and after
+        a verification (where its sequences go on depends on the drafts accepted).
 
         Returns:
             The outputs of every request that gained tokens, finished, or pinned more prompt
@@ -465,12 +466,10 @@ class EngineCore:
             raise RankFailedError(self.ranks.failure)
         launched, completed = False, None
         if len(self._in_flight) < self._depth:
-            if self._in_flight and self.runner.logits.num_structured:
-                # A structured sequence's token bitmask follows its output to the last token:
-                # the step in flight's tokens reach the host before the next step is scheduled.
+            if self._in_flight and self._needs_tokens_on_host(self._in_flight[-1][0]):
                 completed = self._complete(*self._in_flight.popleft())
             started = time.perf_counter()
-            step = self.scheduler.schedule(self._propose() if self.proposer is not None else None)
+            step = self.scheduler.schedule(self._propose() if self._speculates() else None)
             if not step.is_empty:
                 self._in_flight.append((step, self._guard(self.runner.launch, step), started))
                 launched = True
@@ -560,21 +559,31 @@ class EngineCore:
         self._step_totals[stats.kind] = self._step_totals.get(stats.kind, StepTotals()).add(stats)
         return StepOutput(outputs, True, stats)
 
+    def _needs_tokens_on_host(self, in_flight: SchedulerOutput) -> bool:
+        """Whether the next step is scheduled only once ``in_flight``'s tokens are on the host: a
+        structured sequence's token bitmask follows its output to the last token, drafts are
+        proposed from the tokens so far, and a verification's accepted drafts decide where its
+        sequence goes on."""
+        if self.runner.logits.num_structured:
+            return True
+        return self.proposer is not None and (self._speculates() or any(s.spec_token_ids for s in in_flight.scheduled))
+
     # ------------------------------------------------------ speculative decoding
+    def _speculates(self) -> bool:
+        """Whether the next step gets drafts: a proposer, and no more running sequences than
+        ``disable_by_batch_size`` (resolved)."""
+        return self.proposer is not None and (self._spec_max_batch is None
+                                              or len(self.scheduler.running) <= self._spec_max_batch)
+
     def _propose(self) -> dict[Sequence, list[int]]:
-        """Drafts for this step's decoding sequences, unless more than ``disable_by_batch_size``
-        (resolved) run. A sequence whose logits are processed (penalties, bias, bad words, ``min_tokens``,
-        structured output: their state follows the output token by token) decodes one token a
-        step."""
-        spec = self.config.speculative_config
-        running = self.scheduler.running
-        if self._spec_max_batch is not None and len(running) > self._spec_max_batch:
-            return {}
-        seqs = [s for s in running if s.num_computed_tokens == s.num_tokens - 1 and not s.num_output_placeholders
-                and not s.params.processes_logits]
+        """Drafts for this step's decoding sequences. A sequence whose logits are processed
+        (penalties, bias, bad words, ``min_tokens``, structured output: their state follows the
+        output token by token) decodes one token a step."""
+        seqs = [s for s in self.scheduler.running if s.num_computed_tokens == s.num_tokens - 1
+                and not s.num_output_placeholders and not s.params.processes_logits]
         if not seqs:
             return {}
-        k = spec.num_speculative_tokens
+        k = self.config.speculative_config.num_speculative_tokens
         drafts = self.proposer.propose(seqs, [k] * len(seqs))
         return {seq: d for seq, d in zip(seqs, drafts) if d}
 
