@@ -40,7 +40,7 @@ from cluster.translate import (
     token_logprobs, worker_config_to_proto,
 )
 from cluster.tls import role_name
-from cluster.worker import request_outcome, worker_tls
+from cluster.worker import abort_request_id, request_outcome, worker_tls
 from engine.core.core_client import EngineCoreClient
 from engine.core.stop import check_stop
 from engine.sampling_params import SamplingParams
@@ -149,13 +149,9 @@ class PrefillService(worker_pb2_grpc.PrefillWorkerServicer):
                     self._tasks.pop(request_id, None)
 
     async def Abort(self, request: worker_pb2.AbortRequest, context):  # noqa: N802
-        try:
-            check_request_id(request.request_id)
-        except StatusError as exc:
-            await context.abort(exc.code, exc.message)
-        request_id_var.set(request.request_id)
-        task = self._tasks.get(request.request_id)
-        known = await self.engine.abort(request.request_id)
+        request_id = await abort_request_id(request, context)
+        task = self._tasks.get(request_id)
+        known = await self.engine.abort(request_id)
         if task is not None:
             task.cancel()
         if task is not None or known:

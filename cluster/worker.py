@@ -32,7 +32,7 @@ from cluster.channels import server_keepalive_options
 from cluster.health import SERVING
 from cluster.heartbeat import Heartbeat
 from cluster.identity import check_own_instance
-from cluster.log import configure_logging
+from cluster.log import configure_logging, request_id_var
 from cluster.metrics import WorkerMetrics
 from cluster.prefix_index import PrefixIndex
 from cluster.registry import ClusterNamespace, Role, WorkerConfig, WorkerInfo, WorkerLoad, WorkerRegistry, redis_client
@@ -40,6 +40,7 @@ from cluster.server import Admission, BindError, ServerScaffold, StartupError
 from cluster.settings import WorkerSettings, advertised_address, setting_name
 from cluster.shutdown import exit_if_shutdown_hangs, shutdown_step
 from cluster.tls import ClientCredentials, PeerRoleInterceptor, server_credentials
+from cluster.translate import check_request_id
 from engine.core.core_client import EngineCoreClient, EngineDeadError, EngineError
 from engine.core.messages import EngineInfo
 from engine.runner.devices import device_ids, resolve_device, use_device
@@ -47,6 +48,7 @@ from kvtransfer import GRPC_MESSAGE_OPTIONS, KVPool
 from kvtransfer.digest import compile_digests
 from kvtransfer.nixl import NixlAgent
 from protos.status import StatusError
+from protos.tandem.v1 import worker_pb2
 
 logger = logging.getLogger(__name__)
 
@@ -96,6 +98,21 @@ def published_config(info: EngineInfo, kv_pools: list[torch.Tensor], kv_transpor
     return WorkerConfig(info.model_id, info.block_size, info.max_model_len, info.kv_cache_dtype, info.hash_seed,
                         info.vocab_size, info.tensor_parallel_size, tuple(kv_transports), info.quantization,
                         info.max_num_batched_tokens, device_ids(kv_pools), serves_prefill)
+
+
+async def abort_request_id(request: worker_pb2.AbortRequest, context: grpc.aio.ServicerContext) -> str:
+    """The request id an ``Abort`` call names, checked (:func:`cluster.translate.check_request_id`)
+    and set as its log lines' request id.
+
+    Raises:
+        grpc.aio.AbortError: through ``context.abort``, ``INVALID_ARGUMENT`` for a bad id.
+    """
+    try:
+        check_request_id(request.request_id)
+    except StatusError as exc:
+        await context.abort(exc.code, exc.message)
+    request_id_var.set(request.request_id)
+    return request.request_id
 
 
 @contextlib.asynccontextmanager

@@ -34,7 +34,7 @@ from cluster.translate import (
     check_cache_salt, check_prompt_ids, check_request_id, engine_refusal, finish_reason_to_proto,
     sampling_params_from_proto, token_logprobs, worker_config_to_proto,
 )
-from cluster.worker import Admission, kv_transport, published_config, request_outcome
+from cluster.worker import Admission, abort_request_id, kv_transport, published_config, request_outcome
 from decode_worker.settings import DecodeWorkerSettings
 from decode_worker.spot_check import SpotChecker, spot_check
 from engine.core.core_client import EngineCoreClient
@@ -189,13 +189,9 @@ class DecodeServicer(worker_pb2_grpc.DecodeWorkerServicer):
                     self._decoding.discard(request_id)
 
     async def Abort(self, request: worker_pb2.AbortRequest, context):  # noqa: N802
-        try:
-            check_request_id(request.request_id)
-        except StatusError as exc:
-            await context.abort(exc.code, exc.message)
-        request_id_var.set(request.request_id)
-        reserved = self.table.release_request(request.request_id, f"aborted: {request.reason or 'no reason'}")
-        running = await self.engine.abort(request.request_id)
+        request_id = await abort_request_id(request, context)
+        reserved = self.table.release_request(request_id, f"aborted: {request.reason or 'no reason'}")
+        running = await self.engine.abort(request_id)
         if reserved or running:
             logger.info("aborted: %s", request.reason or "no reason given")
         return worker_pb2.AbortResponse(found=reserved or running)
