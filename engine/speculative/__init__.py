@@ -2,8 +2,8 @@
 
 A proposer (:class:`Proposer`) drafts up to ``k`` tokens for each decoding sequence before a
 step is scheduled. The scheduler gives such a sequence a query of ``1 + len(drafts)`` tokens (its
-last token, then the drafts) over its paged KV, the path prompt chunks take, and counts them
-in the step's token budget; the sampler samples every one of those positions
+last token, then the drafts) over its paged KV, counted in the step's token budget (a step of
+decodes and verifications runs them as decode rows, one per token, in the decode CUDA graphs); the sampler samples every one of those positions
 (:mod:`engine.runner.sampler`), and :func:`engine.speculative.acceptance.num_accepted` keeps the
 longest run of drafts equal to what the target sampled, plus the target's token after it. The
 KV written for rejected drafts is dropped (``KVCacheManager.rewind``).
