@@ -227,7 +227,7 @@ class InputBuffers:
             tokens = seq.token_ids
             if start < len(tokens):
                 decode_ids.append(tokens[start])
-            elif drafts:  # a draft of a verification run as decodes
+            elif drafts is not None and row in drafts:  # a draft of a verification run as decodes
                 decode_ids.append(drafts[row])
             else:  # sampled by the step in flight: read on the device
                 decode_ids.append(0)
