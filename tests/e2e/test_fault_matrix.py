@@ -2,8 +2,9 @@
 private redis-server (this module flushes, kills and restarts it).
 
 One greedy request with a long prompt (prefilled in chunks of 64 tokens, its KV streaming to the
-decode worker while it is computed; prefix caching off, so every run prefills it all) meets one
-fault at one phase:
+decode worker while it is computed; prefix caching off, so every run prefills it all; a static
+split, so a prefill worker computes it: adaptive placement may prefill it on an idle decode
+worker, and a CI run's cell then never saw a prefill) meets one fault at one phase:
 
 - ``queued``: it waits at the gateway for decode capacity (each decode worker has room for one
   such request, and two longer ones hold both); the decode victim is one holding such a request;
@@ -52,7 +53,8 @@ SETTINGS = {"TANDEM_LEASE_S": str(LEASE_S), "TANDEM_MAX_NUM_BATCHED_TOKENS": "64
             "TANDEM_HEALTH_PROBE_INTERVAL_S": "0.5", "TANDEM_HEALTH_PROBE_TIMEOUT_S": "1",
             "TANDEM_HOP_TIMEOUT_S": "10", "TANDEM_DECODE_STALL_TIMEOUT_S": "3",
             "TANDEM_OUTLIER_BASE_EJECTION_S": "2", "TANDEM_ADMIT_WAIT_S": "30",
-            "TANDEM_ENABLE_PREFIX_CACHING": "false"}  # every run of the request prefills it all again
+            "TANDEM_ENABLE_PREFIX_CACHING": "false",  # every run of the request prefills it all again
+            "TANDEM_PREFILL_PLACEMENT": "static"}  # on a prefill worker: an idle decode worker may not take it
 DECODE_BLOCKS = 140  # of 16 tokens: room for one REQUEST (76 blocks + a margin of 2) or one BLOCKER, not two
 DOCUMENTED = {"UNAVAILABLE", "DEADLINE_EXCEEDED"}
 PROMPT = " ".join(f"Note {i}: the lighthouse keeper counts ships." for i in range(110))  # 1210 tokens
