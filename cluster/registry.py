@@ -18,7 +18,7 @@ from __future__ import annotations
 import enum
 import logging
 import re
-from dataclasses import dataclass, fields, replace
+from dataclasses import dataclass, field, fields, replace
 
 import redis.asyncio as redis
 from redis.asyncio.retry import Retry
@@ -34,15 +34,18 @@ REDIS_MAX_CONNECTIONS = 32  # per process: Redis commands in flight at once (eac
 _WORKER_ID = re.compile(r"[A-Za-z0-9._-]+")
 
 # KEYS[1]: the role's id set. ARGV[1]: the worker-hash key prefix ("{ns}:worker:").
-# Returns one flat [field, value, ...] array per live worker; drops ids whose hash expired.
+# Returns one [flat [field, value, ...] array, remaining TTL in ms] pair per live worker; drops
+# ids whose hash expired. A heartbeat sets the TTL, so TTL minus what remains is the entry's age
+# by Redis' own clock.
 _LIVE_WORKERS_LUA = """
 local live = {}
 for _, id in ipairs(redis.call('SMEMBERS', KEYS[1])) do
-  local fields = redis.call('HGETALL', ARGV[1] .. id)
+  local key = ARGV[1] .. id
+  local fields = redis.call('HGETALL', key)
   if #fields == 0 then
     redis.call('SREM', KEYS[1], id)
   else
-    live[#live + 1] = fields
+    live[#live + 1] = {fields, redis.call('PTTL', key)}
   end
 end
 return live
@@ -97,12 +100,14 @@ class ClusterNamespace:
 
 @dataclass(frozen=True)
 class WorkerLoad:
-    """A worker's load at its last heartbeat (counts of sequences and KV blocks)."""
+    """A worker's load at its last heartbeat (counts of sequences and KV blocks), and how old
+    that measurement was when it was read (``age_s``, seconds; not part of equality)."""
 
     running: int = 0
     waiting: int = 0
     free_blocks: int = 0
     total_blocks: int = 0
+    age_s: float = field(default=0.0, compare=False)
 
     @property
     def num_seqs(self) -> int:
@@ -318,16 +323,21 @@ class WorkerRegistry:
             await pipe.execute()
 
     async def live_workers(self, role: Role) -> list[WorkerInfo]:
-        """Return the live workers of ``role`` with their last reported load (one round trip).
+        """Return the live workers of ``role`` with their last reported load (one round trip);
+        each load's ``age_s`` is the time since its heartbeat by Redis' clock (the TTL the beat
+        set minus what remains of it).
 
         Raises:
             redis.exceptions.RedisError, OSError: Redis unreachable.
         """
         replies = await self._live_workers(keys=[self.ns.role_key(role)], args=[self.ns.worker_key("")])
         workers = []
-        for flat in replies:
+        for flat, ttl_left_ms in replies:
             try:
-                workers.append(WorkerInfo.from_fields(flat))
+                worker = WorkerInfo.from_fields(flat)
             except (KeyError, ValueError) as exc:  # e.g. a worker of another version mid-upgrade
                 logger.warning("skipping unreadable %s worker entry %r: %s", role, flat, exc)
+                continue
+            age_s = max(0, self.ns.ttl_ms - ttl_left_ms) / 1000 if ttl_left_ms >= 0 else 0.0
+            workers.append(replace(worker, load=replace(worker.load, age_s=age_s)))
         return sorted(workers, key=lambda w: w.worker_id)

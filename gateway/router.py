@@ -50,8 +50,10 @@ on it (:meth:`ClusterView.lend`).
 from __future__ import annotations
 
 import asyncio
+import bisect
 import dataclasses
 import logging
+import math
 import random
 import time
 from collections import Counter
@@ -220,42 +222,66 @@ class Route:
 
 
 class _InFlight:
-    """Requests (and decode blocks) this gateway has routed and not yet seen finish, per worker.
+    """Requests (and decode blocks) this gateway has routed and not yet seen finish, per worker,
+    with when each count changed.
 
-    The registry reports each worker's load at its last heartbeat; the change in these counts
-    since the last refresh is added to it, so a burst between two refreshes spreads out, and
-    routing on last-known state during a Redis outage still follows the gateway's own traffic.
+    A worker's load is measured at its heartbeat (``WorkerLoad.age_s`` before it was read); the
+    change in these counts since that moment is added to it, so a burst spreads out between two
+    heartbeats, a request routed after a beat is not forgotten by a refresh that reads that beat,
+    and routing on last-known state during a Redis outage still follows the gateway's own
+    traffic. Left uncounted until the next beat: a request routed so shortly before a beat that
+    it had not reached the worker yet (its travel time, milliseconds).
+
+    Args:
+        horizon_s: the oldest a load can be when it is read (the registry's TTL): changes older
+            than that are merged, so the history stays bounded while a load stays last-known.
     """
 
-    def __init__(self) -> None:
-        self.seqs: Counter[str] = Counter()
-        self.blocks: Counter[str] = Counter()
-        self._seqs_at_refresh: Counter[str] = Counter()
-        self._blocks_at_refresh: Counter[str] = Counter()
+    def __init__(self, horizon_s: float) -> None:
+        self.horizon_s = horizon_s
+        # Per worker: (monotonic time, sequences, blocks in flight after a change), oldest first;
+        # the first entry holds the counts as they were when the worker's load was measured, the
+        # later ones came after.
+        self._history: dict[str, list[tuple[float, int, int]]] = {}
+        self._measured_at: dict[str, float] = {}
 
-    def snapshot(self) -> tuple[Counter[str], Counter[str]]:
-        """The counts now: take it before asking for the loads it will be paired with."""
-        return self.seqs.copy(), self.blocks.copy()
+    def measured_at(self, worker_id: str) -> float:
+        """The monotonic time the load in use for ``worker_id`` was measured (``-inf``: never)."""
+        return self._measured_at.get(worker_id, -math.inf)
 
-    def mark_refresh(self, snapshot: tuple[Counter[str], Counter[str]]) -> None:
-        """The loads just read were measured after ``snapshot`` was taken: from now on only
-        the change since it is added to them (a request that ended while the loads were being
-        read is not counted twice)."""
-        self._seqs_at_refresh, self._blocks_at_refresh = snapshot
+    def measured(self, times: Mapping[str, float]) -> None:
+        """The loads in use from now on: worker id → the monotonic time its load was measured;
+        workers not named are forgotten (they left the listing)."""
+        self._measured_at = dict(times)
+        for worker_id, history in list(self._history.items()):
+            if worker_id in times:
+                del history[:max(0, bisect.bisect_right(history, times[worker_id], key=lambda entry: entry[0]) - 1)]
+            else:
+                del self._history[worker_id]
 
     def estimate(self, worker: WorkerInfo) -> WorkerInfo:
-        w, load = worker.worker_id, worker.load
-        seqs = max(0, load.num_seqs + self.seqs[w] - self._seqs_at_refresh[w])
+        """``worker`` with the sequences and blocks routed to it since its load was measured
+        (less those ended) added to its load."""
+        history, load = self._history.get(worker.worker_id), worker.load
+        if not history:
+            return worker
+        _, seqs_then, blocks_then = history[0]
+        _, seqs_now, blocks_now = history[-1]
+        seqs = max(0, load.num_seqs + seqs_now - seqs_then)
         running = min(load.running, seqs)
-        free = min(load.total_blocks, max(0, load.free_blocks - self.blocks[w] + self._blocks_at_refresh[w]))
+        free = min(load.total_blocks, max(0, load.free_blocks - blocks_now + blocks_then))
         return dataclasses.replace(worker, load=dataclasses.replace(load, running=running, waiting=seqs - running,
                                                                      free_blocks=free))
 
     def add(self, worker_id: str, seqs: int, blocks: int = 0) -> None:
-        self.seqs[worker_id] += seqs
-        self.blocks[worker_id] += blocks
-        if self.seqs[worker_id] <= 0 and self.blocks[worker_id] <= 0:
-            del self.seqs[worker_id], self.blocks[worker_id]
+        """Count ``seqs`` more sequences and ``blocks`` more KV blocks in flight on ``worker_id``
+        (negative: ended)."""
+        now = time.monotonic()
+        history = self._history.setdefault(worker_id, [(-math.inf, 0, 0)])
+        while len(history) > 2 and history[2][0] < now - self.horizon_s:
+            del history[1]  # no load read from now on is older than history[2]
+        _, seqs_now, blocks_now = history[-1]
+        history.append((now, seqs_now + seqs, blocks_now + blocks))
 
 
 def choose_pool(workers: Sequence[WorkerInfo], current: WorkerConfig | None) -> WorkerConfig | None:
@@ -330,7 +356,7 @@ class ClusterView:
         self._rng = rng or random.Random()
         self._workers: dict[Role, list[WorkerInfo]] = {role: [] for role in Role}
         self._emptied_at: dict[Role, float] = {}
-        self._in_flight = _InFlight()
+        self._in_flight = _InFlight(registry.ns.ttl_s)
         self._degraded = False
         self._pool: WorkerConfig | None = None
         self._refused: dict[str, str] = {}
@@ -364,7 +390,7 @@ class ClusterView:
         seconds: a Redis restart empties the registry until the workers' next heartbeats,
         and routing should not answer UNAVAILABLE meanwhile.
         """
-        in_flight = self._in_flight.snapshot()
+        started = time.monotonic()  # a load read now was measured its age before this, or later
         if self.quarantine is not None:
             await self.quarantine.refresh()
         try:
@@ -374,7 +400,7 @@ class ClusterView:
                 logger.warning("Redis unreachable (%s): routing on last-known workers and load only", exc)
             self._degraded = True
             if self.load_probe is not None:
-                await self._probe_loads(in_flight)
+                await self._probe_loads()
             return
         if self._degraded:
             logger.info("Redis reachable again: prefix-aware routing resumes")
@@ -394,17 +420,25 @@ class ClusterView:
                 self._workers[role] = workers
             elif now - self._emptied_at.setdefault(role, now) >= self.registry.ns.ttl_s:
                 self._workers[role] = []
-        self._in_flight.mark_refresh(in_flight)
+        self._loads_measured({w.worker_id: started - w.load.age_s for w in accepted})
 
-    async def _probe_loads(self, in_flight: tuple[Counter[str], Counter[str]]) -> None:
+    async def _probe_loads(self) -> None:
         """Read the last-known workers' loads from the workers (one that does not answer keeps
-        its last-known load); ``in_flight`` was taken before the reads."""
+        its last-known load and the time it was measured)."""
+        measured_at = {}
         for role in Role:
-            known = self._workers[role]
+            known, started = self._workers[role], time.monotonic()
             loads = await asyncio.gather(*(self.load_probe(w) for w in known))
             self._workers[role] = [w if load is None else dataclasses.replace(w, load=load)
                                    for w, load in zip(known, loads)]
-        self._in_flight.mark_refresh(in_flight)
+            measured_at |= {w.worker_id: started for w, load in zip(known, loads) if load is not None}
+        self._loads_measured(measured_at)
+
+    def _loads_measured(self, fresh: Mapping[str, float]) -> None:
+        """The workers' loads are as just read: ``fresh`` gives, per worker whose load was read,
+        the monotonic time it was measured; the others' last-known loads keep theirs."""
+        self._in_flight.measured({w.worker_id: fresh.get(w.worker_id, self._in_flight.measured_at(w.worker_id))
+                                  for role in Role for w in self._workers[role]})
 
     async def _untrusted(self, workers: list[WorkerInfo]) -> dict[str, str]:
         """Worker id → why its entry is not trusted (the ``identity`` check), for ``workers``."""
@@ -459,13 +493,18 @@ class ClusterView:
             raise NoWorkerError("no live decode worker")
         if prompt_len < 1 or len(block_hashes) != prompt_len // pool.block_size:
             raise ValueError(f"{len(block_hashes)} block hashes do not fit prompt_len={prompt_len}")
+        cached = await self._cached_runs([w for role in Role for w in self._workers[role]], block_hashes)
+        # From here to counting the request nothing awaits: the loads are estimated after every
+        # route chosen meanwhile was counted (two concurrent requests read the same estimate
+        # before the lookup above, and both went to one worker).
         down, ejected = self.outliers.avoided()
         quarantined = frozenset(self.quarantine.active()) if self.quarantine is not None else frozenset()
         prefills = _preferred(self.workers(Role.PREFILL),
                               [exclude | down | ejected | quarantined, exclude | down | quarantined])
         decodes = _preferred(self.workers(Role.DECODE), [exclude | down | ejected, exclude | down, down, frozenset()])
+        if not decodes:
+            raise NoWorkerError("no live decode worker")
         prompt_blocks = cdiv(prompt_len, pool.block_size)
-        cached = await self._cached_runs(prefills + decodes, block_hashes)
         decode = pick_decode(decodes, prompt_blocks, cached, pool.block_size, self.policy, self._rng)
         if decode is None:
             raise NoCapacityError(

@@ -59,6 +59,25 @@ def test_heartbeat_registers_worker_with_its_load(key_prefix, redis_url):
     asyncio.run(main())
 
 
+def test_a_load_reads_back_with_its_age_by_redis_clock(key_prefix, redis_url):
+    """The gateway adds what it routed after a load was measured: the age says when that was."""
+    async def main():
+        client = redis_client(redis_url)
+        registry = WorkerRegistry(client, _ns(key_prefix, ttl_s=3.0))
+        await registry.heartbeat(_worker("p0", running=1))
+        [fresh] = await registry.live_workers(Role.PREFILL)
+        await asyncio.sleep(0.4)
+        [older] = await registry.live_workers(Role.PREFILL)
+        assert 0 <= fresh.load.age_s < 0.3 and 0.4 <= older.load.age_s < 3.0, (fresh.load, older.load)
+        assert older.load.age_s - fresh.load.age_s >= 0.39
+        await registry.heartbeat(_worker("p0", running=2))  # a beat measures the load anew
+        [beaten] = await registry.live_workers(Role.PREFILL)
+        assert beaten.load.running == 2 and beaten.load.age_s < older.load.age_s
+        await client.aclose()
+
+    asyncio.run(main())
+
+
 def test_keys_are_namespaced(key_prefix, redis_url):
     async def main():
         client = redis_client(redis_url)

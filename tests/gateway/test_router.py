@@ -140,15 +140,22 @@ async def _register(registry: WorkerRegistry, worker_id: str, role: Role, **load
     await registry.heartbeat(WorkerInfo(worker_id, role, f"{worker_id}:5000", CONFIG, WorkerLoad(**load)))
 
 
+async def _two_of_each(client, key_prefix: str, d1_free_blocks: int = 100) -> tuple[WorkerRegistry, PrefixIndex]:
+    """The registry and prefix index of prefill workers p0, p1 and decode workers d0, d1 (100
+    blocks each, all free but d1's ``100 - d1_free_blocks``)."""
+    ns = _ns(key_prefix)
+    registry, index = WorkerRegistry(client, ns), PrefixIndex(client, ns)
+    for p in ("p0", "p1"):
+        await _register(registry, p, Role.PREFILL, total_blocks=100, free_blocks=100)
+    await _register(registry, "d0", Role.DECODE, total_blocks=100, free_blocks=100)
+    await _register(registry, "d1", Role.DECODE, total_blocks=100, free_blocks=d1_free_blocks)
+    return registry, index
+
+
 def test_choose_prefers_cached_prefix_and_spreads_a_burst(key_prefix, redis_url):
     async def main():
         client = redis_client(redis_url)
-        ns = _ns(key_prefix)
-        registry, index = WorkerRegistry(client, ns), PrefixIndex(client, ns)
-        for p in ("p0", "p1"):
-            await _register(registry, p, Role.PREFILL, total_blocks=100, free_blocks=100)
-        for d in ("d0", "d1"):
-            await _register(registry, d, Role.DECODE, total_blocks=100, free_blocks=100)
+        registry, index = await _two_of_each(client, key_prefix)
         await index.publish("p1", stored=H[:4], removed=[])
         view = ClusterView(registry, index, CONFIG.model_id, RoutingPolicy(load_cost_tokens=64), random.Random(0),
                            outliers=outliers())
@@ -166,9 +173,37 @@ def test_choose_prefers_cached_prefix_and_spreads_a_burst(key_prefix, redis_url)
         view.decode_done(first)
         third = await view.choose(H, len(PROMPT))
         assert third.prefill.worker_id == "p1" and third.decode.worker_id == first.decode.worker_id
-        # A refresh takes the workers' own reports as the new baseline.
+        # A refresh that reads heartbeats from before these routes keeps counting them (second
+        # and third are in flight); one that reads beats reporting them takes those as the
+        # baseline, counted once.
         await view.refresh()
+        in_flight = {"p0": 1, "p1": 1}
+        assert {w.worker_id: w.load.num_seqs for w in view.workers(Role.PREFILL)} == in_flight
+        await asyncio.sleep(0.2)  # the beats come well after the routes (a load's age has ms resolution)
+        for p in ("p0", "p1"):
+            await _register(registry, p, Role.PREFILL, running=1, total_blocks=100, free_blocks=100)
+        await view.refresh()
+        assert {w.worker_id: w.load.num_seqs for w in view.workers(Role.PREFILL)} == in_flight
+        for route in (second, third):
+            view.prefill_done(route)
         assert all(w.load.num_seqs == 0 for w in view.workers(Role.PREFILL))
+        await client.aclose()
+
+    asyncio.run(main())
+
+
+def test_concurrent_requests_each_see_the_other_routed(key_prefix, redis_url):
+    """Two requests routed at once (each awaiting its prefix lookup): the second is estimated
+    with the first counted, so they go to different workers, not both to the best one."""
+    async def main():
+        client = redis_client(redis_url)
+        registry, index = await _two_of_each(client, key_prefix, d1_free_blocks=99)
+        await index.publish("p0", stored=H[:1], removed=[])  # p0 is the better prefill worker, d0 the roomier
+        view = ClusterView(registry, index, CONFIG.model_id, rng=random.Random(0), outliers=outliers())
+        await view.refresh()
+        routes = await asyncio.gather(view.choose(H, len(PROMPT)), view.choose(H, len(PROMPT)))
+        # whichever lookup came back first took the better pair
+        assert sorted((r.prefill.worker_id, r.decode.worker_id) for r in routes) == [("p0", "d0"), ("p1", "d1")]
         await client.aclose()
 
     asyncio.run(main())
@@ -197,6 +232,7 @@ def test_a_request_ending_while_loads_are_read_is_not_counted_twice(key_prefix, 
         view = ClusterView(registry, index, CONFIG.model_id, outliers=outliers())
         await view.refresh()
         route = await view.choose(H, len(PROMPT))
+        await asyncio.sleep(0.2)  # the beat comes well after the route (a load's age has ms resolution)
         await _register(registry, "p0", Role.PREFILL, running=1)  # its heartbeat mid-request
         registry.during_read = lambda: view.prefill_done(route)
         await view.refresh()
@@ -248,6 +284,35 @@ def test_registry_emptied_at_once_keeps_last_known_workers_for_one_ttl(key_prefi
         await view.refresh()
         with pytest.raises(NoWorkerError):
             await view.choose(H, len(PROMPT))
+        await client.aclose()
+
+    asyncio.run(main())
+
+
+def test_last_known_loads_count_the_gateways_traffic_in_a_bounded_history(key_prefix, redis_url):
+    """While loads stay last-known (Redis lost, no probe), every route and end since they were
+    measured is counted, however long it lasts; what the count needs is kept, not every change."""
+    async def main():
+        client = redis_client(redis_url)
+        ns = _ns(key_prefix, ttl_s=0.2)
+        registry = WorkerRegistry(client, ns)
+        await _register(registry, "d0", Role.DECODE, total_blocks=1000, free_blocks=1000)
+        view = ClusterView(registry, PrefixIndex(client, ns), CONFIG.model_id, outliers=outliers())
+        await view.refresh()
+        await asyncio.sleep(0.05)
+        held = []
+        for i in range(120):  # six TTLs of traffic (280 changes) against one last-known load
+            route = await view.choose(H, len(PROMPT))
+            if i % 3:
+                view.prefill_done(route)
+                view.decode_done(route)
+            else:
+                held.append(route)
+            await asyncio.sleep(0.01)
+        [d0] = view.workers(Role.DECODE)
+        assert (d0.load.num_seqs, d0.load.free_blocks) == (len(held), 1000 - 7 * len(held))
+        # A TTL holds at most 20 routes (47 changes); older ones were merged.
+        assert len(view._in_flight._history["d0"]) < 100, "changes older than a load can be were kept"
         await client.aclose()
 
     asyncio.run(main())
