@@ -8,9 +8,9 @@ and take the worker's flags, environment variables and ``--help`` from these fie
 from __future__ import annotations
 
 import json
-from typing import Literal
+from typing import Any, Literal
 
-from pydantic import ConfigDict, Field, ValidationInfo, field_validator
+from pydantic import ConfigDict, Field, ValidationInfo, field_validator, model_validator
 from pydantic.dataclasses import dataclass
 
 SUPPORTED_BLOCK_SIZES = (8, 16, 32, 64, 128)
@@ -25,8 +25,8 @@ DTYPE_NAMES = ("float32", "bfloat16", "float16")
 QUANTIZATIONS = ("auto", "gguf", "none")
 # KV cache dtypes (vLLM's names): "auto" is the model's dtype (``engine.runner.devices.resolve_kv_cache_dtype``).
 KV_CACHE_DTYPES = ("auto", "fp8_e4m3")
-# Model-free proposers of speculative decoding (``engine.speculative``), vLLM's method names.
-SPECULATIVE_METHODS = ("ngram", "suffix")
+# Proposers of speculative decoding (``engine.speculative``), vLLM's method names.
+SPECULATIVE_METHODS = ("ngram", "suffix", "draft_model")
 
 
 @dataclass(config=ConfigDict(extra="forbid"))
@@ -43,7 +43,13 @@ class SpeculativeConfig:
     method: Literal[*SPECULATIVE_METHODS] = Field(
         "ngram", description="ngram: prompt lookup, the tokens that followed the latest earlier occurrence of the "
                              "sequence's last n tokens; suffix: a suffix tree over the request's and recent "
-                             "requests' tokens, the most frequent continuation of the longest matched suffix")
+                             "requests' tokens, the most frequent continuation of the longest matched suffix; "
+                             "draft_model: a smaller model of the target's vocabulary drafts greedily, its paged "
+                             "KV under the target's block ids")
+    model: str | dict[str, Any] | None = Field(
+        None, description="draft_model: the draft (as the engine's model: a GGUF file, an HF directory, a hub id, "
+                          "a preset or a config dict, the last two with random weights); it must have the "
+                          "target's vocabulary")
     num_speculative_tokens: int = Field(4, ge=1, le=32, description="draft tokens per sequence and step at most (k)")
     prompt_lookup_max: int = Field(5, ge=1, le=64, description="ngram: the longest n-gram matched")
     prompt_lookup_min: int = Field(2, ge=1, le=64, description="ngram: the shortest n-gram matched")
@@ -69,6 +75,12 @@ class SpeculativeConfig:
         if bound is not None and value > bound:
             raise ValueError(f"must be <= prompt_lookup_max={bound}, got {value}")
         return value
+
+    @model_validator(mode="after")
+    def _check_draft_model(self) -> SpeculativeConfig:
+        if (self.method == "draft_model") != (self.model is not None):
+            raise ValueError("model: set it for method 'draft_model' (the draft), and only for it")
+        return self
 
 
 @dataclass(config=ConfigDict(extra="forbid"))
@@ -126,6 +138,12 @@ class EngineConfig:
                           "(144, 160, ..., 256, 288, ...) up to min(max_num_batched_tokens, 2048); empty: none")
     enforce_eager: bool = Field(False, description="CUDA: capture no graphs and run every step eagerly (less "
                                                    "start-up, slower steps)")
+    batch_invariant: bool = Field(
+        False, description="CUDA: every row's result independent of what else runs in its step (a greedy answer "
+                           "the same at any batch size and with speculation or without, in bfloat16 too): linear "
+                           "layers through a matmul of one fixed tile shape (kernels.matmul), the decode "
+                           "attention with one split count for every batch; slower than cuBLAS; needs "
+                           "tensor_parallel_size 1")
     tensor_parallel_size: int = Field(
         1, ge=1, description="ranks the model is sharded over (Megatron-LM tensor parallelism, "
                              "engine.parallel.tensor_parallel), one process and one GPU each; it must divide the model's "
@@ -145,6 +163,12 @@ class EngineConfig:
     @classmethod
     def _parse_speculative(cls, value: object) -> object:
         return json.loads(value) if isinstance(value, str) else value
+
+    @model_validator(mode="after")
+    def _check_batch_invariant_parallel(self) -> EngineConfig:
+        if self.batch_invariant and self.tensor_parallel_size > 1:
+            raise ValueError("batch_invariant runs with tensor_parallel_size 1 only (an all-reduce's order is NCCL's)")
+        return self
 
     @field_validator("block_size")
     @classmethod

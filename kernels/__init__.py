@@ -20,6 +20,7 @@ _ENTRY_POINTS = {
     "silu_and_mul": "kernels.activation",
     "sample_tokens": "kernels.sampling",
     "kv_digests": "kernels.kv_digest",
+    "matmul": "kernels.matmul",
     # an engine step's launches, prepared once for all its layers
     "PagedDecodeLaunch": "kernels.decode_attention",
     "PagedPrefillLaunch": "kernels.prefill_attention",

@@ -7,7 +7,7 @@ sequences, and no host sync when the caller passes ``max_seq_len``/``max_query_l
 Softmax runs in float32 whatever the cache dtype; an fp8 cache's K and V are upcast to float32
 as they are gathered. The layer functions (``rms_norm``,
 ``rotary_embedding``, ``silu_and_mul``) are the unfused PyTorch formulas the CPU path has
-always run; ``sample_tokens`` computes the sampling kernel's counter-based noise bit for bit
+always run, ``matmul`` is ``F.linear``; ``sample_tokens`` computes the sampling kernel's counter-based noise bit for bit
 with int64 arithmetic. ``kv_digests`` sums a KV block's words with the digest kernel's integer
 arithmetic (bit for bit) and counts non-finite elements with ``torch.isfinite``.
 """
@@ -17,7 +17,7 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
-__all__ = ["digest_words", "kv_digests", "paged_decode_attention", "paged_prefill_attention", "rms_norm", "rope_decode_attention",
+__all__ = ["digest_words", "kv_digests", "matmul", "paged_decode_attention", "paged_prefill_attention", "rms_norm", "rope_decode_attention",
            "rotary_embedding", "rotary_write_kv_cache", "sample_tokens", "silu_and_mul", "to_cache_dtype",
            "write_kv_cache"]
 
@@ -268,6 +268,14 @@ def rope_decode_attention(
     paged_decode_attention(q, k_cache, v_cache, block_tables, seq_lens, scale,
                            out=out.view(num_tokens, num_q_heads, head_dim))
     return out
+
+
+def matmul(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None,
+           out_dtype: torch.dtype | None = None) -> torch.Tensor:
+    """``x`` ``[M, K]`` @ ``weight^T`` (``[N, K]``) + ``bias`` (``[N]``) -> ``[M, N]`` in
+    ``out_dtype`` (default x's), accumulated in float32."""
+    out = F.linear(x.float(), weight.float(), None if bias is None else bias.float())
+    return out.to(out_dtype or x.dtype)
 
 
 def silu_and_mul(x: torch.Tensor) -> torch.Tensor:

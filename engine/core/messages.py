@@ -132,7 +132,7 @@ class EngineInfo(msgspec.Struct):
             a worker publishes (``engine.core.engine_core.EngineCore``'s resolved ones).
         num_blocks: KV blocks per rank.
         eos_token_ids: the model's end-of-sequence tokens (for ``check_stop``).
-        device: the engine's device (rank 0's), e.g. ``"cuda:0"``.
+        device: the engine's device (rank 0's), as ``str(torch.device)`` writes it.
         num_threads: PyTorch's intra-op threads of the engine core's busy loop.
     """
 

@@ -1,4 +1,5 @@
-"""oneDNN-packed linear layers for float32 inference on x86 CPUs.
+"""Linear layers in place of ``nn.Linear``: oneDNN-packed ones for float32 inference on x86
+CPUs, and batch-invariant ones on CUDA (:class:`BatchInvariantLinear`).
 
 Why not plain ``nn.Linear`` there: PyTorch's float32 ``linear`` goes to MKL's sgemm, which on
 the AMD EPYC hosts Tandem's CPU path runs on is about 2-3x slower than oneDNN's kernels over
@@ -12,6 +13,8 @@ from __future__ import annotations
 
 import torch
 from torch import nn
+
+import kernels  # (its Triton entry points load on first use: only CUDA engines build BatchInvariantLinear)
 
 
 def packed_linear_available(device: torch.device, dtype: torch.dtype) -> bool:
@@ -53,14 +56,37 @@ def replace_module(model: nn.Module, name: str, module: nn.Module) -> None:
     setattr(parent, child, module)
 
 
-def pack_linears(model: nn.Module) -> int:
-    """Replace every ``nn.Linear`` in ``model`` by a :class:`PackedLinear` with the same weights
-    (and forward hooks).
+class BatchInvariantLinear(nn.Module):
+    """``y = x @ W^T + b`` through :func:`kernels.matmul`: each row's result the same whatever
+    else shares the step (a decode step and a verification of drafts round alike), where
+    cuBLAS chooses its kernel by the row count.
+
+    Args:
+        weight: ``[out_features, in_features]`` float32, float16 or bfloat16, on CUDA.
+        bias: ``[out_features]`` or ``None``.
+
+    ``forward`` takes ``[num_tokens, in_features]`` and returns ``[num_tokens, out_features]``
+    in the weight's dtype.
+    """
+
+    def __init__(self, weight: torch.Tensor, bias: torch.Tensor | None) -> None:
+        super().__init__()
+        self.out_features, self.in_features = weight.shape
+        self.weight = weight.detach()
+        self.bias = None if bias is None else bias.detach()
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return kernels.matmul(x if x.stride(-1) == 1 else x.contiguous(), self.weight, self.bias)
+
+
+def replace_linears(model: nn.Module, layer: type[PackedLinear] | type[BatchInvariantLinear]) -> int:
+    """Replace every ``nn.Linear`` in ``model`` by ``layer(weight, bias)`` over the same weights
+    (keeping its forward hooks).
 
     Returns:
-        How many layers were packed.
+        How many layers were replaced.
     """
     targets = [(name, module) for name, module in model.named_modules() if isinstance(module, nn.Linear)]
     for name, module in targets:
-        replace_module(model, name, PackedLinear(module.weight, module.bias))
+        replace_module(model, name, layer(module.weight, module.bias))
     return len(targets)

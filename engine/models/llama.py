@@ -18,7 +18,7 @@ from torch import nn
 from engine.runner.attention import AttentionMetadata, PagedAttentionBackend
 from engine.runner.kv_cache import KVCache
 from engine.layers.activation import silu_and_mul
-from engine.layers.linear import pack_linears
+from engine.layers.linear import BatchInvariantLinear, PackedLinear, replace_linears
 from engine.layers.norm import RMSNorm
 from engine.layers.rotary import RotaryEmbedding, apply_rotary_emb
 from engine.loading.model_config import ModelConfig
@@ -247,13 +247,14 @@ class LlamaForCausalLM(nn.Module):
             return self.lm_head(hidden).float()
         return F.linear(hidden, self.model.embed_tokens.weight).float()
 
-    def pack_for_cpu(self) -> None:
-        """Move every projection, the logits head included, to oneDNN-packed weights
-        (:mod:`engine.layers.linear`). Call once, after loading, on a float32 CPU model."""
+    def replace_linears(self, layer: type[PackedLinear] | type[BatchInvariantLinear]) -> None:
+        """Run every projection, the logits head included, through ``layer``
+        (:mod:`engine.layers.linear`: oneDNN-packed weights for a float32 CPU model, the
+        batch-invariant matmul on CUDA). Call once, after loading."""
         if self.lm_head is None:
             self.lm_head = nn.Linear(self.config.hidden_size, self.config.vocab_size, bias=False)
             self.lm_head.weight = self.model.embed_tokens.weight
-        pack_linears(self)
+        replace_linears(self, layer)
 
     def materialize(self, device: torch.device | str) -> None:
         """Allocate (uninitialised) parameters on ``device`` for a model built on the meta device,

@@ -31,7 +31,7 @@ SHARED = {"listen", "model", "redis_url", "redis_key_prefix", "registry_ttl_s", 
 ENGINE = {"block_size", "max_num_seqs", "max_num_batched_tokens", "max_model_len", "num_blocks",
           "kv_cache_memory_bytes", "gpu_memory_utilization", "enable_prefix_caching", "dtype", "quantization",
           "kv_cache_dtype", "device", "seed", "cuda_graph_batch_sizes", "cuda_graph_token_sizes", "enforce_eager",
-          "tensor_parallel_size", "async_scheduling", "speculative_config"}
+          "batch_invariant", "tensor_parallel_size", "async_scheduling", "speculative_config"}
 WORKER = SHARED | ENGINE | {"advertise", "worker_id", "heartbeat_interval_s", "load_format", "kv_transport",
                             "kv_verify_checksums", "engine_hang_timeout_s"}
 GATEWAY = SHARED | {"chat_split_special_tokens", "static_prefill", "static_decode", "refresh_interval_s",
