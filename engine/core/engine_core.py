@@ -153,7 +153,7 @@ class EngineCore:
         self.runner.logits = LogitsProcessors(self.vocab_size, self.device, sorted(self.eos_token_ids), self.grammars)
         self.scheduler.on_release = self._on_release
         spec = config.speculative_config
-        self.proposer = build_proposer(spec) if spec is not None else None
+        self.proposer = build_proposer(spec, shard.draft, self.kv_manager) if spec is not None else None
         self._spec_max_batch = resolve_disable_by_batch_size(spec, self.device.type) if spec is not None else None
         # Speculative decoding's counts: drafts per position, accepted per position.
         self._spec_drafts: list[int] = [0] * (spec.num_speculative_tokens if spec else 0)
@@ -579,12 +579,14 @@ class EngineCore:
         """Drafts for this step's decoding sequences. A sequence whose logits are processed
         (penalties, bias, bad words, ``min_tokens``, structured output: their state follows the
         output token by token) decodes one token a step."""
-        seqs = [s for s in self.scheduler.running if s.num_computed_tokens == s.num_tokens - 1
-                and not s.num_output_placeholders and not s.params.processes_logits]
+        k = self.config.speculative_config.num_speculative_tokens
+        room = {s: min(k, self.scheduler.draft_room(s)) for s in self.scheduler.running
+                if s.num_computed_tokens == s.num_tokens - 1 and not s.num_output_placeholders
+                and not s.params.processes_logits}
+        seqs = [s for s, n in room.items() if n]
         if not seqs:
             return {}
-        k = self.config.speculative_config.num_speculative_tokens
-        drafts = self.proposer.propose(seqs, [k] * len(seqs))
+        drafts = self.proposer.propose(seqs, [room[s] for s in seqs])
         return {seq: d for seq, d in zip(seqs, drafts) if d}
 
     def _accept(self, s: ScheduledSequence, sampled: list[int]) -> int:
@@ -601,10 +603,11 @@ class EngineCore:
         return accepted
 
     def _on_release(self, seq: Sequence) -> None:
-        """A sequence was preempted or ended: the sampler's and the proposer's state for it goes."""
+        """A sequence was preempted or ended: the sampler's and the proposer's state for it goes
+        (a proposer learns from it only while the engine speculates)."""
         self.runner.logits.release(seq)
         if self.proposer is not None:
-            self.proposer.release(seq)
+            self.proposer.release(seq, learn=self._speculates())
 
     def _pin_computed_prompt_blocks(self, req: _Request, seq: Sequence, num_computed: int) -> bool:
         """Pin the prompt blocks of ``seq`` (sample 0) whose KV a completed step wrote (its first

@@ -228,12 +228,17 @@ class Scheduler:
         return out
 
     def _room_for_drafts(self, seq: Sequence, drafts: list[int], budget: int) -> list[int]:
-        """The leading ``drafts`` a decoding ``seq`` can verify in a step with ``budget`` tokens
-        left: every one may be accepted, and the token sampled after them too, so they stop
-        short of ``max_tokens`` and their KV within ``max_model_len``."""
+        """The leading ``drafts`` a decoding ``seq`` can verify in a step with ``budget`` tokens left."""
+        return list(drafts[:self.draft_room(seq, budget)])
+
+    def draft_room(self, seq: Sequence, budget: int | None = None) -> int:
+        """How many drafts a decoding ``seq`` can verify in a step with ``budget`` tokens left
+        (default: a whole step's): every one may be accepted, and the token sampled after them
+        too, so they stop short of ``max_tokens`` and their KV within ``max_model_len``."""
+        budget = self.max_num_batched_tokens if budget is None else budget
         room = min(budget - 1, seq.params.max_tokens - seq.num_output_tokens - 1,
                    self.max_model_len - seq.num_tokens)
-        return list(drafts[:max(room, 0)])
+        return max(room, 0)
 
     def _in_flight_tokens_finish(self, seq: Sequence) -> bool:
         """Whether the tokens ``seq`` has in flight already end it by length (``max_tokens`` or

@@ -87,10 +87,12 @@ class CUDAGraphRunner:
         batch_sizes: the ladder; any order, duplicates ignored.
         max_blocks_per_seq: the block tables' width.
         max_model_len: the decode kernel's fixed bound on context length.
+        fixed_kv_splits: one split count for every graph (a batch-invariant engine's, no
+            long-tail graphs); ``None``: each batch size's own.
     """
 
     def __init__(self, model: torch.nn.Module, kv_cache: KVCache, batch_sizes: list[int],
-                 max_blocks_per_seq: int, max_model_len: int) -> None:
+                 max_blocks_per_seq: int, max_model_len: int, fixed_kv_splits: int | None = None) -> None:
         self.model = model
         self.kv_cache = kv_cache
         self.batch_sizes = sorted(set(batch_sizes))
@@ -108,10 +110,11 @@ class CUDAGraphRunner:
 
         num_kv_heads = kv_cache.tensor.shape[1]
         num_sms = sm_count(device)
-        self.num_splits = {b: num_kv_splits(b, num_kv_heads, max_model_len, num_sms) for b in self.batch_sizes}
+        self.num_splits = {b: fixed_kv_splits or num_kv_splits(b, num_kv_heads, max_model_len, num_sms)
+                           for b in self.batch_sizes}
         long_tail = long_tail_splits(num_kv_heads, num_sms)
         self.long_tail_splits = {b: long_tail for b in self.batch_sizes
-                                 if b <= LONG_TAIL_MAX_BATCH and long_tail > self.num_splits[b]}
+                                 if not fixed_kv_splits and b <= LONG_TAIL_MAX_BATCH and long_tail > self.num_splits[b]}
         self._size_for = round_up_table(self.batch_sizes)
 
     def batch_size_for(self, step: SchedulerOutput) -> int | None:

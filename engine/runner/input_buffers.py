@@ -102,10 +102,13 @@ class InputBuffers:
         max_blocks_per_seq: the block table's width.
         block_size: tokens per block.
         device: where the model runs; on the CPU the host arrays are the device tensors.
+        fixed_kv_splits: the decode kernel's split count in every step's metadata (a
+            batch-invariant engine's one count); ``None``: the kernel's choice per step.
     """
 
     def __init__(self, max_num_tokens: int, max_num_seqs: int, max_blocks_per_seq: int, block_size: int,
-                 device: torch.device) -> None:
+                 device: torch.device, fixed_kv_splits: int | None = None) -> None:
+        self.fixed_kv_splits = fixed_kv_splits
         self.block_size = block_size
         self.max_blocks_per_seq = max_blocks_per_seq
         self.device = device
@@ -331,6 +334,7 @@ class InputBuffers:
             max_query_len=shape.max_query_len,
             max_seq_len=shape.max_seq_len,
             max_decode_seq_len=shape.max_decode_seq_len,
+            num_kv_splits=self.fixed_kv_splits,
         )
         inputs = StepInputs(
             input_ids=self.input_ids.device[:t],

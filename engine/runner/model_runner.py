@@ -87,6 +87,17 @@ class StepResult:
     stats: StepStats
 
 
+def fixed_kv_splits(kv_cache: KVCache, max_model_len: int) -> int:
+    """A batch-invariant engine's one decode-attention split count: one sequence's count at the
+    longest context (:func:`kernels.decode_attention.num_kv_splits`), so a lone long stream still
+    fills the GPU. A context's slices depend on its own length and this count only, so its
+    attention rounds alike in every batch."""
+    from kernels.decode_attention import num_kv_splits, sm_count  # (Triton is optional: CUDA only)
+
+    device = kv_cache.tensor.device
+    return num_kv_splits(1, kv_cache.tensor.shape[1], max_model_len, sm_count(device))
+
+
 class ModelRunner:
     """Runs steps of one model over one KV cache.
 
@@ -98,18 +109,22 @@ class ModelRunner:
         max_num_seqs: sequences per step, usually (the buffers grow past it for fork children).
         max_model_len: tokens per sequence at most (sizes the block tables).
         seed: seeds the generator of the per-step seed of unseeded requests.
+        batch_invariant: CUDA: one decode-attention split count for every step, eager or
+            graphed (:func:`fixed_kv_splits`; ``EngineConfig.batch_invariant``, whose linear
+            layers the model already has).
     """
 
     def __init__(self, model: torch.nn.Module, kv_cache: KVCache, max_num_tokens: int, max_num_seqs: int,
-                 max_model_len: int, seed: int = 0) -> None:
+                 max_model_len: int, seed: int = 0, batch_invariant: bool = False) -> None:
         self.model = model
         self.kv_cache = kv_cache
         self.block_size = kv_cache.block_size
         self.device = kv_cache.tensor.device
         self.max_model_len = max_model_len
         self.max_blocks_per_seq = cdiv(max_model_len, self.block_size)
+        self.fixed_kv_splits = fixed_kv_splits(kv_cache, max_model_len) if batch_invariant else None
         self.buffers = InputBuffers(max_num_tokens, max_num_seqs, self.max_blocks_per_seq, self.block_size,
-                                    self.device)
+                                    self.device, self.fixed_kv_splits)
         self.graphs: CUDAGraphRunner | None = None
         self.pieces: PiecewiseCUDAGraphs | None = None
         self._rng = np.random.default_rng(seed)
@@ -132,7 +147,7 @@ class ModelRunner:
         """Capture decode-only steps at ``batch_sizes`` (CUDA only); later decode-only steps of
         up to ``max(batch_sizes)`` sequences replay them."""
         self.graphs = CUDAGraphRunner(self.model, self.kv_cache, batch_sizes, self.max_blocks_per_seq,
-                                      self.max_model_len)
+                                      self.max_model_len, self.fixed_kv_splits)
         self.graphs.capture()
 
     def capture_piecewise_graphs(self, token_sizes: list[int]) -> None:
@@ -182,11 +197,7 @@ class ModelRunner:
             sequence of ``PendingStep.sequences``.
         """
         start = time.perf_counter()
-        graph_size = self.graphs.batch_size_for(step) if self.graphs is not None else None
-        if graph_size is not None:
-            inputs = self.graphs.prepare(step, graph_size)
-        else:
-            inputs = self.buffers.prepare(step)
+        graph_size, inputs = self._prepare(step)
         if self.broadcast is not None:
             buffers = self.buffers if graph_size is None else self.graphs.buffers
             copies = np.asarray(step.block_copies, dtype=np.int64).reshape(-1)
@@ -219,6 +230,29 @@ class ModelRunner:
             num_kv_slots_used=inputs.num_kv_slots_used, num_kv_slots_allocated=inputs.num_kv_slots_allocated,
         )
         return self._results_to_host(out, seqs, stats, start)
+
+    @torch.inference_mode()
+    def greedy(self, step: SchedulerOutput) -> torch.Tensor:
+        """Run ``step``'s forward and return each sampling row's argmax token: a draft model's
+        step (:mod:`engine.speculative.draft_model`), with no logits processing, sampling state
+        or broadcast; a decode-only step replays a decode CUDA graph as in :meth:`launch`.
+
+        Returns:
+            ``[num_sampled]`` int64 on the device, in the step's row order (empty when no row
+            reaches its last token).
+        """
+        graph_size, inputs = self._prepare(step)
+        graph = self._graph(graph_size)
+        logits = self._run(inputs, graph, self._pieces_size(inputs, graph), step.block_copies)
+        return torch.empty(0, dtype=torch.int64, device=self.device) if logits is None else logits.argmax(dim=-1)
+
+    def _prepare(self, step: SchedulerOutput) -> tuple[int | None, StepInputs]:
+        """The batch size of the decode graph that runs ``step`` (``None``: none does) and its
+        inputs, prepared in that graph's buffers or the eager ones."""
+        graph_size = self.graphs.batch_size_for(step) if self.graphs is not None else None
+        if graph_size is not None:
+            return graph_size, self.graphs.prepare(step, graph_size)
+        return None, self.buffers.prepare(step)
 
     def _feed_in_flight_tokens(self, inputs: StepInputs) -> None:
         """Write the input tokens still in flight (``inputs.in_flight``: ``(token row, sampled

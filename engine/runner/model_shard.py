@@ -20,13 +20,15 @@ import torch
 import torch.distributed as dist
 
 from engine.runner.attention import get_attention_backend
-from engine.config import EngineConfig
+from engine.config import EngineConfig, resolve_disable_by_batch_size
 from engine.runner.cuda_graphs import cuda_graph_sizes
 from engine.runner.devices import check_kv_cache_dtype, rank_device, resolve_kv_cache_dtype
 from engine.parallel.distributed import TPGroup
 from engine.runner.kv_cache import KVCache
-from engine.layers.linear import packed_linear_available
+from engine.layers.linear import BatchInvariantLinear, PackedLinear, packed_linear_available
 from engine.loading.loader import LoadedModel, load_model
+from engine.loading.quantized_loader import resolve_quantization
+from engine.model_source import resolve_model
 from engine.runner.model_runner import ModelRunner
 from engine.outputs import StartupStats
 from engine.runner.piecewise_graphs import piecewise_token_sizes
@@ -51,6 +53,10 @@ class ModelShard:
             ``[num_blocks, kv_heads_per_rank, num_layers, 2, block_size, head_dim]`` (the other
             ranks map theirs from it); another rank: its own only.
         runner: runs this rank's steps.
+        draft: the draft model's runner (speculative method ``draft_model``): its KV cache has
+            the target's ``num_blocks`` blocks, block ``b`` of it holding the draft's KV of the
+            tokens whose target KV is in block ``b``; ``None`` without a draft, and on a rank
+            other than 0 (the whole draft runs on rank 0).
         num_blocks: KV blocks per rank (the same on every rank).
         max_model_len: tokens per sequence at most (the setting, lowered to what the KV cache holds).
         memory_profile: on CUDA with the KV cache sized from memory, this rank's measured profile.
@@ -65,6 +71,7 @@ class ModelShard:
     max_model_len: int
     memory_profile: MemoryProfile | None
     startup: StartupStats
+    draft: ModelRunner | None = None
 
 
 def build_shard(model: str | dict | None, config: EngineConfig, load_format: str, device: torch.device,
@@ -88,7 +95,8 @@ def build_shard(model: str | dict | None, config: EngineConfig, load_format: str
 
     Raises:
         ValueError: a bad model or setting (from the loader), a KV cache dtype the device cannot
-            run, or no room for a single KV block.
+            run, no room for a single KV block, or a draft model whose vocabulary is not the
+            target's.
     """
     started = time.perf_counter() if started is None else started
     kv_dtype = resolve_kv_cache_dtype(config.kv_cache_dtype, dtype)[1]
@@ -97,8 +105,11 @@ def build_shard(model: str | dict | None, config: EngineConfig, load_format: str
     loaded = load_model(model, dtype=dtype, device=device, attn_backend=get_attention_backend(device),
                         load_format=load_format, tp=tp, quantization=quantization)
     net = loaded.model
-    if packed_linear_available(device, dtype):
-        net.pack_for_cpu()
+    _replace_linears(net, config, device, dtype)
+    # The draft runs whole on rank 0 (its proposals reach the other ranks as a verification's
+    # input tokens), so only rank 0's blocks hold its KV too.
+    draft = _load_draft(config, load_format, device, dtype, loaded.config.vocab_size) \
+        if tp is None or tp.is_driver else None
     load_s = time.perf_counter() - started
 
     bs = config.block_size
@@ -108,6 +119,8 @@ def build_shard(model: str | dict | None, config: EngineConfig, load_format: str
     if device.type == "cuda" and not config.num_blocks:
         memory_profile = profile_memory(net, config, kv_dtype, device, graph_sizes, token_sizes, others_bytes)
     per_block = KVCache.bytes_per_block(net.config, bs, kv_dtype)
+    if draft is not None:  # a block id holds the target's KV and the draft's
+        per_block += KVCache.bytes_per_block(draft.config, bs, kv_dtype)
     budget = memory_profile.kv_cache_bytes if memory_profile is not None else config.kv_cache_memory_bytes
     num_blocks = config.num_blocks or budget // per_block
     if tp is not None:
@@ -122,9 +135,62 @@ def build_shard(model: str | dict | None, config: EngineConfig, load_format: str
 
     pools = _kv_pools(KVCache.shape(net.config, num_blocks, bs), kv_dtype, device, tp, store, allocate_pools)
     kv_cache = KVCache(net.config, num_blocks, bs, kv_dtype, device, tensor=pools[0])
-    runner = ModelRunner(net, kv_cache, config.max_num_batched_tokens, config.max_num_seqs, max_len, config.seed)
+    runner = ModelRunner(net, kv_cache, config.max_num_batched_tokens, config.max_num_seqs, max_len, config.seed,
+                         config.batch_invariant)
     startup = start_up(runner, config, graph_sizes, token_sizes, started, load_s, profile_s)
-    return ModelShard(loaded, kv_cache, pools, runner, num_blocks, max_len, memory_profile, startup)
+    draft_runner = None
+    if draft is not None:
+        draft_runner = ModelRunner(draft.model, KVCache(draft.config, num_blocks, bs, kv_dtype, device),
+                                   config.max_num_batched_tokens, config.max_num_seqs, max_len)
+        spec = config.speculative_config
+        # Decode rows of a draft step: a token per sequence, or its tokens accepted since its last proposal.
+        rows = (resolve_disable_by_batch_size(spec, device.type) or config.max_num_seqs) * (1 + spec.num_speculative_tokens)
+        start_up(draft_runner, config, [n for n in graph_sizes if n <= rows] or graph_sizes[:1], [],
+                 time.perf_counter(), 0.0, 0.0)
+    return ModelShard(loaded, kv_cache, pools, runner, num_blocks, max_len, memory_profile, startup, draft_runner)
+
+
+def _load_draft(config: EngineConfig, load_format: str, device: torch.device, dtype: torch.dtype,
+                vocab_size: int) -> LoadedModel | None:
+    """The draft model of speculative method ``draft_model`` (``None`` for another method or
+    none), on ``device`` in ``dtype``: random weights when the target's are (``load_format``
+    ``"dummy"``) or when the draft names no checkpoint (a preset, a config dict); a GGUF
+    draft on the CPU keeps its quantized weights unless the engine's ``quantization`` is
+    ``"none"``.
+
+    Raises:
+        ValueError: from the loader, or naming ``speculative_config.model`` when the draft's
+            vocabulary size is not ``vocab_size`` (the target's).
+    """
+    spec = config.speculative_config
+    if spec is None or spec.method != "draft_model":
+        return None
+    source = resolve_model(spec.model)
+    fmt = "dummy" if load_format == "dummy" or source.path is None else "auto"
+    name = "auto" if config.quantization == "gguf" else config.quantization
+    quantization = resolve_quantization(name, source.gguf if fmt == "auto" else None, device)
+    draft = load_model(spec.model, dtype=dtype, device=device, attn_backend=get_attention_backend(device),
+                       load_format=fmt, quantization=quantization)
+    if draft.config.vocab_size != vocab_size:
+        raise ValueError(f"speculative_config.model: the draft's vocabulary has {draft.config.vocab_size} tokens, "
+                         f"the target's {vocab_size}")
+    _replace_linears(draft.model, config, device, dtype)
+    return draft
+
+
+def _replace_linears(net: torch.nn.Module, config: EngineConfig, device: torch.device, dtype: torch.dtype) -> None:
+    """The batch-invariant projections when ``config.batch_invariant`` asks for them, else the
+    oneDNN-packed ones where they apply (:mod:`engine.layers.linear`).
+
+    Raises:
+        ValueError: ``batch_invariant`` off CUDA (its matmul is a Triton kernel).
+    """
+    if config.batch_invariant:
+        if device.type != "cuda":
+            raise ValueError(f"batch_invariant runs on CUDA only, the engine's device is {device}")
+        net.replace_linears(BatchInvariantLinear)
+    elif packed_linear_available(device, dtype):
+        net.replace_linears(PackedLinear)
 
 
 def _kv_pools(shape: tuple[int, ...], dtype: torch.dtype, device: torch.device, tp: TPGroup | None,

@@ -9,15 +9,29 @@ longest run of drafts equal to what the target sampled, plus the target's token 
 KV written for rejected drafts is dropped (``KVCacheManager.rewind``).
 """
 
+from __future__ import annotations
+
+from typing import TYPE_CHECKING
+
 from engine.config import SpeculativeConfig
 from engine.speculative.proposer import Proposer
 
+if TYPE_CHECKING:
+    from engine.core.kv_cache_manager import KVCacheManager
+    from engine.runner.model_runner import ModelRunner
 
-def build_proposer(config: SpeculativeConfig) -> Proposer:
-    """The proposer ``config.method`` names."""
+
+def build_proposer(config: SpeculativeConfig, draft: ModelRunner | None = None,
+                   kv_manager: KVCacheManager | None = None) -> Proposer:
+    """The proposer ``config.method`` names; ``draft_model`` runs ``draft`` (the draft model's
+    runner: :attr:`engine.runner.model_shard.ModelShard.draft`) and reserves its drafts' slots
+    through ``kv_manager`` (the target's)."""
     if config.method == "ngram":
         from engine.speculative.ngram import NgramProposer
         return NgramProposer(config.prompt_lookup_min, config.prompt_lookup_max)
+    if config.method == "draft_model":
+        from engine.speculative.draft_model import DraftModelProposer
+        return DraftModelProposer(draft, kv_manager)
     from engine.speculative.suffix import SuffixProposer
     return SuffixProposer(config.suffix_max_depth, config.suffix_max_cached_requests, config.suffix_min_token_prob)
 

@@ -28,7 +28,7 @@ class NgramProposer:
         return [propose_ngram(np.asarray(s.token_ids, dtype=np.int64), self.min_n, self.max_n, k)
                 for s, k in zip(seqs, num_tokens)]
 
-    def release(self, seq: Sequence) -> None:
+    def release(self, seq: Sequence, learn: bool = True) -> None:
         pass
 
 

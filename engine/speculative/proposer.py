@@ -26,8 +26,9 @@ class Proposer(Protocol):
         """
         ...
 
-    def release(self, seq: Sequence) -> None:
+    def release(self, seq: Sequence, learn: bool = True) -> None:
         """``seq`` was preempted or has ended (``seq.is_finished``: finished or aborted): drop
-        what is held for it (a proposer that learns from past requests keeps an ended one's
-        tokens)."""
+        what is held for it. A proposer that learns from past requests keeps an ended one's
+        tokens when ``learn`` (the engine speculates at its batch size: above it, learning
+        would cost the batch time for drafts nobody asks for)."""
         ...

@@ -1,7 +1,7 @@
 """Suffix drafting: vLLM's ``suffix`` method (Oliaro et al., 2024, "SuffixDecoding"), model-free.
 
 Each running sequence has a suffix tree of its own tokens (prompt and output), and one tree is
-shared by the tokens of recently finished requests; both are tries of every substring up to
+shared by the outputs of recently finished requests (the paper's global tree); both are tries of every substring up to
 ``max_depth`` tokens, each node counting the occurrences of its path. To draft, the longest
 suffix of the sequence (up to ``max_depth - 1`` tokens) that occurs earlier with a continuation
 is found in each tree, the longer match wins (the sequence's own on a tie), and the draft
@@ -121,15 +121,16 @@ class SuffixProposer:
             drafts.append(draft_from(node, k, self.min_token_prob) if node is not None else [])
         return drafts
 
-    def release(self, seq: Sequence) -> None:
-        """A preempted sequence keeps its tree (its tokens stay); an ended one's tokens move to
-        the shared tree, the oldest request's leaving it past ``max_cached_requests``."""
+    def release(self, seq: Sequence, learn: bool = True) -> None:
+        """A preempted sequence keeps its tree (its tokens stay); an ended one's output joins the
+        shared tree when ``learn``, the oldest request's leaving it past ``max_cached_requests``
+        (O(output tokens * max_depth) each)."""
         if not seq.is_finished:
             return
         self._own.pop(seq, None)
-        if not self.max_cached_requests:
+        if not (learn and self.max_cached_requests):
             return
-        tokens = list(seq.token_ids)
+        tokens = list(seq.output_token_ids)
         self.shared.add(tokens)
         self._recent.append(tokens)
         if len(self._recent) > self.max_cached_requests:

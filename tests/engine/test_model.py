@@ -11,13 +11,14 @@ import pytest
 import torch
 import transformers
 
-from engine.layers.linear import PackedLinear, pack_linears, packed_linear_available
+from engine.layers.linear import BatchInvariantLinear, PackedLinear, packed_linear_available, replace_linears
 from engine.layers.rotary import RotaryEmbedding
 from engine.loading.loader import load_model
 from engine.loading.model_config import ModelConfig
 from tests.helpers.models import (
     ATOL, LLAMA3_ROPE, TINY, PagedRunner, hf_logits, make_hf_model, tokens,
 )
+from tests.helpers.paged_inputs import DEVICE
 
 CASES = {
     "llama-gqa-untied": (transformers.LlamaConfig, dict(tie_word_embeddings=False)),
@@ -113,7 +114,21 @@ def test_packed_linears_compute_the_same_and_keep_forward_hooks():
     x = torch.randn(3, 8)
     with torch.no_grad():
         expected = net(x)
-        assert pack_linears(net) == 2
+        assert replace_linears(net, PackedLinear) == 2
         assert isinstance(net[0], PackedLinear) and isinstance(net[2], PackedLinear)
         torch.testing.assert_close(net(x), expected)
         torch.testing.assert_close(net[2](torch.zeros(1, 16)), 10 * net[2].bias.unsqueeze(0))
+
+
+def test_batch_invariant_linears_compute_the_same_and_keep_forward_hooks():
+    """The Triton matmul's layers (under the interpreter on the CPU) in place of ``nn.Linear``,
+    an input with a row stride of its own included (a fused projection's slice)."""
+    torch.manual_seed(0)
+    net = torch.nn.Sequential(torch.nn.Linear(8, 16), torch.nn.ReLU(), torch.nn.Linear(16, 4, bias=False)).to(DEVICE)
+    net[2].register_forward_hook(lambda _module, _args, output: output * 10)
+    x = torch.randn(3, 12, device=DEVICE)[:, 2:10]
+    with torch.no_grad():
+        expected = net(x)
+        assert replace_linears(net, BatchInvariantLinear) == 2
+        assert isinstance(net[0], BatchInvariantLinear) and isinstance(net[2], BatchInvariantLinear)
+        torch.testing.assert_close(net(x), expected, rtol=1e-5, atol=1e-5)

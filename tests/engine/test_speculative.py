@@ -15,6 +15,8 @@ from engine.core.block_pool import BlockPool
 from engine.core.kv_cache_manager import KVCacheManager
 from engine.core.scheduler import Scheduler
 from engine.core.sequence import Sequence, SequenceStatus
+from engine.loading.presets import PRESETS
+from engine.model_source import default_gguf_path
 from engine.speculative.acceptance import num_accepted
 from engine.speculative.ngram import propose_ngram
 from engine.speculative.suffix import SuffixProposer, SuffixTrie
@@ -28,6 +30,9 @@ NGRAM = {"method": "ngram", "num_speculative_tokens": 4, "disable_by_batch_size"
 # bfloat16 matmuls the two round up to a bfloat16 step apart, which flips near-ties
 # (bench/speculative.py measures how often on that path).
 EXACT = dict(block_size=16, num_blocks=256, quantization="none")
+DRAFT = {"method": "draft_model", "num_speculative_tokens": 4, "disable_by_batch_size": 1024}
+# A draft of the target's vocabulary with random weights: its drafts are almost never accepted.
+RANDOM_DRAFT = {**PRESETS["smollm2-135m"], "num_hidden_layers": 2}
 
 
 def test_ngram_drafts_follow_the_latest_longest_match():
@@ -68,10 +73,24 @@ def test_suffix_proposer_drafts_from_its_own_and_recent_requests_tokens():
     finished.status = SequenceStatus.FINISHED
     proposer.release(finished)
     assert proposer.propose([_seq([3, 40, 41])], [4]) == [[42, 43, 44]]
-    newer = _seq([50, 51])
+    newer = _seq([50, 51, 52])
     newer.status = SequenceStatus.FINISHED
     proposer.release(newer)  # one request kept: the older one's tokens leave the shared tree
     assert proposer.propose([_seq([3, 40, 41], 1)], [4]) == [[]]
+    skipped = _seq([60, 61, 62, 63])
+    skipped.status = SequenceStatus.FINISHED
+    proposer.release(skipped, learn=False)  # the engine does not speculate at its batch size
+    assert proposer.propose([_seq([3, 61, 62], 2)], [4]) == [[]]
+    assert proposer.propose([_seq([3, 51], 3)], [4]) == [[52]]  # the newer request's output stays
+
+
+def test_the_shared_suffix_tree_holds_outputs_not_prompts():
+    proposer = SuffixProposer(max_depth=8, max_cached_requests=4, min_token_prob=0.1)
+    finished = Sequence("r", 0, [70, 71, 72, 73, 74], 3, SamplingParams(), 0)  # prompt 70-72, output 73, 74
+    finished.status = SequenceStatus.FINISHED
+    proposer.release(finished)
+    assert proposer.propose([_seq([1, 70])], [3]) == [[]]
+    assert proposer.propose([_seq([1, 73], 1)], [3]) == [[74]]
 
 
 def test_acceptance_is_the_longest_matching_prefix():
@@ -91,6 +110,10 @@ def test_config_refuses_bad_speculative_settings():
         EngineConfig(speculative_config={"prompt_lookup_min": 4, "prompt_lookup_max": 3})
     with pytest.raises(ValueError, match="num_speculative_tokens"):
         EngineConfig(speculative_config={"num_speculative_tokens": 0})
+    with pytest.raises(ValueError, match="model: set it for method 'draft_model'"):
+        EngineConfig(speculative_config={"method": "draft_model"})
+    with pytest.raises(ValueError, match="model: set it for method 'draft_model'"):
+        EngineConfig(speculative_config={"method": "ngram", "model": "smollm2-135m"})
 
 
 def test_scheduler_budgets_drafts_and_rewind_frees_their_blocks():
@@ -117,12 +140,17 @@ def engines():
     return LLM(**EXACT), LLM(**EXACT, speculative_config=NGRAM)
 
 
+@pytest.fixture(scope="module")
+def drafted():
+    """LLMs drafting with a draft model: the target itself, and :data:`RANDOM_DRAFT`."""
+    return (LLM(**EXACT, speculative_config={**DRAFT, "model": str(default_gguf_path())}),
+            LLM(**EXACT, speculative_config={**DRAFT, "model": RANDOM_DRAFT}))
+
+
 @pytest.fixture(autouse=True)
 def no_leaks(request):
-    if "engines" not in request.fixturenames:
-        yield
-        return
-    llms = request.getfixturevalue("engines")
+    names = [name for name in ("engines", "drafted") if name in request.fixturenames]
+    llms = [llm for name in names for llm in request.getfixturevalue(name)]
     free = [llm.engine.num_free_blocks for llm in llms]
     yield
     for llm, before in zip(llms, free):
@@ -273,6 +301,57 @@ def test_a_decode_engine_speculates_after_a_prefill_on_another(engines):
     assert spec.engine.stats().spec_decoding.num_accepted_tokens > before
 
 
+def _acceptance(llm, run):
+    """``run()``'s result and the fraction of the drafts proposed meanwhile that were accepted."""
+    before = llm.engine.stats().spec_decoding
+    out = run()
+    after = llm.engine.stats().spec_decoding
+    return out, (after.num_accepted_tokens - before.num_accepted_tokens) / (after.num_draft_tokens - before.num_draft_tokens)
+
+
+@pytest.mark.slow
+def test_draft_model_is_exact_with_itself_and_with_random_weights_as_draft(engines, drafted):
+    """Greedy and seeded ``n = 2`` answers with a draft model equal plain decoding's; the target
+    as its own draft has nearly every draft accepted, a random-weight draft nearly none."""
+    plain, _ = engines
+    greedy = SamplingParams(max_tokens=40, temperature=0)
+    seeded = SamplingParams(max_tokens=24, temperature=0.8, seed=7, n=2)
+    want = _tokens(plain.chat(GROUNDED_CHATS, greedy, use_tqdm=False))
+    want_seeded = _tokens(plain.chat(GROUNDED_CHATS[:1], seeded, use_tqdm=False))
+    rates = []
+    for llm in drafted:
+        got, rate = _acceptance(llm, lambda: _tokens(llm.chat(GROUNDED_CHATS, greedy, use_tqdm=False)))
+        assert got == want
+        assert _tokens(llm.chat(GROUNDED_CHATS[:1], seeded, use_tqdm=False)) == want_seeded
+        rates.append(rate)
+    assert rates[0] > 0.9 and rates[1] < 0.1, rates
+
+
+@pytest.mark.slow
+def test_a_draft_model_catches_up_on_a_prompt_prefilled_elsewhere(engines, drafted):
+    """A decode engine given a request's prompt KV by a prefill engine runs the prompt through
+    its draft first: the target as its own draft then has its drafts accepted."""
+    plain, _ = engines
+    spec = drafted[0]
+    prompt = plain.engine.tokenizer.apply_chat_template(GROUNDED_CHATS[1])
+    params = SamplingParams(max_tokens=32, temperature=0)
+    out, rate = _acceptance(spec, lambda: prefill_then_decode(plain.engine, spec.engine, "split", prompt, params))
+    assert out.outputs[0].token_ids == plain.generate([prompt], params, use_tqdm=False)[0].outputs[0].token_ids
+    assert rate > 0.9
+
+
+def test_a_draft_models_kv_shares_the_pool_and_its_vocabulary_is_the_targets():
+    """Under a KV memory budget a block holds the target's KV and the draft's: a draft of the
+    target's shape halves the blocks. A draft of another vocabulary is refused."""
+    config = dict(model="smollm2-135m", load_format="dummy", block_size=16, kv_cache_memory_bytes=32 << 20)
+    alone = LLM(**config).engine.num_blocks
+    drafted = LLM(**config, speculative_config={"method": "draft_model", "model": "smollm2-135m"}).engine
+    assert drafted.num_blocks == alone // 2
+    assert drafted.proposer.runner.kv_cache.tensor.shape[0] == drafted.num_blocks
+    with pytest.raises(ValueError, match="speculative_config.model: the draft's vocabulary has 1000 tokens"):
+        LLM(**config, speculative_config={"method": "draft_model", "model": {**RANDOM_DRAFT, "vocab_size": 1000}})
+
+
 @pytest.mark.gpu
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
 def test_on_cuda_verifications_replay_the_decode_graphs_and_stay_exact():
@@ -322,3 +401,20 @@ def test_async_scheduling_overlaps_the_steps_that_do_not_speculate_and_stays_exa
     assert overlapped > 3 and verified_in_overlap == 0
     assert engine.stats().spec_decoding.num_accepted_tokens > 0
     assert engine.num_free_blocks == 256
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
+def test_on_cuda_a_draft_model_drafts_in_its_own_decode_graphs_and_stays_exact():
+    """float32 on the GPU, the target as its own draft: the draft's runner has decode graphs,
+    greedy answers equal plain decoding's, nearly every draft is accepted and no block leaks."""
+    config = dict(device="cuda", dtype="float32", block_size=16, quantization="none", gpu_memory_utilization=0.2)
+    plain = LLM(**config)
+    spec = LLM(**config, speculative_config={**DRAFT, "model": str(default_gguf_path()), "disable_by_batch_size": 8})
+    assert spec.engine.proposer.runner.graphs is not None
+    params = SamplingParams(max_tokens=48, temperature=0)
+    free = spec.engine.num_free_blocks
+    got, rate = _acceptance(spec, lambda: _tokens(spec.chat(GROUNDED_CHATS, params, use_tqdm=False)))
+    assert got == _tokens(plain.chat(GROUNDED_CHATS, params, use_tqdm=False))
+    assert rate > 0.9
+    assert spec.engine.num_free_blocks == free

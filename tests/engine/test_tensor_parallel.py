@@ -54,6 +54,27 @@ def test_tp2_tokens_and_logprobs_equal_tp1(tiny_llama: str, kv_cache_dtype: str)
                 assert all(abs(lp_x[t] - lp_y[t]) < 1e-4 for t in lp_x)
 
 
+@pytest.mark.slow
+def test_tp2_with_a_draft_model_equals_tp1_without_speculation(tiny_llama: str) -> None:
+    """The draft (here the target itself, whole) runs on rank 0 beside its shard; its drafts
+    are verified by both ranks: greedy tokens as without speculation, nearly every draft kept,
+    every block back."""
+    params = SamplingParams(max_tokens=24, temperature=0, ignore_eos=True)
+    answers, spec_stats = {}, None
+    for tp, spec in ((1, None), (2, {"method": "draft_model", "model": tiny_llama, "num_speculative_tokens": 3})):
+        llm = LLM(tiny_llama, block_size=8, num_blocks=40, max_num_batched_tokens=16, tensor_parallel_size=tp,
+                  speculative_config=spec)
+        try:  # one prompt at a time: on the CPU speculation stops above two running sequences
+            answers[tp] = [llm.generate([p], params, use_tqdm=False)[0].outputs[0].token_ids for p in PROMPTS]
+            spec_stats = llm.engine.stats().spec_decoding
+            assert llm.engine.num_free_blocks == 40
+        finally:
+            llm.engine.shutdown()
+    assert answers[2] == answers[1]
+    assert spec_stats.num_draft_tokens > 0, spec_stats
+    assert spec_stats.num_accepted_tokens / spec_stats.num_draft_tokens > 0.9, spec_stats
+
+
 def test_size_that_does_not_divide_the_heads_is_refused(tiny_llama: str) -> None:
     with pytest.raises(ValueError, match=r"tensor_parallel_size=3 must divide .*num_attention_heads=4"):
         EngineCore(tiny_llama, EngineConfig(num_blocks=8, tensor_parallel_size=3))

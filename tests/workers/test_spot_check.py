@@ -16,12 +16,15 @@ import torch
 
 from cluster.registry import Role
 from decode_worker.spot_check import TOLERANCE
+from engine import LLM
 from engine.sampling_params import SamplingParams
 from gateway.server import Gateway, load_served_model
 from gateway.settings import GatewaySettings
 from kvtransfer import KVPool
 from protos.tandem.v1 import gateway_pb2, gateway_pb2_grpc, worker_pb2
 
+from tests.helpers.engine import run_until_finished
+from tests.helpers.prompts import GROUNDED_CHATS
 from tests.helpers.workers import pair
 
 pytestmark = pytest.mark.slow
@@ -98,6 +101,45 @@ def test_every_kv_dtype_has_a_tolerance_above_its_rounding_and_below_what_garbag
         eps = torch.finfo(dtype).eps
         rounded = (a * (1 + eps / 2 * torch.randn(4096))).to(dtype).float()
         assert torch.linalg.vector_norm(rounded - a) / torch.linalg.vector_norm(a) < tolerance, dtype
+
+
+def _prompt_blocks(engine, prompt: list[int], others: list[list[int]]) -> torch.Tensor:
+    """The KV of ``prompt``'s full blocks (float32, ``[blocks, ...]``) as ``engine`` computes it
+    with ``others`` prefilled beside it, in ``engine``'s chunks."""
+    params = SamplingParams(max_tokens=1, temperature=0)
+    for i, other in enumerate(others):
+        engine.add_request(f"other-{i}", other, params)
+    engine.add_request("checked", prompt, params, pin_prompt_blocks=True)
+    out = run_until_finished(engine, "checked")
+    while engine.has_unfinished_requests:
+        engine.step()
+    blocks = out.pinned_block_ids[:len(prompt) // engine.config.block_size]
+    kv = engine.kv_cache.tensor[blocks].float()
+    engine.release("checked")
+    return kv
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
+@pytest.mark.parametrize("kv_cache_dtype", ["auto", "fp8_e4m3"])
+def test_on_cuda_recomputed_bf16_and_fp8_blocks_differ_by_well_under_the_tolerance(kv_cache_dtype):
+    """The real SmolLM2 in bf16 on the GPU: each block of a prompt computed in one chunk alone
+    and in 48-token chunks beside three other prompts (a prefill and a decode worker's different
+    batches) differs by under a third of its KV dtype's tolerance; the worst block's error is
+    printed."""
+    config = dict(device="cuda", dtype="bfloat16", quantization="none", block_size=16, gpu_memory_utilization=0.15,
+                  kv_cache_dtype=kv_cache_dtype, enable_prefix_caching=False)
+    alone, chunked = LLM(**config).engine, LLM(**config, max_num_batched_tokens=48).engine
+    prompts = [alone.tokenize(alone.tokenizer.apply_chat_template(chat)) for chat in GROUNDED_CHATS]
+    tolerance = TOLERANCE[alone.kv_cache.tensor.dtype]
+    worst = 0.0
+    for i, prompt in enumerate(prompts):
+        a = _prompt_blocks(alone, prompt, [])
+        b = _prompt_blocks(chunked, prompt, [p for j, p in enumerate(prompts) if j != i])
+        errors = torch.linalg.vector_norm((a - b).flatten(1), dim=1) / torch.linalg.vector_norm(a.flatten(1), dim=1)
+        worst = max(worst, errors.max().item())
+    print(f"KV {alone.kv_cache.tensor.dtype}: worst block relative error {worst:.3g}, tolerance {tolerance}")
+    assert worst < tolerance / 3
 
 
 def _lie(servicer, pool_tensors) -> None:
