@@ -282,13 +282,16 @@ BENCHMARKS: dict[str, Benchmark] = {
             Column("sampler b64 (ms)", "sampler_ms_batch64_unconstrained"),
             Column("sampler b64 constrained (ms)", "sampler_ms_batch64_constrained"))),
     "speculative": Benchmark(
-        "Speculative decoding: n-gram and suffix drafts",
+        "Speculative decoding: n-gram, suffix and draft-model drafts",
         "`python -m bench.speculative`: input-grounded chats (passages, code edits, extraction, multi-turn), "
-        "greedy; tokens per second over no speculation at one stream and at 16 (on the CPU above "
-        "`disable_by_batch_size`, 2 by default, speculation is off), answers equal to no speculation's, "
-        "draft tokens accepted and tokens a verification yields.",
+        "greedy; tokens per second over no speculation at one stream and at 16 or 64 (above "
+        "`disable_by_batch_size`, 2 on the CPU and 4 on CUDA by default, speculation is off), answers equal "
+        "to no speculation's, draft tokens accepted and tokens a verification yields; the draft model is "
+        "the target itself (`draft_self`) or random weights (`draft_random`), with the time its proposals "
+        "take a step; on the CPU, vLLM's CPU build beside it (bf16 weights, its own n-gram method).",
         variant=lambda r: (("workload", "{} prompts x {} tokens, k={}".format(
-            *(r.workload.get(key, "?") for key in ("one_stream_prompts", "max_tokens", "num_speculative_tokens")))),),
+            *(r.workload.get(key, "?") for key in ("one_stream_prompts", "max_tokens", "num_speculative_tokens")))),
+            ("kernels", "batch-invariant" if r.workload.get("batch_invariant") else "default")),
         columns=(
             Column("1 stream, plain (tok/s)", "cpu_one_stream_tok_s_plain"),
             Column("1 stream, ngram", "cpu_one_stream_speedup_ngram"),
@@ -297,10 +300,17 @@ BENCHMARKS: dict[str, Benchmark] = {
             Column("16 streams, suffix", "cpu_batch16_speedup_suffix"),
             Column("GPU batch 1, ngram", "gpu_batch1_speedup_ngram"),
             Column("GPU batch 64, ngram", "gpu_batch64_speedup_ngram"),
+            Column("GPU batch 64, suffix", "gpu_batch64_speedup_suffix"),
             Column("equal, ngram", "greedy_equal_fraction_ngram"),
             Column("accepted, ngram", "acceptance_rate_ngram"),
             Column("mean accepted length, ngram", "mean_accepted_length_ngram"),
-            Column("accepted, suffix", "acceptance_rate_suffix"))),
+            Column("accepted, suffix", "acceptance_rate_suffix"),
+            Column("accepted, draft self", "acceptance_rate_draft_self"),
+            Column("accepted, draft random", "acceptance_rate_draft_random"),
+            Column("draft ms a step, self (CPU)", "cpu_one_stream_draft_ms_per_step_draft_self"),
+            Column("draft ms a step, self (GPU)", "gpu_batch1_draft_ms_per_step_draft_self"),
+            Column("vLLM 1 stream, ngram (tok/s)", "vllm_cpu_one_stream_tok_s_ngram"),
+            Column("over vLLM ngram", "cpu_one_stream_ratio_to_vllm_ngram"))),
     "soak": Benchmark(
         "CPU: soak with faults",
         "`python -m bench.soak`: mixed traffic with a fault every 30 s (SIGKILL, SIGSTOP, SIGTERM of workers, "
@@ -340,9 +350,15 @@ HEADLINES: tuple[Headline, ...] = (
     Headline("Decode step at batch 128 against the memory ceiling", "decode_roofline",
              (("", "decode_step_ms_b128", " ms"), ("", "bw_fraction_b128", " of the copy bandwidth"),
               ("GPU busy", "gpu_busy_fraction_b128", ""))),
-    Headline("Speculative decoding (n-gram), one stream, over plain decoding", "speculative",
-             (("", "cpu_one_stream_speedup_ngram", "x"), ("", "gpu_batch1_speedup_ngram", "x"),
-              ("answers equal", "greedy_equal_fraction_ngram", ""), ("accepted", "acceptance_rate_ngram", ""))),
+    Headline("Speculative decoding (n-gram), one stream on the CPU, over plain decoding and vLLM's", "speculative",
+             (("", "cpu_one_stream_speedup_ngram", "x"), ("answers equal", "greedy_equal_fraction_ngram", ""),
+              ("accepted", "acceptance_rate_ngram", ""), ("", "cpu_one_stream_ratio_to_vllm_ngram", "x vLLM's n-gram"))),
+    Headline("Speculative decoding (n-gram) on a GPU, over plain decoding", "speculative",
+             (("batch 1", "gpu_batch1_speedup_ngram", "x"), ("64", "gpu_batch64_speedup_ngram", "x"),
+              ("answers equal", "greedy_equal_fraction_ngram", "")), (("kernels", "default"),)),
+    Headline("The same with batch-invariant kernels (bf16 answers exact)", "speculative",
+             (("batch 1", "gpu_batch1_speedup_ngram", "x"), ("64", "gpu_batch64_speedup_ngram", "x"),
+              ("answers equal", "greedy_equal_fraction_ngram", "")), (("kernels", "batch-invariant"),)),
     Headline("A step of 64 decodes and a 512-token prompt chunk", "step_overhead",
              (("", "graphs_b64_c512_mixed_step_ms", " ms"),)),
     Headline("KV transfer of 256 blocks (2 MiB each), GPU to GPU", "kv_transfer",
@@ -530,14 +546,14 @@ def benchmarks_markdown(records: list[Record]) -> tuple[str, dict[str, tuple[str
 
 def headline_markdown(records: list[Record]) -> str:
     """README.md's table, between the markers (inclusive): each headline's newest row per model
-    (docs/benchmarks.md has every device's)."""
+    among those holding its first metric (docs/benchmarks.md has every device's)."""
     closed, _ = serving_rows(records)
     out = []
     for headline in HEADLINES:
         rows = closed if headline.benchmark == "serving" else benchmark_rows(records, headline.benchmark)
         newest: dict[str, Row] = {}  # per model, on whichever device measured it last
         for row in rows:
-            if set(headline.where) <= set(row.variant):
+            if set(headline.where) <= set(row.variant) and headline.metrics[0][1] in row.metrics:
                 model = row.record.model
                 if model not in newest or row.record.date > newest[model].record.date:
                     newest[model] = row

@@ -30,20 +30,27 @@ def rates() -> Rates:
     return Rates.load(RATES_FILE)
 
 
+def named_record(rates: Rates, figure: str) -> dict[str, float]:
+    """The metrics of the result file the rates file names as ``figure``'s source (the source's
+    text starts with the file's path)."""
+    path = rates.sources[figure].split(":", 1)[0]
+    return json.loads((ROOT / path).read_text())["metrics"]
+
+
 def test_the_rates_file_holds_what_the_result_files_it_names_measured(rates):
     tp1, tp2 = rates.tensor_parallel[1], rates.tensor_parallel[2]
-    serving = record("serving/serving-h200x2-now-disagg-interference-open12-20261128T174017Z.json")
+    serving = named_record(rates, "tensor_parallel.1.prefill_tokens_per_s")
     busy_s = serving["service_prefill_prefill_steps"] * serving["service_prefill_prefill_step_ms"] / 1e3
     # 64 long prompts of 3072-4096 tokens went to the prefill worker: 3584 on average
     assert serving["placements_remote"] == 64
     assert tp1.prefill_tokens_per_s == pytest.approx(64 * 3584 / busy_s, rel=1e-4)
-    steps = record("tensor_parallel/tensor_parallel-h200-20261126T053812Z.json")
+    steps = named_record(rates, "tensor_parallel.*.decode_step_s")
     for pool, tp in ((tp1, 1), (tp2, 2)):
         assert pool.decode_step_s == {b: pytest.approx(steps[f"tp{tp}_decode_step_ms_b{b}"] / 1e3) for b in (1, 8, 32, 128)}
-    kernel = record("kernels_long_tail/kernels_long_tail-h200-20261128T123420Z.json")["long_tail_us_64_uniform2000_own"]
+    kernel = named_record(rates, "tensor_parallel.1.decode_s_per_context_token")["long_tail_us_64_uniform2000_own"]
     assert tp1.decode_s_per_context_token == pytest.approx(kernel * 1e-6 / (64 * 2000) * 32, rel=1e-3)
     assert tp2.decode_s_per_context_token == pytest.approx(tp1.decode_s_per_context_token / 2)
-    throughput = record("throughput/throughput-llama-3-8b-h200-20261202T020801Z.json")
+    throughput = named_record(rates, "tensor_parallel.1.kv_cache_tokens")
     assert tp1.kv_cache_tokens == throughput["kv_cache_blocks"] * 16
     assert rates.sizes("prefill") == [1] and rates.sizes("decode") == [1, 2]
 
