@@ -289,8 +289,9 @@ BENCHMARKS: dict[str, Benchmark] = {
         "to no speculation's, draft tokens accepted and tokens a verification yields; the draft model is "
         "the target itself (`draft_self`) or random weights (`draft_random`), with the time its proposals "
         "take a step; on the CPU, vLLM's CPU build beside it (bf16 weights, its own n-gram method).",
-        variant=lambda r: (("workload", "{} prompts x {} tokens, k={}".format(
-            *(r.workload.get(key, "?") for key in ("one_stream_prompts", "max_tokens", "num_speculative_tokens")))),
+        variant=lambda r: (("workload", "{} prompts x {} tokens, k={}{}".format(
+            *(r.workload.get(key, "?") for key in ("one_stream_prompts", "max_tokens", "num_speculative_tokens")),
+            f", n-grams from {r.workload['prompt_lookup_min']}" if "prompt_lookup_min" in r.workload else "")),
             ("kernels", "batch-invariant" if r.workload.get("batch_invariant") else "default")),
         columns=(
             Column("1 stream, plain (tok/s)", "cpu_one_stream_tok_s_plain"),

@@ -58,6 +58,7 @@ import torch
 
 from bench.common import gpu_tag, machine, release_engine_memory, write_result
 from engine import LLM, SamplingParams
+from engine.config import SpeculativeConfig
 from engine.layers.quantized import GroupQuantized
 from engine.loading.gguf_tensors import read_gguf
 from engine.loading.presets import PRESETS
@@ -78,10 +79,11 @@ def _spec_counts(llm: LLM) -> tuple[int, int, int]:
     return (0, 0, 0) if spec is None else (spec.num_drafts, spec.num_draft_tokens, spec.num_accepted_tokens)
 
 
-def measure(device: str, methods: list[str], k: int, chats: list[list[dict]], max_tokens: int, streams: int,
-            disable_by_batch_size: int | None, batch_invariant: bool = False) -> tuple[dict[str | None, dict], dict]:
+def measure(device: str, methods: list[str], spec: dict, chats: list[list[dict]], max_tokens: int, streams: int,
+            batch_invariant: bool = False) -> tuple[dict[str | None, dict], dict]:
     """Per method (``None``: no speculation): the answers, tokens per second and acceptance;
-    and the engines' device, quantization and dtype.
+    and the engines' device, quantization and dtype. ``spec`` holds the ``SpeculativeConfig``
+    fields every method shares (``num_speculative_tokens``, ``disable_by_batch_size``, ...).
 
     Fresh engines, one per method, alive together, over the same requests (one chat at a time,
     or all ``chats`` at once); no run's prefix cache or suffix tree helps another's. On the CPU
@@ -93,7 +95,7 @@ def measure(device: str, methods: list[str], k: int, chats: list[list[dict]], ma
     llms, draft_seconds = {}, {}
     for method in (None, *methods):
         llm = llms[method] = LLM(device=device, max_num_seqs=max(64, streams), batch_invariant=batch_invariant,
-                                 speculative_config=_spec_config(method, k, disable_by_batch_size), **memory)
+                                 speculative_config=_spec_config(method, spec), **memory)
         llm.chat(WARMUP, SamplingParams(max_tokens=16, temperature=0), use_tqdm=False)
         if method in DRAFTS:
             _time_proposals(llm.engine.proposer, draft_seconds, method)
@@ -137,12 +139,14 @@ def measure(device: str, methods: list[str], k: int, chats: list[list[dict]], ma
     return runs, info
 
 
-def _spec_config(method: str | None, k: int, disable_by_batch_size: int | None) -> dict | None:
-    """The engine's ``speculative_config`` for a bench method (``None``: no speculation)."""
+def _spec_config(method: str | None, spec: dict) -> dict | None:
+    """The engine's ``speculative_config`` for a bench method (``None``: no speculation) with
+    the shared fields ``spec``."""
     if method is None:
         return None
-    spec = {"method": method, "num_speculative_tokens": k, "disable_by_batch_size": disable_by_batch_size}
-    return {**spec, "method": "draft_model", "model": DRAFTS[method]()} if method in DRAFTS else spec
+    if method in DRAFTS:
+        return {**spec, "method": "draft_model", "model": DRAFTS[method]()}
+    return {**spec, "method": method}
 
 
 def _time_proposals(proposer, seconds: dict[str, float], method: str) -> None:
@@ -226,6 +230,8 @@ def main() -> None:
     parser.add_argument("--streams", default="16", help="concurrent streams of the batched runs, comma-separated")
     parser.add_argument("--num-speculative-tokens", type=int, default=3)
     parser.add_argument("--disable-by-batch-size", type=int, default=None)
+    parser.add_argument("--prompt-lookup-min", type=int, default=None,
+                        help="ngram: the shortest n-gram matched (default: SpeculativeConfig's)")
     parser.add_argument("--batch-invariant", action="store_true",
                         help="CUDA: every engine batch-invariant (EngineConfig.batch_invariant): bf16 answers exact")
     parser.add_argument("--vllm-python", default=os.environ.get("TANDEM_VLLM_PYTHON", ""),
@@ -242,10 +248,12 @@ def main() -> None:
     equal, total = dict.fromkeys(methods, 0), dict.fromkeys(methods, 0)
     gaps: dict[str, list[float]] = {m: [] for m in methods}
     streams_list = [int(n) for n in args.streams.split(",") if n]
+    spec = {"num_speculative_tokens": args.num_speculative_tokens, "disable_by_batch_size": args.disable_by_batch_size}
+    if args.prompt_lookup_min is not None:
+        spec["prompt_lookup_min"] = args.prompt_lookup_min
     for streams in [1, *streams_list]:
         batch = chats[:args.prompts] if streams == 1 else list(itertools.islice(itertools.cycle(chats), streams))
-        runs, info = measure(args.device, methods, args.num_speculative_tokens, batch, args.max_tokens, streams,
-                       args.disable_by_batch_size, args.batch_invariant)
+        runs, info = measure(args.device, methods, spec, batch, args.max_tokens, streams, args.batch_invariant)
         name = _name(device_type, streams)
         metrics[f"{name}_tok_s_plain"] = runs[None]["tok_s"]
         metrics[f"{name}_ms_per_step_plain"] = runs[None]["ms_per_step"]
@@ -279,6 +287,7 @@ def main() -> None:
                 "streams": streams_list, "max_tokens": args.max_tokens, "greedy": True, **info,
                 "num_speculative_tokens": args.num_speculative_tokens,
                 "disable_by_batch_size": args.disable_by_batch_size, "methods": methods,
+                "prompt_lookup_min": SpeculativeConfig(**spec).prompt_lookup_min,
                 "batch_invariant": args.batch_invariant,
                 "threads": torch.get_num_threads() if device_type == "cpu" else None}
     if device_type == "cuda":
