@@ -349,5 +349,5 @@ class InputBuffers:
         )
         if self.device.type == "cuda":
             self._uploaded = self._uploaded or torch.cuda.Event()
-            self._uploaded.record()
+            self._uploaded.record(torch.cuda.current_stream(self.device))
         return inputs

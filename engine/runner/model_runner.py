@@ -270,7 +270,7 @@ class ModelRunner:
             ready = None
             if self.device.type == "cuda":
                 ready = torch.cuda.Event()
-                ready.record()
+                ready.record(torch.cuda.current_stream(self.device))
             return PendingStep(seqs, None, ready, num_logprobs, 0, stats, start)
         parts = [out.token_ids.to(torch.float64), out.logprobs.to(torch.float64)]  # ids < 2^53: exact
         if out.top_ids is not None:
@@ -279,14 +279,16 @@ class ModelRunner:
         top_k = 0 if out.top_ids is None else out.top_ids.shape[1]
         if self.device.type != "cuda":
             return PendingStep(seqs, packed, None, num_logprobs, top_k, stats, start)
+        # Streams named, not looked up: with no stream or device given, each lookup of the current
+        # stream resolves the current device through CUDA's availability checks (tens of µs a step).
         computed = torch.cuda.Event()
-        computed.record()
+        computed.record(torch.cuda.current_stream(self.device))
         host = torch.empty(packed.shape, dtype=packed.dtype, pin_memory=True)
         with torch.cuda.stream(self._copy_stream):
             self._copy_stream.wait_event(computed)
             host.copy_(packed, non_blocking=True)
             ready = torch.cuda.Event()
-            ready.record()
+            ready.record(self._copy_stream)
         return PendingStep(seqs, host, ready, num_logprobs, top_k, stats, start, keep=(packed,))
 
     @torch.inference_mode()
