@@ -17,16 +17,16 @@ from __future__ import annotations
 
 import os
 import time
-import urllib.request
 from collections.abc import Callable
 
 import grpc
 import pytest
-from prometheus_client.parser import text_string_to_metric_families
 
 from protos.tandem.v1 import gateway_pb2
 
-from tests.helpers.cluster import EXACT_RESUME, SP, collect, settled_free_blocks, shared_redis_cluster, wait_free_blocks
+from tests.helpers.cluster import (
+    EXACT_RESUME, SP, collect, counter, settled_free_blocks, shared_redis_cluster, wait_free_blocks,
+)
 from tests.helpers.paths import ROOT
 
 pytestmark = pytest.mark.slow
@@ -56,16 +56,8 @@ def cluster(tmp_path_factory, redis_url, kv_transport):
         yield cluster
 
 
-def decode_counter(cluster, name: str, **labels: str) -> float:
-    """The decode worker's counter ``name`` (its ``_total``), summed over the samples with ``labels``."""
-    with urllib.request.urlopen(f"http://127.0.0.1:{cluster.metrics_ports['decode-0']}/metrics", timeout=5) as page:
-        families = text_string_to_metric_families(page.read().decode())
-        return sum(s.value for f in families if f.name == name for s in f.samples
-                   if s.name.endswith("_total") and labels.items() <= s.labels.items())
-
-
 def integrity_failures(cluster) -> float:
-    return decode_counter(cluster, "tandem_kv_integrity_failures")
+    return counter(cluster, "decode-0", "tandem_kv_integrity_failures")
 
 
 def routed_through_the_prefill_worker(cluster, clean_tokens: list[int], within_s: float = 60.0) -> None:
@@ -73,9 +65,9 @@ def routed_through_the_prefill_worker(cluster, clean_tokens: list[int], within_s
     failure the gateway may avoid that worker for a while and have the decode worker prefill)."""
     deadline = time.monotonic() + within_s
     while True:
-        transfers = decode_counter(cluster, "tandem_kv_transfers", status="OK")
+        transfers = counter(cluster, "decode-0", "tandem_kv_transfers", status="OK")
         assert collect(cluster.stub, REQUEST)["samples"][0]["token_ids"] == clean_tokens
-        if decode_counter(cluster, "tandem_kv_transfers", status="OK") > transfers:
+        if counter(cluster, "decode-0", "tandem_kv_transfers", status="OK") > transfers:
             return
         assert time.monotonic() < deadline, "the gateway does not route to the prefill worker again"
         time.sleep(0.5)
@@ -84,7 +76,7 @@ def routed_through_the_prefill_worker(cluster, clean_tokens: list[int], within_s
 @pytest.fixture(scope="module")
 def clean_tokens(cluster) -> list[int]:
     out = collect(cluster.stub, REQUEST)
-    assert integrity_failures(cluster) == 0 and decode_counter(cluster, "tandem_kv_transfers", status="OK") == 1
+    assert integrity_failures(cluster) == 0 and counter(cluster, "decode-0", "tandem_kv_transfers", status="OK") == 1
     return out["samples"][0]["token_ids"]
 
 

@@ -10,12 +10,14 @@ import os
 import signal
 import threading
 import time
+import urllib.request
 import uuid
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from pathlib import Path
 
 import grpc
+from prometheus_client.parser import text_string_to_metric_families
 
 from cli.launcher import LocalCluster
 from cluster.tls import TlsFiles, init_certs, role_name
@@ -82,6 +84,15 @@ def stats(cluster: LocalCluster, address: str, role: str) -> worker_pb2.WorkerSt
             as channel:
         stub = (worker_pb2_grpc.PrefillWorkerStub if role == "prefill" else worker_pb2_grpc.DecodeWorkerStub)(channel)
         return stub.GetStats(worker_pb2.GetStatsRequest(), timeout=5)
+
+
+def counter(cluster: LocalCluster, process: str, name: str, **labels: str) -> float:
+    """Process ``process``'s Prometheus counter ``name`` (its ``_total``), summed over the samples
+    with ``labels``."""
+    with urllib.request.urlopen(f"http://127.0.0.1:{cluster.metrics_ports[process]}/metrics", timeout=5) as page:
+        families = text_string_to_metric_families(page.read().decode())
+        return sum(s.value for f in families if f.name == name for s in f.samples
+                   if s.name.endswith("_total") and labels.items() <= s.labels.items())
 
 
 def free_blocks(cluster: LocalCluster) -> dict[str, int]:
