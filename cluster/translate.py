@@ -132,7 +132,8 @@ def sampling_params_from_proto(msg: gateway_pb2.SamplingParams, prompt_len: int,
     room = config.max_model_len - prompt_len
     max_tokens = min(msg.max_tokens, room) if msg.max_tokens else room
     kwargs = {name: getattr(msg, name) for name in ("temperature", "top_p", "top_k", "min_p", "seed",
-                                                    "repetition_penalty") if msg.HasField(name)}
+                                                    "repetition_penalty", "num_speculative_tokens")
+              if msg.HasField(name)}
     try:
         return SamplingParams(
             max_tokens=max_tokens, stop=stops, stop_token_ids=list(msg.stop_token_ids), ignore_eos=msg.ignore_eos,

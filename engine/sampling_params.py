@@ -107,6 +107,9 @@ class SamplingParams:
             word never can), as transformers' ``NoBadWordsLogitsProcessor`` over the output;
             each of 1 to :data:`MAX_BAD_WORD_TOKENS` tokens.
         structured_output: a structure the output must follow (``None``: free text).
+        num_speculative_tokens: speculative decoding: draft tokens per step for this request at
+            most, where the engine speculates (``None``: the engine's
+            ``SpeculativeConfig.num_speculative_tokens``, which also caps it; 0: none; >= 0).
         num_resumed_tokens: the last ``num_resumed_tokens`` tokens of the prompt are output this
             sample already produced (a stream resumed on another worker after them): the
             presence and frequency penalties, bad words and the structured output count them as
@@ -139,6 +142,7 @@ class SamplingParams:
     min_tokens: int = 0
     bad_words_token_ids: list[list[int]] = field(default_factory=list)
     structured_output: StructuredOutput | None = None
+    num_speculative_tokens: int | None = None
     num_resumed_tokens: int = 0
 
     def __post_init__(self) -> None:
@@ -171,6 +175,8 @@ class SamplingParams:
             ("bad_words_token_ids", all(0 < len(w) <= MAX_BAD_WORD_TOKENS and min(w) >= 0
                                         for w in self.bad_words_token_ids),
              f"must be sequences of 1 to {MAX_BAD_WORD_TOKENS} token ids >= 0"),
+            ("num_speculative_tokens", self.num_speculative_tokens is None or self.num_speculative_tokens >= 0,
+             "must be >= 0"),
             ("num_resumed_tokens", self.num_resumed_tokens >= 0, "must be >= 0"),
         ]
         for name, ok, message in checks:

@@ -580,7 +580,8 @@ class EngineCore:
         (penalties, bias, bad words, ``min_tokens``, structured output: their state follows the
         output token by token) decodes one token a step."""
         k = self.config.speculative_config.num_speculative_tokens
-        room = {s: min(k, self.scheduler.draft_room(s)) for s in self.scheduler.running
+        room = {s: min(k if s.params.num_speculative_tokens is None else min(k, s.params.num_speculative_tokens),
+                       self.scheduler.draft_room(s)) for s in self.scheduler.running
                 if s.num_computed_tokens == s.num_tokens - 1 and not s.num_output_placeholders
                 and not s.params.processes_logits}
         seqs = [s for s, n in room.items() if n]

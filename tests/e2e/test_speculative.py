@@ -4,7 +4,8 @@ decode workers that speculate (n-gram, ``TANDEM_SPECULATIVE_CONFIG``) on loopbac
 
 What must hold: the prefill worker computes prompts as before (it drafts nothing) and the decode
 workers verify drafts (their accepted-token counters grow); a client's greedy output equals the
-offline engine's without speculation, token for token; a stream whose decode worker is killed
+offline engine's without speculation, token for token, and a request can turn speculation off
+for itself (``num_speculative_tokens`` 0); a stream whose decode worker is killed
 mid-stream goes on on the other one, and its output still equals it; every block comes back.
 """
 
@@ -50,13 +51,17 @@ def reference() -> list[tuple[list[int], list[int]]]:
     return [(prompt, list(out.outputs[0].token_ids)) for prompt, out in zip(prompts, outs)]
 
 
-def _request(prompt: list[int]) -> gateway_pb2.GenerateRequest:
+def _request(prompt: list[int], **sampling) -> gateway_pb2.GenerateRequest:
     return gateway_pb2.GenerateRequest(token_ids=gateway_pb2.TokenIds(ids=prompt),
-                                       sampling=SP(max_tokens=MAX_TOKENS, temperature=0, ignore_eos=True))
+                                       sampling=SP(max_tokens=MAX_TOKENS, temperature=0, ignore_eos=True, **sampling))
+
+
+def _decode_counter(cluster, name: str) -> float:
+    return sum(counter(cluster, worker, name) for worker in ("decode-0", "decode-1"))
 
 
 def _accepted(cluster) -> float:
-    return sum(counter(cluster, name, "tandem_spec_decode_accepted_tokens") for name in ("decode-0", "decode-1"))
+    return _decode_counter(cluster, "tandem_spec_decode_accepted_tokens")
 
 
 def test_decode_workers_speculate_and_greedy_output_equals_no_speculation(cluster, reference):
@@ -67,6 +72,14 @@ def test_decode_workers_speculate_and_greedy_output_equals_no_speculation(cluste
     assert _accepted(cluster) - accepted >= MAX_TOKENS // 2  # the answers copy their passages
     assert counter(cluster, "prefill-0", "tandem_spec_decode_draft_tokens") == 0
     assert wait_free_blocks(cluster, before, within_s=5) == before
+
+
+def test_a_request_turns_speculation_off_for_itself(cluster, reference):
+    """``SamplingParams.num_speculative_tokens`` 0 reaches the decode worker: no drafts, the same output."""
+    prompt, expected = reference[0]
+    drafted = _decode_counter(cluster, "tandem_spec_decode_draft_tokens")
+    assert collect(cluster.stub, _request(prompt, num_speculative_tokens=0))["samples"][0]["token_ids"] == expected
+    assert _decode_counter(cluster, "tandem_spec_decode_draft_tokens") == drafted
 
 
 def test_a_speculating_stream_whose_decode_worker_dies_is_resumed_exactly(cluster, reference):

@@ -177,6 +177,25 @@ def test_greedy_output_equals_no_speculation_token_for_token(engines):
 
 
 @pytest.mark.slow
+def test_a_request_limits_its_own_drafts_and_keeps_its_output(engines):
+    """``SamplingParams.num_speculative_tokens``: 0 drafts nothing for the request, 1 at most one
+    token a verification, 8 is capped at the engine's 4; the output is the same each time."""
+    plain, spec = engines
+    chat = GROUNDED_CHATS[0]
+    want = _tokens(plain.chat(chat, SamplingParams(max_tokens=32, temperature=0), use_tqdm=False))
+    for limit, cap in ((0, 0), (1, 1), (8, NGRAM["num_speculative_tokens"])):
+        before = spec.engine.stats().spec_decoding
+        params = SamplingParams(max_tokens=32, temperature=0, num_speculative_tokens=limit)
+        assert _tokens(spec.chat(chat, params, use_tqdm=False)) == want, limit
+        after = spec.engine.stats().spec_decoding
+        verifications = after.num_drafts - before.num_drafts
+        drafted = after.num_draft_tokens - before.num_draft_tokens
+        assert (verifications > 0) == (cap > 0) and drafted <= cap * verifications, (limit, verifications, drafted)
+        if cap > 1:
+            assert drafted > verifications  # the cap, not the limit of one, bounds the longer drafts
+
+
+@pytest.mark.slow
 def test_stop_token_stop_string_and_max_tokens_cut_inside_an_accepted_run(engines):
     plain, spec = engines
     chat = GROUNDED_CHATS[0]

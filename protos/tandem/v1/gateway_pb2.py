@@ -24,7 +24,7 @@ _sym_db = _symbol_database.Default()
 
 
 
-DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x1eprotos/tandem/v1/gateway.proto\x12\ttandem.v1\",\n\x0b\x43hatMessage\x12\x0c\n\x04role\x18\x01 \x01(\t\x12\x0f\n\x07\x63ontent\x18\x02 \x01(\t\"8\n\x0c\x43hatMessages\x12(\n\x08messages\x18\x01 \x03(\x0b\x32\x16.tandem.v1.ChatMessage\"\x17\n\x08TokenIds\x12\x0b\n\x03ids\x18\x01 \x03(\r\"\x1a\n\x07\x43hoices\x12\x0f\n\x07\x63hoices\x18\x01 \x03(\t\"\xde\x05\n\x0eSamplingParams\x12\x12\n\nmax_tokens\x18\x01 \x01(\r\x12\x18\n\x0btemperature\x18\x02 \x01(\x02H\x01\x88\x01\x01\x12\x12\n\x05top_p\x18\x03 \x01(\x02H\x02\x88\x01\x01\x12\x12\n\x05top_k\x18\x04 \x01(\x05H\x03\x88\x01\x01\x12\x12\n\x05min_p\x18\x05 \x01(\x02H\x04\x88\x01\x01\x12\x11\n\x04seed\x18\x06 \x01(\x04H\x05\x88\x01\x01\x12\x0c\n\x04stop\x18\x07 \x03(\t\x12\x16\n\x0estop_token_ids\x18\x08 \x03(\r\x12\x12\n\nignore_eos\x18\t \x01(\x08\x12\t\n\x01n\x18\n \x01(\r\x12\x10\n\x08logprobs\x18\x0b \x01(\r\x12\x1f\n\x12repetition_penalty\x18\x0c \x01(\x02H\x06\x88\x01\x01\x12\x18\n\x10presence_penalty\x18\r \x01(\x02\x12\x19\n\x11\x66requency_penalty\x18\x0e \x01(\x02\x12<\n\nlogit_bias\x18\x0f \x03(\x0b\x32(.tandem.v1.SamplingParams.LogitBiasEntry\x12\x12\n\nmin_tokens\x18\x10 \x01(\r\x12\x11\n\tbad_words\x18\x11 \x03(\t\x12\x30\n\x13\x62\x61\x64_words_token_ids\x18\x12 \x03(\x0b\x32\x13.tandem.v1.TokenIds\x12\x15\n\x0bjson_schema\x18\x13 \x01(\tH\x00\x12\x15\n\x0bjson_object\x18\x14 \x01(\x08H\x00\x12\x0f\n\x05regex\x18\x15 \x01(\tH\x00\x12$\n\x06\x63hoice\x18\x16 \x01(\x0b\x32\x12.tandem.v1.ChoicesH\x00\x12\x11\n\x07grammar\x18\x17 \x01(\tH\x00\x1a\x30\n\x0eLogitBiasEntry\x12\x0b\n\x03key\x18\x01 \x01(\r\x12\r\n\x05value\x18\x02 \x01(\x02:\x02\x38\x01\x42\x13\n\x11structured_outputB\x0e\n\x0c_temperatureB\x08\n\x06_top_pB\x08\n\x06_top_kB\x08\n\x06_min_pB\x07\n\x05_seedB\x15\n\x13_repetition_penalty\"\xe6\x01\n\x0fGenerateRequest\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12\x10\n\x06prompt\x18\x02 \x01(\tH\x00\x12\'\n\x04\x63hat\x18\x03 \x01(\x0b\x32\x17.tandem.v1.ChatMessagesH\x00\x12(\n\ttoken_ids\x18\x04 \x01(\x0b\x32\x13.tandem.v1.TokenIdsH\x00\x12+\n\x08sampling\x18\x05 \x01(\x0b\x32\x19.tandem.v1.SamplingParams\x12$\n\x03slo\x18\x06 \x01(\x0b\x32\x17.tandem.v1.ServiceLevelB\x07\n\x05input\"=\n\x0cServiceLevel\x12\x0e\n\x06ttft_s\x18\x01 \x01(\x01\x12\r\n\x05itl_s\x18\x02 \x01(\x01\x12\x0e\n\x06tpot_s\x18\x03 \x01(\x01\"/\n\nTopLogprob\x12\x10\n\x08token_id\x18\x01 \x01(\r\x12\x0f\n\x07logprob\x18\x02 \x01(\x02\"_\n\rTokenLogprobs\x12\x10\n\x08token_id\x18\x01 \x01(\r\x12\x0f\n\x07logprob\x18\x02 \x01(\x02\x12+\n\x0ctop_logprobs\x18\x03 \x03(\x0b\x32\x15.tandem.v1.TopLogprob\"W\n\x05Usage\x12\x15\n\rprompt_tokens\x18\x01 \x01(\r\x12\x19\n\x11\x63ompletion_tokens\x18\x02 \x01(\r\x12\x1c\n\x14\x63\x61\x63hed_prompt_tokens\x18\x03 \x01(\r\"\xd3\x01\n\x10GenerateResponse\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12\r\n\x05index\x18\x02 \x01(\r\x12\x11\n\ttoken_ids\x18\x03 \x03(\r\x12\x0c\n\x04text\x18\x04 \x01(\t\x12.\n\rfinish_reason\x18\x05 \x01(\x0e\x32\x17.tandem.v1.FinishReason\x12*\n\x08logprobs\x18\x06 \x03(\x0b\x32\x18.tandem.v1.TokenLogprobs\x12\x1f\n\x05usage\x18\x07 \x01(\x0b\x32\x10.tandem.v1.Usage\"U\n\x0fTokenizeRequest\x12\x10\n\x06prompt\x18\x01 \x01(\tH\x00\x12\'\n\x04\x63hat\x18\x02 \x01(\x0b\x32\x17.tandem.v1.ChatMessagesH\x00\x42\x07\n\x05input\"%\n\x10TokenizeResponse\x12\x11\n\ttoken_ids\x18\x01 \x03(\r\"\x15\n\x13GetModelInfoRequest\"\\\n\tModelInfo\x12\x10\n\x08model_id\x18\x01 \x01(\t\x12\x15\n\rmax_model_len\x18\x02 \x01(\r\x12\x12\n\nblock_size\x18\x03 \x01(\r\x12\x12\n\nvocab_size\x18\x04 \x01(\r*x\n\x0c\x46inishReason\x12\x1d\n\x19\x46INISH_REASON_UNSPECIFIED\x10\x00\x12\x16\n\x12\x46INISH_REASON_STOP\x10\x01\x12\x18\n\x14\x46INISH_REASON_LENGTH\x10\x02\x12\x17\n\x13\x46INISH_REASON_ABORT\x10\x03\x32\xdb\x01\n\x07Gateway\x12\x45\n\x08Generate\x12\x1a.tandem.v1.GenerateRequest\x1a\x1b.tandem.v1.GenerateResponse0\x01\x12\x43\n\x08Tokenize\x12\x1a.tandem.v1.TokenizeRequest\x1a\x1b.tandem.v1.TokenizeResponse\x12\x44\n\x0cGetModelInfo\x12\x1e.tandem.v1.GetModelInfoRequest\x1a\x14.tandem.v1.ModelInfob\x06proto3')
+DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x1eprotos/tandem/v1/gateway.proto\x12\ttandem.v1\",\n\x0b\x43hatMessage\x12\x0c\n\x04role\x18\x01 \x01(\t\x12\x0f\n\x07\x63ontent\x18\x02 \x01(\t\"8\n\x0c\x43hatMessages\x12(\n\x08messages\x18\x01 \x03(\x0b\x32\x16.tandem.v1.ChatMessage\"\x17\n\x08TokenIds\x12\x0b\n\x03ids\x18\x01 \x03(\r\"\x1a\n\x07\x43hoices\x12\x0f\n\x07\x63hoices\x18\x01 \x03(\t\"\x9e\x06\n\x0eSamplingParams\x12\x12\n\nmax_tokens\x18\x01 \x01(\r\x12\x18\n\x0btemperature\x18\x02 \x01(\x02H\x01\x88\x01\x01\x12\x12\n\x05top_p\x18\x03 \x01(\x02H\x02\x88\x01\x01\x12\x12\n\x05top_k\x18\x04 \x01(\x05H\x03\x88\x01\x01\x12\x12\n\x05min_p\x18\x05 \x01(\x02H\x04\x88\x01\x01\x12\x11\n\x04seed\x18\x06 \x01(\x04H\x05\x88\x01\x01\x12\x0c\n\x04stop\x18\x07 \x03(\t\x12\x16\n\x0estop_token_ids\x18\x08 \x03(\r\x12\x12\n\nignore_eos\x18\t \x01(\x08\x12\t\n\x01n\x18\n \x01(\r\x12\x10\n\x08logprobs\x18\x0b \x01(\r\x12\x1f\n\x12repetition_penalty\x18\x0c \x01(\x02H\x06\x88\x01\x01\x12\x18\n\x10presence_penalty\x18\r \x01(\x02\x12\x19\n\x11\x66requency_penalty\x18\x0e \x01(\x02\x12<\n\nlogit_bias\x18\x0f \x03(\x0b\x32(.tandem.v1.SamplingParams.LogitBiasEntry\x12\x12\n\nmin_tokens\x18\x10 \x01(\r\x12\x11\n\tbad_words\x18\x11 \x03(\t\x12\x30\n\x13\x62\x61\x64_words_token_ids\x18\x12 \x03(\x0b\x32\x13.tandem.v1.TokenIds\x12#\n\x16num_speculative_tokens\x18\x18 \x01(\rH\x07\x88\x01\x01\x12\x15\n\x0bjson_schema\x18\x13 \x01(\tH\x00\x12\x15\n\x0bjson_object\x18\x14 \x01(\x08H\x00\x12\x0f\n\x05regex\x18\x15 \x01(\tH\x00\x12$\n\x06\x63hoice\x18\x16 \x01(\x0b\x32\x12.tandem.v1.ChoicesH\x00\x12\x11\n\x07grammar\x18\x17 \x01(\tH\x00\x1a\x30\n\x0eLogitBiasEntry\x12\x0b\n\x03key\x18\x01 \x01(\r\x12\r\n\x05value\x18\x02 \x01(\x02:\x02\x38\x01\x42\x13\n\x11structured_outputB\x0e\n\x0c_temperatureB\x08\n\x06_top_pB\x08\n\x06_top_kB\x08\n\x06_min_pB\x07\n\x05_seedB\x15\n\x13_repetition_penaltyB\x19\n\x17_num_speculative_tokens\"\xe6\x01\n\x0fGenerateRequest\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12\x10\n\x06prompt\x18\x02 \x01(\tH\x00\x12\'\n\x04\x63hat\x18\x03 \x01(\x0b\x32\x17.tandem.v1.ChatMessagesH\x00\x12(\n\ttoken_ids\x18\x04 \x01(\x0b\x32\x13.tandem.v1.TokenIdsH\x00\x12+\n\x08sampling\x18\x05 \x01(\x0b\x32\x19.tandem.v1.SamplingParams\x12$\n\x03slo\x18\x06 \x01(\x0b\x32\x17.tandem.v1.ServiceLevelB\x07\n\x05input\"=\n\x0cServiceLevel\x12\x0e\n\x06ttft_s\x18\x01 \x01(\x01\x12\r\n\x05itl_s\x18\x02 \x01(\x01\x12\x0e\n\x06tpot_s\x18\x03 \x01(\x01\"/\n\nTopLogprob\x12\x10\n\x08token_id\x18\x01 \x01(\r\x12\x0f\n\x07logprob\x18\x02 \x01(\x02\"_\n\rTokenLogprobs\x12\x10\n\x08token_id\x18\x01 \x01(\r\x12\x0f\n\x07logprob\x18\x02 \x01(\x02\x12+\n\x0ctop_logprobs\x18\x03 \x03(\x0b\x32\x15.tandem.v1.TopLogprob\"W\n\x05Usage\x12\x15\n\rprompt_tokens\x18\x01 \x01(\r\x12\x19\n\x11\x63ompletion_tokens\x18\x02 \x01(\r\x12\x1c\n\x14\x63\x61\x63hed_prompt_tokens\x18\x03 \x01(\r\"\xd3\x01\n\x10GenerateResponse\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12\r\n\x05index\x18\x02 \x01(\r\x12\x11\n\ttoken_ids\x18\x03 \x03(\r\x12\x0c\n\x04text\x18\x04 \x01(\t\x12.\n\rfinish_reason\x18\x05 \x01(\x0e\x32\x17.tandem.v1.FinishReason\x12*\n\x08logprobs\x18\x06 \x03(\x0b\x32\x18.tandem.v1.TokenLogprobs\x12\x1f\n\x05usage\x18\x07 \x01(\x0b\x32\x10.tandem.v1.Usage\"U\n\x0fTokenizeRequest\x12\x10\n\x06prompt\x18\x01 \x01(\tH\x00\x12\'\n\x04\x63hat\x18\x02 \x01(\x0b\x32\x17.tandem.v1.ChatMessagesH\x00\x42\x07\n\x05input\"%\n\x10TokenizeResponse\x12\x11\n\ttoken_ids\x18\x01 \x03(\r\"\x15\n\x13GetModelInfoRequest\"\\\n\tModelInfo\x12\x10\n\x08model_id\x18\x01 \x01(\t\x12\x15\n\rmax_model_len\x18\x02 \x01(\r\x12\x12\n\nblock_size\x18\x03 \x01(\r\x12\x12\n\nvocab_size\x18\x04 \x01(\r*x\n\x0c\x46inishReason\x12\x1d\n\x19\x46INISH_REASON_UNSPECIFIED\x10\x00\x12\x16\n\x12\x46INISH_REASON_STOP\x10\x01\x12\x18\n\x14\x46INISH_REASON_LENGTH\x10\x02\x12\x17\n\x13\x46INISH_REASON_ABORT\x10\x03\x32\xdb\x01\n\x07Gateway\x12\x45\n\x08Generate\x12\x1a.tandem.v1.GenerateRequest\x1a\x1b.tandem.v1.GenerateResponse0\x01\x12\x43\n\x08Tokenize\x12\x1a.tandem.v1.TokenizeRequest\x1a\x1b.tandem.v1.TokenizeResponse\x12\x44\n\x0cGetModelInfo\x12\x1e.tandem.v1.GetModelInfoRequest\x1a\x14.tandem.v1.ModelInfob\x06proto3')
 
 _globals = globals()
 _builder.BuildMessageAndEnumDescriptors(DESCRIPTOR, _globals)
@@ -33,8 +33,8 @@ if not _descriptor._USE_C_DESCRIPTORS:
   DESCRIPTOR._loaded_options = None
   _globals['_SAMPLINGPARAMS_LOGITBIASENTRY']._loaded_options = None
   _globals['_SAMPLINGPARAMS_LOGITBIASENTRY']._serialized_options = b'8\001'
-  _globals['_FINISHREASON']._serialized_start=1927
-  _globals['_FINISHREASON']._serialized_end=2047
+  _globals['_FINISHREASON']._serialized_start=1991
+  _globals['_FINISHREASON']._serialized_end=2111
   _globals['_CHATMESSAGE']._serialized_start=45
   _globals['_CHATMESSAGE']._serialized_end=89
   _globals['_CHATMESSAGES']._serialized_start=91
@@ -44,29 +44,29 @@ if not _descriptor._USE_C_DESCRIPTORS:
   _globals['_CHOICES']._serialized_start=174
   _globals['_CHOICES']._serialized_end=200
   _globals['_SAMPLINGPARAMS']._serialized_start=203
-  _globals['_SAMPLINGPARAMS']._serialized_end=937
-  _globals['_SAMPLINGPARAMS_LOGITBIASENTRY']._serialized_start=790
-  _globals['_SAMPLINGPARAMS_LOGITBIASENTRY']._serialized_end=838
-  _globals['_GENERATEREQUEST']._serialized_start=940
-  _globals['_GENERATEREQUEST']._serialized_end=1170
-  _globals['_SERVICELEVEL']._serialized_start=1172
-  _globals['_SERVICELEVEL']._serialized_end=1233
-  _globals['_TOPLOGPROB']._serialized_start=1235
-  _globals['_TOPLOGPROB']._serialized_end=1282
-  _globals['_TOKENLOGPROBS']._serialized_start=1284
-  _globals['_TOKENLOGPROBS']._serialized_end=1379
-  _globals['_USAGE']._serialized_start=1381
-  _globals['_USAGE']._serialized_end=1468
-  _globals['_GENERATERESPONSE']._serialized_start=1471
-  _globals['_GENERATERESPONSE']._serialized_end=1682
-  _globals['_TOKENIZEREQUEST']._serialized_start=1684
-  _globals['_TOKENIZEREQUEST']._serialized_end=1769
-  _globals['_TOKENIZERESPONSE']._serialized_start=1771
-  _globals['_TOKENIZERESPONSE']._serialized_end=1808
-  _globals['_GETMODELINFOREQUEST']._serialized_start=1810
-  _globals['_GETMODELINFOREQUEST']._serialized_end=1831
-  _globals['_MODELINFO']._serialized_start=1833
-  _globals['_MODELINFO']._serialized_end=1925
-  _globals['_GATEWAY']._serialized_start=2050
-  _globals['_GATEWAY']._serialized_end=2269
+  _globals['_SAMPLINGPARAMS']._serialized_end=1001
+  _globals['_SAMPLINGPARAMS_LOGITBIASENTRY']._serialized_start=827
+  _globals['_SAMPLINGPARAMS_LOGITBIASENTRY']._serialized_end=875
+  _globals['_GENERATEREQUEST']._serialized_start=1004
+  _globals['_GENERATEREQUEST']._serialized_end=1234
+  _globals['_SERVICELEVEL']._serialized_start=1236
+  _globals['_SERVICELEVEL']._serialized_end=1297
+  _globals['_TOPLOGPROB']._serialized_start=1299
+  _globals['_TOPLOGPROB']._serialized_end=1346
+  _globals['_TOKENLOGPROBS']._serialized_start=1348
+  _globals['_TOKENLOGPROBS']._serialized_end=1443
+  _globals['_USAGE']._serialized_start=1445
+  _globals['_USAGE']._serialized_end=1532
+  _globals['_GENERATERESPONSE']._serialized_start=1535
+  _globals['_GENERATERESPONSE']._serialized_end=1746
+  _globals['_TOKENIZEREQUEST']._serialized_start=1748
+  _globals['_TOKENIZEREQUEST']._serialized_end=1833
+  _globals['_TOKENIZERESPONSE']._serialized_start=1835
+  _globals['_TOKENIZERESPONSE']._serialized_end=1872
+  _globals['_GETMODELINFOREQUEST']._serialized_start=1874
+  _globals['_GETMODELINFOREQUEST']._serialized_end=1895
+  _globals['_MODELINFO']._serialized_start=1897
+  _globals['_MODELINFO']._serialized_end=1989
+  _globals['_GATEWAY']._serialized_start=2114
+  _globals['_GATEWAY']._serialized_end=2333
 # @@protoc_insertion_point(module_scope)
