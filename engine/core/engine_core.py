@@ -576,12 +576,13 @@ class EngineCore:
                                               or len(self.scheduler.running) <= self._spec_max_batch)
 
     def _propose(self) -> dict[Sequence, list[int]]:
-        """Drafts for this step's decoding sequences. A sequence whose logits are processed
-        (penalties, bias, bad words, ``min_tokens``, structured output: their state follows the
-        output token by token) decodes one token a step."""
+        """Drafts for this step's decoding sequences, up to the engine's ``k`` or the request's
+        own ``SamplingParams.num_speculative_tokens`` where that is smaller. A sequence whose
+        logits are processed (penalties, bias, bad words, ``min_tokens``, structured output: their
+        state follows the output token by token) decodes one token a step."""
         k = self.config.speculative_config.num_speculative_tokens
-        room = {s: min(k if s.params.num_speculative_tokens is None else min(k, s.params.num_speculative_tokens),
-                       self.scheduler.draft_room(s)) for s in self.scheduler.running
+        room = {s: min(k, self.scheduler.draft_room(s), k if s.params.num_speculative_tokens is None
+                       else s.params.num_speculative_tokens) for s in self.scheduler.running
                 if s.num_computed_tokens == s.num_tokens - 1 and not s.num_output_placeholders
                 and not s.params.processes_logits}
         seqs = [s for s, n in room.items() if n]

@@ -60,16 +60,12 @@ def _decode_counter(cluster, name: str) -> float:
     return sum(counter(cluster, worker, name) for worker in ("decode-0", "decode-1"))
 
 
-def _accepted(cluster) -> float:
-    return _decode_counter(cluster, "tandem_spec_decode_accepted_tokens")
-
-
 def test_decode_workers_speculate_and_greedy_output_equals_no_speculation(cluster, reference):
     before = settled_free_blocks(cluster, within_s=10)
-    accepted = _accepted(cluster)
+    accepted = _decode_counter(cluster, "tandem_spec_decode_accepted_tokens")
     for prompt, expected in reference:
         assert collect(cluster.stub, _request(prompt))["samples"][0]["token_ids"] == expected
-    assert _accepted(cluster) - accepted >= MAX_TOKENS // 2  # the answers copy their passages
+    assert _decode_counter(cluster, "tandem_spec_decode_accepted_tokens") - accepted >= MAX_TOKENS // 2  # the answers copy their passages
     assert counter(cluster, "prefill-0", "tandem_spec_decode_draft_tokens") == 0
     assert wait_free_blocks(cluster, before, within_s=5) == before
 
