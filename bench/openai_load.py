@@ -8,21 +8,38 @@ streams for ``--seconds``, and writes guidellm's figures as one record in
 ``bench/results/openai_load/`` (keys benchmark, model, machine, date, versions, workload,
 metrics). guidellm is a bench extra (``pip install -e .[bench]``); inference-perf, the other
 candidate, needs Python 3.12.
+
+guidellm's multiprocess scheduler can stall and never finish a run (vllm-project/guidellm#431,
+#526, #1152). A run is therefore bounded: past ``--seconds`` plus :data:`STARTUP_AND_DRAIN_S`
+its process group is killed and the cluster probed with one request of its own. A cluster that
+answers means guidellm stalled, and the run is repeated once; one that does not is reported as
+the failure it is.
 """
 
 from __future__ import annotations
 
 import argparse
 import json
+import logging
 import os
+import signal
 import subprocess
 import sys
 import tempfile
+import urllib.request
 from pathlib import Path
 
 from bench.common import RESULTS_DIR, machine, write_result
 from cli.launcher import LocalCluster
 from engine.model_source import resolve_model
+
+log = logging.getLogger("bench.openai_load")
+
+# Seconds a guidellm run may take beyond its load: spawning its workers, loading the tokenizer,
+# building the report. A healthy run here takes ~25 s of it on two busy cores.
+STARTUP_AND_DRAIN_S = 240.0
+# A request's read timeout inside guidellm: a stream this silent counts as errored, not pending.
+REQUEST_TIMEOUT_S = 120.0
 
 # guidellm's request statistics → our metric names (latencies in seconds, rates per second).
 _METRICS = {"request_latency": "e2e_s", "time_to_first_token_ms": "ttft_ms", "inter_token_latency_ms": "itl_ms",
@@ -45,12 +62,22 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     return parser.parse_args(argv)
 
 
+class GuidellmStalled(RuntimeError):
+    """guidellm outlived its bound while the cluster kept answering."""
+
+
 def run_guidellm(args: argparse.Namespace, target: str, model_id: str, tokenizer_dir: Path, out: Path) -> dict:
-    """Run guidellm once; its JSON report."""
+    """Run guidellm, once more if it stalls while the cluster answers; its JSON report.
+
+    Raises:
+        GuidellmStalled: both runs stalled and the cluster answered after each.
+        RuntimeError: the cluster did not answer a probe after a stalled run.
+        subprocess.CalledProcessError: guidellm exited non-zero.
+    """
     command = [
         sys.executable, "-m", "guidellm", "run",
         "--backend", f"kind=openai_http,target={target},model={model_id},request_format={args.endpoint},"
-                     "http2=false,stream=true",
+                     f"http2=false,stream=true,timeout={REQUEST_TIMEOUT_S}",
         "--profile", f"kind=concurrent,streams={args.streams}",
         "--constraint", f"kind=max_duration,seconds={args.seconds}",
         "--data", f"kind=synthetic_text,prompt_tokens={args.prompt_tokens},output_tokens={args.output_tokens}",
@@ -58,8 +85,40 @@ def run_guidellm(args: argparse.Namespace, target: str, model_id: str, tokenizer
         "--output", f"kind=json,path={out}",
         "--disable-console-interactive",
     ]
-    subprocess.run(command, check=True, env={**os.environ, "HF_HUB_OFFLINE": "1"})
-    return json.loads(out.read_text())
+    for attempt in (1, 2):
+        if _run_bounded(command, within_s=args.seconds + STARTUP_AND_DRAIN_S):
+            return json.loads(out.read_text())
+        _probe(target, model_id)
+        log.warning("guidellm run %d stalled past %.0f s while the cluster answered", attempt,
+                    args.seconds + STARTUP_AND_DRAIN_S)
+    raise GuidellmStalled(f"guidellm stalled twice at {target}; the cluster answered after each")
+
+
+def _run_bounded(command: list[str], within_s: float) -> bool:
+    """Run ``command`` in its own process group; False (the group killed) if it outlives
+    ``within_s`` seconds. Raises CalledProcessError on a non-zero exit."""
+    with subprocess.Popen(command, env={**os.environ, "HF_HUB_OFFLINE": "1"}, start_new_session=True) as proc:
+        try:
+            returncode = proc.wait(timeout=within_s)
+        except subprocess.TimeoutExpired:
+            os.killpg(proc.pid, signal.SIGKILL)  # guidellm's spawned workers with it
+            proc.wait()
+            return False
+    if returncode:
+        raise subprocess.CalledProcessError(returncode, command)
+    return True
+
+
+def _probe(target: str, model_id: str, timeout_s: float = 60.0) -> None:
+    """One completion of one token from the cluster; RuntimeError if it does not answer."""
+    body = json.dumps({"model": model_id, "prompt": "Hello", "max_tokens": 1}).encode()
+    request = urllib.request.Request(f"{target}/v1/completions", data=body,
+                                     headers={"Content-Type": "application/json"})
+    try:
+        with urllib.request.urlopen(request, timeout=timeout_s) as response:
+            json.loads(response.read())
+    except OSError as exc:
+        raise RuntimeError(f"the cluster at {target} did not answer after guidellm stalled: {exc}") from exc
 
 
 def metrics_of(report: dict) -> dict[str, float]:
