@@ -58,14 +58,20 @@ def test_matches_the_reference(kernel, seq_lens, num_q_heads, num_kv_heads, bloc
         torch.set_num_threads(threads)
 
 
-def _compare(kernel, seq_lens, num_q_heads, num_kv_heads, block_size):
+def test_scores_spread_past_the_range_of_exp(kernel):
+    """Scores hundreds apart: the softmax's shifted exponentials underflow (clamped in the
+    kernel's own exp) and the output still matches."""
+    _compare(kernel, [300, 37], 9, 3, 16, scale=40.0)
+
+
+def _compare(kernel, seq_lens, num_q_heads, num_kv_heads, block_size, scale=0.125):
     gen = torch.Generator().manual_seed(len(seq_lens))
     config, cache, tables, lens, slots, qkv, (cos, sin) = _inputs(seq_lens, num_q_heads, num_kv_heads, 64, block_size, gen)
     slots[-1] = -1 if len(seq_lens) > 1 else slots[-1]  # a token whose K/V is not written
     expected_cache = KVCache(config, cache.num_blocks, block_size, torch.float32, "cpu", tensor=cache.tensor.clone())
-    expected = ref.rope_decode_attention(qkv, cos, sin, *expected_cache.layer(1), slots, tables, lens, num_q_heads, 0.125,
+    expected = ref.rope_decode_attention(qkv, cos, sin, *expected_cache.layer(1), slots, tables, lens, num_q_heads, scale,
                                          torch.empty(len(seq_lens), num_q_heads * 64))
-    out = kernel.rope_decode_attention(qkv, cos, sin, *cache.layer(1), slots, tables, lens, num_q_heads, 0.125,
+    out = kernel.rope_decode_attention(qkv, cos, sin, *cache.layer(1), slots, tables, lens, num_q_heads, scale,
                  torch.full((len(seq_lens), num_q_heads * 64), float("nan")))
     assert rel_err(out, expected) < 1e-5
     # the same K/V written at the same slots, nothing else touched (every layer, every block)
@@ -141,5 +147,7 @@ def test_rms_norm_leaves_other_dtypes_and_misfits_to_the_reference(kernel):
 def test_silu_and_mul_matches_the_reference(kernel):
     x = torch.randn(4, 2 * 1536, generator=torch.Generator().manual_seed(4)) * 4
     assert rel_err(kernel.silu_and_mul(x[1:]), ref.silu_and_mul(x[1:])) < 1e-6
+    x[:, :4] = torch.tensor([-100.0, -90.0, 90.0, 100.0])  # gates past the range of the kernel's exp
+    assert rel_err(kernel.silu_and_mul(x), ref.silu_and_mul(x)) < 1e-6
     half = x.bfloat16()
     assert torch.equal(kernel.silu_and_mul(half), ref.silu_and_mul(half))
