@@ -83,10 +83,17 @@ def _cuda_sm_count(index: int) -> int:
 
 
 def sm_count(device: torch.device) -> int:
-    """Streaming multiprocessors of ``device``; the interpreter pretends to have 4."""
+    """Streaming multiprocessors of ``device``; the interpreter pretends to have 4.
+
+    Raises:
+        ValueError: a CUDA device without an index (a tensor's device always has one; the
+            thread's current device is not asked, so that every thread sees the same GPU).
+    """
     if device.type != "cuda":
         return 4
-    return _cuda_sm_count(device.index if device.index is not None else torch.cuda.current_device())
+    if device.index is None:
+        raise ValueError(f"sm_count needs a CUDA device with an index, not {device}")
+    return _cuda_sm_count(device.index)
 
 
 class KernelLaunch:

@@ -21,8 +21,10 @@ RATES_FILE = ROOT / "deploy" / "plan" / "llama-3-8b-h200.json"
 RESULTS = ROOT / "bench" / "results"
 
 
-def record(path: str) -> dict[str, float]:
-    return json.loads((RESULTS / path).read_text())["metrics"]
+def newest_record(benchmark: str, tag: str) -> dict[str, float]:
+    """The metrics of ``benchmark``'s newest result file tagged ``tag`` (a file's name is the
+    benchmark, its tag and its UTC stamp, so the names sort by time)."""
+    return json.loads(max((RESULTS / benchmark).glob(f"{benchmark}-{tag}-*.json")).read_text())["metrics"]
 
 
 @pytest.fixture(scope="module")
@@ -131,10 +133,10 @@ def test_the_choices_on_two_gpus_go_the_way_the_serving_runs_went(rates):
     """On two H200s, interference at 0.5 s / 20 ms: a prefill and a decode worker served more than
     two colocated workers; on long at 1 s / 40 ms two colocated workers served far more than the
     split (measured on two H100s: no H200 run of long has been made)."""
-    interference = record("serving_2gpu/serving_2gpu-h200x2-now-interference-20261128T174034Z.json")
+    interference = newest_record("serving_2gpu", "h200x2-now-interference")
     assert interference["goodput_rps_disagg"] > interference["goodput_rps_colocated"]
     assert plan(2, WORKLOADS["interference"], rates, Objectives(0.5, 0.02)).best.layout == Layout(1, 1, 1, 1)
-    long = record("serving_2gpu/serving_2gpu-h100x2-long-20261126T154431Z.json")
+    long = newest_record("serving_2gpu", "h100x2-long")
     assert long["goodput_rps_colocated_ttft1s_tpot40ms"] > 1.5 * long["goodput_rps_disagg_ttft1s_tpot40ms"]
     assert plan(2, WORKLOADS["long"], rates, Objectives(1.0, 0.04)).best.layout == Layout(0, 0, 2, 1)
 

@@ -1,10 +1,11 @@
-"""The entry points' plain-Python stand-ins for Triton's host helpers give Triton's answers, and
-a prepared launch runs each call on its own tensors."""
+"""The entry points' plain-Python stand-ins for Triton's host helpers give Triton's answers, a
+prepared launch runs each call on its own tensors, and a GPU's size is asked of that GPU only."""
 
+import pytest
 import torch
 import triton
 
-from kernels._launch import KernelLaunch, cdiv, next_power_of_2
+from kernels._launch import KernelLaunch, cdiv, next_power_of_2, sm_count
 from tests.helpers.paged_inputs import DEVICE
 
 
@@ -17,6 +18,12 @@ def test_cdiv_is_tritons():
     for a in range(0, 300):
         for b in (1, 2, 3, 16, 64, 128, 1000):
             assert cdiv(a, b) == triton.cdiv(a, b), (a, b)
+
+
+def test_sm_count_asks_the_gpu_it_is_given():
+    assert sm_count(torch.device("cpu")) == 4  # the interpreter's
+    with pytest.raises(ValueError, match="with an index"):  # not whichever GPU the thread has current
+        sm_count(torch.device("cuda"))
 
 
 def _silu_and_mul(x: torch.Tensor) -> torch.Tensor:
