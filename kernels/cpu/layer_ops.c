@@ -27,7 +27,8 @@ static inline __attribute__((always_inline)) float dot(const float *a, const flo
 static inline __attribute__((always_inline)) float exp_clamped(float x) {
     x = x < -87.0f ? -87.0f : (x > 88.0f ? 88.0f : x);
     const float n = __builtin_rintf(x * 1.44269504088896341f);
-    const float r = __builtin_fmaf(n, 2.12194440e-4f, __builtin_fmaf(n, -0.693359375f, x)); /* fused: kept apart */
+    /* fused multiply-adds, so that -fassociative-math cannot merge the two parts of ln2 */
+    const float r = __builtin_fmaf(n, 2.12194440e-4f, __builtin_fmaf(n, -0.693359375f, x));
     float p = 1.0f / 5040.0f;
     p = p * r + 1.0f / 720.0f;
     p = p * r + 1.0f / 120.0f;
