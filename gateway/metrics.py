@@ -40,6 +40,6 @@ PREFILL_PREDICTION = Histogram("tandem_gateway_prefill_prediction_ratio",
                                "(1: exact; the prediction's queue counts this gateway's prefills only).",
                                buckets=(0.25, 0.5, 0.8, 1.25, 2, 4, 8))
 AVOIDED_WORKERS = Gauge("tandem_gateway_avoided_workers", "Workers routing avoids: down (health probe failing) or "
-                        "ejected (consecutive failed calls), as of the last change.", ["reason"])
+                        "ejected (consecutive failed calls), now.", ["reason"])
 WORKER_FAILURES = Counter("tandem_gateway_worker_failures", "Worker calls counted as failures of the worker, by call.",
                           ["call"])

@@ -71,6 +71,9 @@ class OutlierDetector:
         self.max_ejection_s = max_ejection_s
         self._clock = clock
         self._records: dict[str, _Record] = {}
+        # Read when scraped, so that an ejection that lapsed is not reported still standing.
+        metrics.AVOIDED_WORKERS.labels("down").set_function(lambda: len(self.avoided()[0]))
+        metrics.AVOIDED_WORKERS.labels("ejected").set_function(lambda: len(self.avoided()[1]))
 
     def failure(self, worker_id: str) -> bool:
         """A call to ``worker_id`` failed; True when this failure ejected it."""
@@ -87,7 +90,6 @@ class OutlierDetector:
         record.ejected_until, record.ejections, record.consecutive = now + duration, record.ejections + 1, 0
         logger.warning("ejecting worker %s from routing for %.1f s after %d failures in a row", worker_id, duration,
                        self.consecutive_failures)
-        self._publish()
         return True
 
     def success(self, worker_id: str) -> None:
@@ -102,7 +104,6 @@ class OutlierDetector:
         was_up = not record.down
         if was_up:
             record.went_down.set()
-            self._publish()
         return was_up
 
     def probe_ok(self, worker_id: str) -> bool:
@@ -112,7 +113,6 @@ class OutlierDetector:
             return False
         record.went_down.clear()
         record.consecutive, record.ejected_until = 0, 0.0
-        self._publish()
         return True
 
     def down_signal(self, worker_id: str) -> asyncio.Event:
@@ -122,19 +122,14 @@ class OutlierDetector:
         return self._records.setdefault(worker_id, _Record()).went_down
 
     def avoided(self) -> tuple[frozenset[str], frozenset[str]]:
-        """The ids down now and the ids ejected now (a worker may be in both)."""
-        now = self._clock()
-        return (frozenset(w for w, r in self._records.items() if r.down),
-                frozenset(w for w, r in self._records.items() if now < r.ejected_until))
+        """The ids down now and the ids ejected now (a worker may be in both). Safe to call from
+        another thread (the metrics server's): it reads a copy of the records."""
+        now, records = self._clock(), dict(self._records)
+        return (frozenset(w for w, r in records.items() if r.down),
+                frozenset(w for w, r in records.items() if now < r.ejected_until))
 
     def retain(self, worker_ids: Iterable[str]) -> None:
         """Forget every worker not in ``worker_ids`` (it left the registry)."""
         keep = set(worker_ids)
         for worker_id in [w for w in self._records if w not in keep]:
             del self._records[worker_id]
-        self._publish()
-
-    def _publish(self) -> None:
-        down, ejected = self.avoided()
-        metrics.AVOIDED_WORKERS.labels("down").set(len(down))
-        metrics.AVOIDED_WORKERS.labels("ejected").set(len(ejected))

@@ -7,6 +7,7 @@ import asyncio
 import random
 
 import pytest
+from prometheus_client import REGISTRY
 
 from cluster.prefix_index import PrefixIndex
 from cluster.registry import ClusterNamespace, Role, WorkerInfo, WorkerLoad, WorkerRegistry, redis_client
@@ -65,6 +66,22 @@ def test_probe_failure_marks_down_and_a_serving_answer_ends_down_and_ejection():
     detector.probe_failed("x")
     detector.retain(["w"])  # x left the registry
     assert detector.avoided()[0] == frozenset()
+
+
+def avoided_gauge(reason: str) -> float:
+    return REGISTRY.get_sample_value("tandem_gateway_avoided_workers", {"reason": reason})
+
+
+def test_the_avoided_workers_gauge_reads_the_detector_when_scraped_so_a_lapsed_ejection_is_not_reported():
+    clock = Clock()
+    detector = OutlierDetector(consecutive_failures=1, base_ejection_s=5, max_ejection_s=5, clock=clock)
+    detector.failure("w")
+    detector.probe_failed("x")
+    assert (avoided_gauge("ejected"), avoided_gauge("down")) == (1, 1)
+    detector.probe_ok("x")
+    assert (avoided_gauge("ejected"), avoided_gauge("down")) == (1, 0)
+    clock.now += 5.1  # nothing happens at the ejection's end, yet the gauge must read 0
+    assert avoided_gauge("ejected") == 0
 
 
 def test_settings_out_of_range_are_refused_by_name():
