@@ -48,20 +48,22 @@ pytestmark = pytest.mark.slow
 LEASE_S = 5.0
 DEADLINE_S = 60.0
 FREEZE_S = 6.0
+MAX_EJECTION_S = 4.0  # a worker ejected in one cell is routed to again before the next one starts
 SETTINGS = {"TANDEM_LEASE_S": str(LEASE_S), "TANDEM_MAX_NUM_BATCHED_TOKENS": "64",
             "TANDEM_KEEPALIVE_TIME_S": "1", "TANDEM_KEEPALIVE_TIMEOUT_S": "1",
             "TANDEM_HEALTH_PROBE_INTERVAL_S": "0.5", "TANDEM_HEALTH_PROBE_TIMEOUT_S": "1",
             "TANDEM_HOP_TIMEOUT_S": "10", "TANDEM_DECODE_STALL_TIMEOUT_S": "3",
-            "TANDEM_OUTLIER_BASE_EJECTION_S": "2", "TANDEM_ADMIT_WAIT_S": "30",
+            "TANDEM_OUTLIER_BASE_EJECTION_S": "2", "TANDEM_OUTLIER_MAX_EJECTION_S": str(MAX_EJECTION_S),
+            "TANDEM_ADMIT_WAIT_S": "30",
             "TANDEM_ENABLE_PREFIX_CACHING": "false",  # every run of the request prefills it all again
             "TANDEM_PREFILL_PLACEMENT": "static"}  # on a prefill worker: an idle decode worker may not take it
 DECODE_BLOCKS = 140  # of 16 tokens: room for one REQUEST (76 blocks + a margin of 2) or one BLOCKER, not two
 DOCUMENTED = {"UNAVAILABLE", "DEADLINE_EXCEEDED"}
 PROMPT = " ".join(f"Note {i}: the lighthouse keeper counts ships." for i in range(110))  # 1210 tokens
 REQUEST = gateway_pb2.GenerateRequest(prompt=PROMPT, sampling=SP(max_tokens=32, temperature=0, ignore_eos=True))
-BLOCKER = gateway_pb2.GenerateRequest(  # 1290 prompt tokens and 128 out (89 blocks), decoding for seconds
+BLOCKER = gateway_pb2.GenerateRequest(  # 1290 prompt tokens and 256 out (97 blocks), decoding for seconds
     prompt=" ".join(f"Line {i}: the tide comes in and goes out." for i in range(100)),
-    sampling=SP(max_tokens=128, temperature=0, ignore_eos=True))
+    sampling=SP(max_tokens=256, temperature=0, ignore_eos=True))
 
 
 class PartitionProxy:
@@ -134,8 +136,10 @@ def cluster(tmp_path_factory):
 
 def _heal(cluster) -> dict[str, int]:
     """Every worker running and idle again, whatever the cell before left (a frozen worker is
-    resumed, a dead one restarted, blocks still held are waited for); their free blocks, which
-    are all their blocks (prefix caching is off: an idle worker holds none)."""
+    resumed, a dead one restarted, blocks still held are waited for), and routed to by the
+    gateway again (its probe saw it answer, its ejection lapsed: a cell's requests spread over
+    every worker); their free blocks, which are all their blocks (prefix caching is off: an idle
+    worker holds none)."""
     dead = [name for name, worker in cluster.workers.items() if not worker.alive]
     for worker in cluster.workers.values():
         if worker.alive:
@@ -143,7 +147,11 @@ def _heal(cluster) -> dict[str, int]:
     for name in dead:
         cluster.restart(name)
     if dead:
-        time.sleep(2.5)  # the gateway's probe and refresh see a restarted worker; ejections lapse
+        time.sleep(2.5)  # the gateway's refresh lists a restarted worker
+    deadline = time.monotonic() + MAX_EJECTION_S + 10
+    while (avoided := _gateway_gauge(cluster, "tandem_gateway_avoided_workers")) > 0:
+        assert time.monotonic() < deadline, f"the gateway still avoids {avoided:.0f} workers"
+        time.sleep(0.1)
     return settled_free_blocks(cluster, within_s=LEASE_S + 3)
 
 
@@ -189,12 +197,12 @@ def _fill_decode_capacity(cluster, baseline: dict[str, int]) -> list[Future]:
     return blockers
 
 
-def _waiting_at_gateway(cluster) -> float:
-    """The gateway's ``tandem_gateway_requests_waiting`` gauge."""
+def _gateway_gauge(cluster, name: str) -> float:
+    """The gateway's gauge ``name``, summed over its labels."""
     with urllib.request.urlopen(f"http://127.0.0.1:{cluster.metrics_ports['gateway']}/metrics", timeout=5) as page:
         text = page.read().decode()
-    return next(sample.value for family in text_string_to_metric_families(text)
-                for sample in family.samples if sample.name == "tandem_gateway_requests_waiting")
+    return sum(sample.value for family in text_string_to_metric_families(text)
+               for sample in family.samples if sample.name == name)
 
 
 @pytest.mark.parametrize("phase", ["queued", "prefilling", "decoding"])
@@ -223,7 +231,7 @@ def test_one_fault_at_one_phase(cluster, phase, fault):
     deadline = time.monotonic() + 20
     if phase == "queued":
         prefill_worker = "prefill-0"  # none has it yet: it gets the one left after a kill
-        while _waiting_at_gateway(cluster) < 1:
+        while _gateway_gauge(cluster, "tandem_gateway_requests_waiting") < 1:
             assert time.monotonic() < deadline, f"the request never waited for capacity (running: " \
                 f"{call.running()}; blockers ended: {[f.result() for f in blockers if f.done()]})"
             time.sleep(0.02)
