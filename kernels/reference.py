@@ -8,7 +8,8 @@ Softmax runs in float32 whatever the cache dtype; an fp8 cache's K and V are upc
 as they are gathered. The layer functions (``rms_norm``,
 ``rotary_embedding``, ``silu_and_mul``) are the unfused PyTorch formulas the CPU path has
 always run, ``matmul`` is ``F.linear``; ``sample_tokens`` computes the sampling kernel's counter-based noise bit for bit
-with int64 arithmetic. ``kv_digests`` sums a KV block's words with the digest kernel's integer
+with int64 arithmetic. ``dequantize_int4`` gives the weights of int4 planes in float32 (the C kernel's
+arithmetic, so equal to it bit for bit once rounded to bfloat16). ``kv_digests`` sums a KV block's words with the digest kernel's integer
 arithmetic (bit for bit) and counts non-finite elements with ``torch.isfinite``.
 """
 
@@ -17,7 +18,8 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
-__all__ = ["digest_words", "kv_digests", "matmul", "paged_decode_attention", "paged_prefill_attention", "rms_norm", "rope_decode_attention",
+__all__ = ["dequantize_int4", "digest_words", "kv_digests", "matmul", "pack_int4", "paged_decode_attention",
+           "paged_prefill_attention", "rms_norm", "rope_decode_attention",
            "rotary_embedding", "rotary_write_kv_cache", "sample_tokens", "silu_and_mul", "to_cache_dtype",
            "write_kv_cache"]
 
@@ -276,6 +278,39 @@ def matmul(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = No
     ``out_dtype`` (default x's), accumulated in float32."""
     out = F.linear(x.float(), weight.float(), None if bias is None else bias.float())
     return out.to(out_dtype or x.dtype)
+
+
+def pack_int4(codes: torch.Tensor, group_size: int) -> torch.Tensor:
+    """Int4 codes ``[..., rows, cols]`` (integers in ``[0, 16)``) as ``[..., rows, cols // 2]``
+    uint8, two per byte: in each group of ``group_size`` columns, byte ``j`` holds column ``j``
+    in its low nibble and column ``j + group_size // 2`` in its high one."""
+    *lead, rows, cols = codes.shape
+    groups = codes.to(torch.uint8).reshape(*lead, rows, cols // group_size, group_size)
+    half = group_size // 2
+    return (groups[..., :half] | (groups[..., half:] << 4)).reshape(*lead, rows, cols // 2).contiguous()
+
+
+def dequantize_int4(nibbles: torch.Tensor, scales_and_zeros: torch.Tensor, group_size: int) -> torch.Tensor:
+    """The weight ``[rows, cols]`` float32 that int4 planes sum to: ``sum_p (q_p - 8) * scale_p +
+    zero_p``, summed over planes in order, each term rounded to float32.
+
+    Args:
+        nibbles: ``[planes, rows, cols // 2]`` uint8, :func:`pack_int4`'s layout.
+        scales_and_zeros: ``[planes, cols // group_size, rows, 2]`` bfloat16 (PyTorch's int4
+            layout of each plane's group scale and zero).
+        group_size: columns per group, even.
+    """
+    planes, rows, half_cols = nibbles.shape
+    half = group_size // 2
+    grouped = nibbles.reshape(planes, rows, -1, half)
+    codes = torch.cat([grouped & 15, grouped >> 4], dim=-1).float() - 8  # [planes, rows, groups, group_size]
+    scale = scales_and_zeros[..., 0].float().transpose(1, 2)[..., None]  # [planes, rows, groups, 1]
+    zero = scales_and_zeros[..., 1].float().transpose(1, 2)[..., None]
+    terms = codes * scale + zero
+    out = terms[0]
+    for term in terms[1:]:
+        out = out + term
+    return out.reshape(rows, 2 * half_cols)
 
 
 def silu_and_mul(x: torch.Tensor) -> torch.Tensor:

@@ -3,8 +3,9 @@
  * - tandem_silu_and_mul: SwiGLU's silu(gate) * up;
  * - tandem_rope_decode_attention: RoPE of the query and key heads, the new key and value written
  *   into the paged KV cache, and each decode token's attention over its sequence's cached
- *   context (a softmax over the scores, then the weighted sum of the values).
- * Float32 throughout. The caller (kernels/cpu_ops.py) checks shapes, dtypes and strides; its
+ *   context (a softmax over the scores, then the weighted sum of the values);
+ * - tandem_dequantize_int4: a group-quantized weight's int4 planes to one bfloat16 matrix.
+ * Float32 arithmetic throughout. The caller (kernels/cpu_ops.py) checks shapes, dtypes and strides; its
  * docstrings give the arguments' meaning. tandem_rope_decode_attention returns 0, -1 (out of
  * memory) or -2 (a sequence longer than its block table holds; nothing written). Built with -O3 for the host's vector ISA. */
 #include <math.h>
@@ -229,5 +230,68 @@ void tandem_silu_and_mul(const float *x, int64_t x_row_stride, int64_t num_rows,
         const float *gate = x + r * x_row_stride, *up = gate + size;
         float *o = out + r * size;
         for (int64_t i = 0; i < size; i++) o[i] = gate[i] / (1.0f + exp_clamped(-gate[i])) * up[i];
+    }
+}
+
+static inline __attribute__((always_inline)) float from_bf16(uint16_t x) {
+    uint32_t bits = (uint32_t)x << 16;
+    float f;
+    memcpy(&f, &bits, sizeof f);
+    return f;
+}
+
+/* float32 -> bfloat16 bits, rounded to nearest even (dequantized weights are finite) */
+static inline __attribute__((always_inline)) uint16_t to_bf16(float x) {
+    uint32_t bits;
+    memcpy(&bits, &x, sizeof bits);
+    return (uint16_t)((bits + 0x7FFFu + ((bits >> 16) & 1u)) >> 16);
+}
+
+/* The weights of one (row, group) span of a plane: element j in the low nibble of byte j and
+ * element j + half in its high one, so that both halves are written contiguously (16 bytes at a
+ * time, vectorized). */
+static inline __attribute__((always_inline)) void plane_terms(const uint8_t *restrict b, float s, float z,
+                                                              float *restrict lo, float *restrict hi, int add) {
+    for (int j = 0; j < 16; j++) {
+        const float l = (float)((int32_t)(b[j] & 15) - 8) * s + z, h = (float)((int32_t)(b[j] >> 4) - 8) * s + z;
+        lo[j] = add ? lo[j] + l : l;
+        hi[j] = add ? hi[j] + h : h;
+    }
+}
+
+/* One thread: between PyTorch's ops its OpenMP threads keep spinning on the other cores, and a
+ * second thread here lost to them (a SmolLM2 prefill's dequantization took 97 ms on two
+ * threads, 55 on one, 2-core Xeon). */
+void tandem_dequantize_int4(const uint8_t *restrict nibbles, const uint16_t *restrict scales_and_zeros,
+                            int64_t num_planes, int64_t rows, int64_t cols, int64_t group_size, uint16_t *restrict out) {
+    const int64_t groups = cols / group_size, half = group_size / 2, plane_bytes = rows * (cols / 2);
+    for (int64_t r = 0; r < rows; r++) {
+        for (int64_t g = 0; g < groups; g++) {
+            const uint8_t *restrict b = nibbles + r * (cols / 2) + g * half;
+            const uint16_t *restrict sz = scales_and_zeros + (g * rows + r) * 2;
+            uint16_t *restrict o = out + r * cols + g * group_size;
+            const float s = from_bf16(sz[0]), z = from_bf16(sz[1]);
+            if (num_planes == 1) { /* 4-bit codes: the weights straight out */
+                for (int64_t c = 0; c < half; c += 16) {
+                    for (int j = 0; j < 16; j++) {
+                        o[c + j] = to_bf16((float)((int32_t)(b[c + j] & 15) - 8) * s + z);
+                        o[half + c + j] = to_bf16((float)((int32_t)(b[c + j] >> 4) - 8) * s + z);
+                    }
+                }
+                continue;
+            }
+            for (int64_t c = 0; c < half; c += 16) {
+                float lo[16], hi[16];
+                plane_terms(b + c, s, z, lo, hi, 0);
+                for (int64_t p = 1; p < num_planes; p++) {
+                    const uint16_t *restrict szp = sz + p * groups * rows * 2;
+                    plane_terms(b + p * plane_bytes + c, from_bf16(szp[0]), from_bf16(szp[1]), lo, hi, 1);
+                }
+                for (int j = 0; j < 16; j++) {
+                    o[c + j] = to_bf16(lo[j]);
+                    o[half + c + j] = to_bf16(hi[j]);
+                }
+            }
+        }
     }
 }

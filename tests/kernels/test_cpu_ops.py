@@ -151,3 +151,32 @@ def test_silu_and_mul_matches_the_reference(kernel):
     assert rel_err(kernel.silu_and_mul(x), ref.silu_and_mul(x)) < 1e-6
     half = x.bfloat16()
     assert torch.equal(kernel.silu_and_mul(half), ref.silu_and_mul(half))
+
+
+@pytest.mark.parametrize("planes, rows, cols, group_size", [
+    (1, 96, 64, 32),  # one plane (4-bit codes), two groups a row
+    (2, 40, 128, 64),  # two planes (8-bit codes), wider groups
+    (3, 16, 96, 32),  # three planes (12-bit codes)
+    (1, 1536, 576, 32),  # a SmolLM2 projection
+])
+def test_dequantize_int4_equals_the_reference_rounded_to_bfloat16(kernel, planes, rows, cols, group_size):
+    generator = torch.Generator().manual_seed(planes * rows)
+    codes = torch.randint(0, 16, (planes, rows, cols), generator=generator)
+    nibbles = ref.pack_int4(codes, group_size)
+    scales_and_zeros = torch.randn(planes, cols // group_size, rows, 2, generator=generator).bfloat16()
+    out = kernel.dequantize_int4(nibbles, scales_and_zeros, group_size, torch.empty(rows, cols, dtype=torch.bfloat16))
+    expected = ref.dequantize_int4(nibbles, scales_and_zeros, group_size)
+    assert torch.equal(out, expected.bfloat16())
+    # the reference reads the codes where pack_int4 put them: each weight from its own code
+    scale, zero = (scales_and_zeros[..., i].float().transpose(1, 2).repeat_interleave(group_size, dim=2) for i in (0, 1))
+    assert torch.allclose(expected, ((codes - 8) * scale + zero).sum(0), rtol=0, atol=1e-5)
+
+
+def test_dequantize_int4_refuses_a_layout_it_does_not_read(kernel):
+    nibbles = torch.zeros(1, 8, 16, dtype=torch.uint8)
+    with pytest.raises(ValueError, match="group_size"):
+        kernel.dequantize_int4(nibbles, torch.zeros(1, 2, 8, 2, dtype=torch.bfloat16), 16, torch.empty(8, 32, dtype=torch.bfloat16))
+    with pytest.raises(ValueError, match="scales_and_zeros"):
+        kernel.dequantize_int4(nibbles, torch.zeros(1, 1, 8, 2), 32, torch.empty(8, 32, dtype=torch.bfloat16))
+    with pytest.raises(ValueError, match="out"):
+        kernel.dequantize_int4(nibbles, torch.zeros(1, 1, 8, 2, dtype=torch.bfloat16), 32, torch.empty(8, 16, dtype=torch.bfloat16))
