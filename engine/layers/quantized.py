@@ -1,5 +1,6 @@
 """Weights kept quantized on the CPU: group-wise integer codes with a scale and an offset per
-group, computed with PyTorch's int4 weight-only matmul.
+group, computed with PyTorch's int4 weight-only matmul, or, for a prefill's prompt tokens, with
+a dense bfloat16 matmul over the weight dequantized for the call.
 
 The kernel is ``torch.ops.aten._weight_int4pack_mm_for_cpu`` (with its packing op
 ``_convert_weight_to_int4pack_for_cpu``): PyTorch's own, the one torchao's CPU int4 weight-only
@@ -12,6 +13,18 @@ path takes 620 µs and oneDNN's float32 sgemm 35 µs), so :class:`Int4Linear` ca
 bfloat16 and its output back; the rest of the model (norms, attention, the KV cache) keeps its
 own dtype, float32 on the CPU, where PyTorch's CPU attention is 2-5x faster than in bfloat16.
 
+The int4 kernel's time grows with the rows as a matrix-vector product's would (a 1536 x 576
+weight on a 2-core Xeon: 33 µs at one row, 0.19 ms at 16, 1.7 ms at 150), while oneDNN's
+bfloat16 GEMM over dense weights takes 0.1 ms at 16 rows and 0.23 at 150. So the rows of a
+step's prompt tokens (:func:`prompt_rows`, at least :data:`DENSE_MIN_ROWS` of them) take the
+weight dequantized to bfloat16 by a C kernel (``kernels.cpu_ops.CpuKernels.dequantize_int4``,
+~0.3 ms for that weight) and one ``torch.mm``: the int4 matmuls of a 148-token prefill of
+SmolLM2-135M took 230 ms of its 285, this way 96 of 146 (46 of them dequantizing). Decode and
+verification rows keep the int4 kernel whatever else the step holds, so a sequence's tokens
+never depend on the batch it decoded in (a prompt's KV depends on its chunking already, as its
+attention does). The codes are kept a second time for it, packed two to a byte
+(:func:`kernels.reference.pack_int4`): half a byte per weight and plane.
+
 8-bit codes (GGUF's Q8_0) run losslessly as two int4 planes, ``c = 16 * hi + lo`` with ``hi``
 in ``[-8, 8)`` and ``lo`` in ``[0, 16)``: two int4 matmuls summed, the same bytes as int8.
 PyTorch's int8 weight-only kernel (``_weight_int8pack_mm``) takes one scale per row, not per
@@ -20,10 +33,52 @@ group of 32, so it could not hold Q8_0's scales without requantizing.
 
 from __future__ import annotations
 
+import contextlib
+import threading
+from collections.abc import Iterator
+from contextvars import ContextVar
 from dataclasses import dataclass
 
 import torch
 from torch import nn
+
+from engine.layers.ops import cpu_kernels
+from kernels.reference import pack_int4
+
+# Prompt rows of a step from which the dense matmul is faster than the int4 kernel, dequantization
+# included (a 2-core Xeon, SmolLM2-135M's weights, through Int4Linear: a 1536 x 576 weight takes
+# 0.55 against 0.60 ms at 48 rows, 0.74 against 0.62 at 64; the other shapes cross alike).
+DENSE_MIN_ROWS = 64
+
+_FIRST_PROMPT_ROW: ContextVar[int | None] = ContextVar("first_prompt_row", default=None)
+
+
+@contextlib.contextmanager
+def prompt_rows(first_row: int | None) -> Iterator[None]:
+    """Within the block, the :class:`Int4Linear` layers take rows ``first_row`` onwards of their
+    input as a prefill's prompt tokens (``None``: no row is one); the model runner sets it around
+    each forward (``StepInputs.first_prompt_row``)."""
+    token = _FIRST_PROMPT_ROW.set(first_row)
+    try:
+        yield
+    finally:
+        _FIRST_PROMPT_ROW.reset(token)
+
+
+class _Scratch(threading.local):
+    """A thread's bfloat16 buffer for the weight being dequantized: one for every layer, as the
+    weight is used by one matmul right after (reused, not reallocated per call)."""
+
+    def __init__(self) -> None:
+        self.buffer = torch.empty(0, dtype=torch.bfloat16)
+
+    def take(self, rows: int, cols: int) -> torch.Tensor:
+        if self.buffer.numel() < rows * cols:
+            self.buffer = torch.empty(rows * cols, dtype=torch.bfloat16)
+        return self.buffer[:rows * cols].view(rows, cols)
+
+
+_scratch = _Scratch()
 
 
 @dataclass
@@ -100,32 +155,53 @@ class Int4Linear(nn.Module):
         weight: ``[out_features, in_features]``; ``in_features`` a multiple of its group size.
         bias: ``[out_features]`` or ``None``.
         compute_dtype: the matmul's dtype (its input, scales and output): bfloat16.
+        dense_prompt_rows: whether prompt rows take the dense matmul (a logits head's rows are
+            never prompt rows: it keeps no second copy of its codes).
 
     ``forward`` takes ``[num_tokens, in_features]`` and returns ``[num_tokens, out_features]`` in
-    the input's dtype. Memory: 4 bits per weight and plane, plus a scale and a zero per group.
+    the input's dtype; rows given as prompt rows (:func:`prompt_rows`) go through the dense
+    matmul (module docstring) where the C kernels were built and the group size is a multiple
+    of 32. Memory: 4 bits per weight and plane, twice, plus a scale and a zero per group.
     """
 
     def __init__(self, weight: GroupQuantized, bias: torch.Tensor | None = None,
-                 compute_dtype: torch.dtype = torch.bfloat16) -> None:
+                 compute_dtype: torch.dtype = torch.bfloat16, dense_prompt_rows: bool = True) -> None:
         super().__init__()
         self.out_features, self.in_features = weight.shape
         self.compute_dtype = compute_dtype
         self.bias = bias
         self.group_size = weight.group_size
-        self.planes = [
-            (torch.ops.aten._convert_weight_to_int4pack_for_cpu(q.int().contiguous(), 1),
-             torch.stack([scale.t(), zero.t()], dim=-1).to(compute_dtype).contiguous())  # [groups, out, 2]
-            for q, scale, zero in weight.int4_planes()
-        ]
+        planes = weight.int4_planes()
+        # [planes, groups, out, 2]: each plane's scale and zero per group, PyTorch's int4 layout
+        self.scales_and_zeros = torch.stack([torch.stack([scale.t(), zero.t()], dim=-1) for _, scale, zero in planes]
+                                            ).to(compute_dtype).contiguous()
+        self.planes = [(torch.ops.aten._convert_weight_to_int4pack_for_cpu(q.int().contiguous(), 1), sz)
+                       for (q, _, _), sz in zip(planes, self.scales_and_zeros)]
+        self.nibbles = (pack_int4(torch.stack([q for q, _, _ in planes]), self.group_size)
+                        if dense_prompt_rows and self.group_size % 32 == 0 and compute_dtype == torch.bfloat16
+                        else None)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         x_in = x.to(self.compute_dtype)
-        out = None
-        for packed, scales_and_zeros in self.planes:
-            y = torch.ops.aten._weight_int4pack_mm_for_cpu(x_in, packed, self.group_size, scales_and_zeros)
-            out = y if out is None else out.add_(y)
+        first = _FIRST_PROMPT_ROW.get()
+        kernels = cpu_kernels() if first is not None and x.shape[0] - first >= DENSE_MIN_ROWS else None
+        if kernels is None or self.nibbles is None:
+            out = self._int4(x_in)
+        else:
+            weight = kernels.dequantize_int4(self.nibbles, self.scales_and_zeros, self.group_size,
+                                             _scratch.take(self.out_features, self.in_features))
+            dense = torch.mm(x_in[first:], weight.t())
+            out = torch.cat([self._int4(x_in[:first]), dense]) if first else dense
         out = out.to(x.dtype)
         return out if self.bias is None else out.add_(self.bias.to(x.dtype))
+
+    def _int4(self, x: torch.Tensor) -> torch.Tensor:
+        """``x @ W^T`` by the int4 kernel, plane by plane, in the compute dtype."""
+        out = None
+        for packed, scales_and_zeros in self.planes:
+            y = torch.ops.aten._weight_int4pack_mm_for_cpu(x, packed, self.group_size, scales_and_zeros)
+            out = y if out is None else out.add_(y)
+        return out
 
 
 class QuantizedEmbedding(nn.Module):
@@ -205,7 +281,7 @@ class QuantizedLogitsHead(nn.Module):
     def __init__(self, weight: GroupQuantized, refine: int = 64) -> None:
         super().__init__()
         self.weight = weight
-        self.linear = RowInt8Linear(weight.dequantize()) if weight.bits == 8 else Int4Linear(weight)
+        self.linear = RowInt8Linear(weight.dequantize()) if weight.bits == 8 else Int4Linear(weight, dense_prompt_rows=False)
         self.refine = min(refine, weight.shape[0])
 
     def forward(self, hidden: torch.Tensor) -> torch.Tensor:

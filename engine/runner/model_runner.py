@@ -25,6 +25,7 @@ import numpy as np
 import torch
 
 from engine.core.block_pool import cdiv
+from engine.layers.quantized import prompt_rows
 from engine.runner.cuda_graphs import CUDAGraphRunner
 from engine.runner.input_buffers import InputBuffers, StepInputs
 from engine.runner.kv_cache import KVCache
@@ -335,7 +336,8 @@ class ModelRunner:
             hidden = self.pieces.forward(pieces_size, inputs.input_ids, inputs.positions, self.kv_cache,
                                          inputs.metadata)
         else:
-            hidden = self.model(inputs.input_ids, inputs.positions, self.kv_cache, inputs.metadata)
+            with prompt_rows(inputs.first_prompt_row):
+                hidden = self.model(inputs.input_ids, inputs.positions, self.kv_cache, inputs.metadata)
         if not num_sampled:
             return None
         return self.model.compute_logits(hidden.index_select(0, inputs.logits_indices))

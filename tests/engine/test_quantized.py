@@ -8,11 +8,15 @@ import torch
 from gguf import GGMLQuantizationType
 from gguf.quants import dequantize, quantize
 
+import kernels.reference
 from engine import EngineConfig, EngineCore
 from engine.block_hash import hash_seed
 from engine.loading.gguf_tensors import decode, read_gguf, tensor_table
-from engine.layers.quantized import GroupQuantized, Int4Linear, QuantizedEmbedding, QuantizedLogitsHead, RowInt8Linear
+from engine.layers.ops import cpu_kernels
+from engine.layers.quantized import (DENSE_MIN_ROWS, GroupQuantized, Int4Linear, QuantizedEmbedding, QuantizedLogitsHead,
+                                     RowInt8Linear, prompt_rows)
 from engine.model_source import default_gguf_path, resolve_model
+from engine.sampling_params import SamplingParams
 
 BLOCK_TYPES = [GGMLQuantizationType.Q4_0, GGMLQuantizationType.Q4_1, GGMLQuantizationType.Q8_0]
 
@@ -60,6 +64,30 @@ def test_int4_linear_matches_a_float32_matmul_of_the_dequantized_weight(qtype, n
     # the matmul runs in bfloat16 (input, scales, output): ~3 significant digits
     torch.testing.assert_close(got, expected, rtol=0.02, atol=0.02 * expected.abs().max().item())
     assert Int4Linear(weight, bias)(x.bfloat16()).dtype == torch.bfloat16
+
+
+@pytest.mark.parametrize("qtype", BLOCK_TYPES, ids=lambda t: t.name)
+def test_prompt_rows_take_the_dense_matmul_and_the_rows_before_them_stay_on_the_int4_kernel(qtype):
+    if cpu_kernels() is None:
+        pytest.skip("no C compiler on this machine: the int4 kernel runs every row")
+    weight = decode(_quantized(qtype, rows=64, cols=256), qtype)
+    bias = torch.randn(64)
+    linear = Int4Linear(weight, bias)
+    decodes = 3
+    x = torch.randn(decodes + DENSE_MIN_ROWS, 256, generator=torch.Generator().manual_seed(2))
+    int4 = linear(x)
+    with prompt_rows(decodes):
+        mixed = linear(x)
+    planes = kernels.reference.dequantize_int4(linear.nibbles, linear.scales_and_zeros, weight.group_size)
+    dense = (x[decodes:].bfloat16() @ planes.bfloat16().T).float() + bias
+    assert torch.equal(mixed[:decodes], int4[:decodes])  # a decode's row whatever else the step holds
+    assert torch.equal(mixed[decodes:], dense)  # the planes' weights rounded to bfloat16, one GEMM
+    assert not torch.equal(mixed[decodes:], int4[decodes:])  # (so the two paths are told apart)
+    torch.testing.assert_close(mixed, x @ weight.dequantize().T + bias, rtol=0.02, atol=0.02 * int4.abs().max().item())
+    with prompt_rows(decodes + 1):  # fewer prompt rows than DENSE_MIN_ROWS: all on the int4 kernel
+        assert torch.equal(linear(x), int4)
+    with prompt_rows(0):  # a logits head's rows are never prompt rows
+        assert torch.equal(Int4Linear(weight, bias, dense_prompt_rows=False)(x), int4)
 
 
 def test_quantized_embedding_returns_the_dequantized_rows():
@@ -147,6 +175,24 @@ def test_the_default_model_runs_quantized_on_the_cpu_and_its_kv_is_another_model
     assert int4_bytes < params * 4 / 5  # float32 would be params * 4
     assert engine.hash_seed != hash_seed(engine.model_id, 16, "float32")
     assert hash_seed(engine.model_id, 16, "float32") == hash_seed(engine.model_id, 16, "float32", "none")
+
+
+def test_a_prefill_step_dequantizes_each_projection_once_and_decode_steps_none(monkeypatch):
+    """The model runner marks a step's prompt rows: the prefill of a 100-token prompt runs every
+    projection's dense matmul (one dequantization each), its decode steps the int4 kernel only."""
+    kernels_built = cpu_kernels()
+    if kernels_built is None:
+        pytest.skip("no C compiler on this machine: the int4 kernel runs every row")
+    engine = EngineCore(None, EngineConfig(num_blocks=64))
+    projections = sum(isinstance(m, Int4Linear) and m.nibbles is not None for m in engine.model.modules())
+    calls = []
+    real = type(kernels_built).dequantize_int4
+    monkeypatch.setattr(type(kernels_built), "dequantize_int4", lambda self, *a: calls.append(1) or real(self, *a))
+    engine.add_request("r", list(range(1000, 1100)), SamplingParams(max_tokens=4, temperature=0, ignore_eos=True))
+    counts = []
+    while not any(out.finished for out in engine.step().outputs):
+        counts.append(len(calls))
+    assert projections == 4 * 30 and counts[0] == projections and len(calls) == projections
 
 
 @pytest.mark.slow
