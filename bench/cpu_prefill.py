@@ -170,7 +170,8 @@ def main(argv: list[str] | None = None) -> Path:
     metrics = {key: round(min(values), 4) for key, values in times.items()}
     for other in [name for name in engines if name != "tandem"]:
         for n in args.lengths:
-            metrics[f"tandem_over_{other}_{n}"] = round(metrics[f"{other}_ttft_s_{n}"] / metrics[f"tandem_ttft_s_{n}"], 3)
+            ratio = metrics[f"{other}_ttft_s_{n}"] / metrics[f"tandem_ttft_s_{n}"]
+            metrics[f"tandem_over_{other}_{n}"] = round(ratio, 3)
     workload = {"prompt_tokens": args.lengths, "new_tokens": 1, "greedy": True, "rounds": args.rounds,
                 "aggregate": "best of rounds", "prefix_caching": False, "engines": list(engines),
                 "threads": threads, "torch_threads": torch.get_num_threads(), "gguf": path.name,

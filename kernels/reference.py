@@ -8,9 +8,10 @@ Softmax runs in float32 whatever the cache dtype; an fp8 cache's K and V are upc
 as they are gathered. The layer functions (``rms_norm``,
 ``rotary_embedding``, ``silu_and_mul``) are the unfused PyTorch formulas the CPU path has
 always run, ``matmul`` is ``F.linear``; ``sample_tokens`` computes the sampling kernel's counter-based noise bit for bit
-with int64 arithmetic. ``dequantize_int4`` gives the weights of int4 planes in float32 (the C kernel's
-arithmetic, so equal to it bit for bit once rounded to bfloat16). ``kv_digests`` sums a KV block's words with the digest kernel's integer
-arithmetic (bit for bit) and counts non-finite elements with ``torch.isfinite``.
+with int64 arithmetic. ``dequantize_int4`` gives the weights of int4 planes in float32 (the C
+kernel's arithmetic, so equal to it bit for bit once rounded to bfloat16). ``kv_digests`` sums a
+KV block's words with the digest kernel's integer arithmetic (bit for bit) and counts non-finite
+elements with ``torch.isfinite``.
 """
 
 from __future__ import annotations

@@ -281,7 +281,8 @@ class QuantizedLogitsHead(nn.Module):
     def __init__(self, weight: GroupQuantized, refine: int = 64) -> None:
         super().__init__()
         self.weight = weight
-        self.linear = RowInt8Linear(weight.dequantize()) if weight.bits == 8 else Int4Linear(weight, dense_prompt_rows=False)
+        self.linear = (RowInt8Linear(weight.dequantize()) if weight.bits == 8
+                       else Int4Linear(weight, dense_prompt_rows=False))
         self.refine = min(refine, weight.shape[0])
 
     def forward(self, hidden: torch.Tensor) -> torch.Tensor:

@@ -13,8 +13,8 @@ from engine import EngineConfig, EngineCore
 from engine.block_hash import hash_seed
 from engine.loading.gguf_tensors import decode, read_gguf, tensor_table
 from engine.layers.ops import cpu_kernels
-from engine.layers.quantized import (DENSE_MIN_ROWS, GroupQuantized, Int4Linear, QuantizedEmbedding, QuantizedLogitsHead,
-                                     RowInt8Linear, prompt_rows)
+from engine.layers.quantized import (DENSE_MIN_ROWS, GroupQuantized, Int4Linear, QuantizedEmbedding,
+                                     QuantizedLogitsHead, RowInt8Linear, prompt_rows)
 from engine.model_source import default_gguf_path, resolve_model
 from engine.sampling_params import SamplingParams
 

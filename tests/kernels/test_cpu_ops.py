@@ -168,15 +168,17 @@ def test_dequantize_int4_equals_the_reference_rounded_to_bfloat16(kernel, planes
     expected = ref.dequantize_int4(nibbles, scales_and_zeros, group_size)
     assert torch.equal(out, expected.bfloat16())
     # the reference reads the codes where pack_int4 put them: each weight from its own code
-    scale, zero = (scales_and_zeros[..., i].float().transpose(1, 2).repeat_interleave(group_size, dim=2) for i in (0, 1))
+    scale, zero = (scales_and_zeros[..., i].float().transpose(1, 2).repeat_interleave(group_size, dim=2)
+                   for i in (0, 1))
     assert torch.allclose(expected, ((codes - 8) * scale + zero).sum(0), rtol=0, atol=1e-5)
 
 
 def test_dequantize_int4_refuses_a_layout_it_does_not_read(kernel):
     nibbles = torch.zeros(1, 8, 16, dtype=torch.uint8)
+    bf16 = torch.bfloat16
     with pytest.raises(ValueError, match="group_size"):
-        kernel.dequantize_int4(nibbles, torch.zeros(1, 2, 8, 2, dtype=torch.bfloat16), 16, torch.empty(8, 32, dtype=torch.bfloat16))
+        kernel.dequantize_int4(nibbles, torch.zeros(1, 2, 8, 2, dtype=bf16), 16, torch.empty(8, 32, dtype=bf16))
     with pytest.raises(ValueError, match="scales_and_zeros"):
-        kernel.dequantize_int4(nibbles, torch.zeros(1, 1, 8, 2), 32, torch.empty(8, 32, dtype=torch.bfloat16))
+        kernel.dequantize_int4(nibbles, torch.zeros(1, 1, 8, 2), 32, torch.empty(8, 32, dtype=bf16))
     with pytest.raises(ValueError, match="out"):
-        kernel.dequantize_int4(nibbles, torch.zeros(1, 1, 8, 2, dtype=torch.bfloat16), 32, torch.empty(8, 16, dtype=torch.bfloat16))
+        kernel.dequantize_int4(nibbles, torch.zeros(1, 1, 8, 2, dtype=bf16), 32, torch.empty(8, 16, dtype=bf16))
