@@ -15,15 +15,17 @@ own dtype, float32 on the CPU, where PyTorch's CPU attention is 2-5x faster than
 
 The int4 kernel's time grows with the rows as a matrix-vector product's would (a 1536 x 576
 weight on a 2-core Xeon: 33 µs at one row, 0.19 ms at 16, 1.7 ms at 150), while oneDNN's
-bfloat16 GEMM over dense weights takes 0.1 ms at 16 rows and 0.23 at 150. So the rows of a
-step's prompt tokens (:func:`prompt_rows`, at least :data:`DENSE_MIN_ROWS` of them) take the
-weight dequantized to bfloat16 by a C kernel (``kernels.cpu_ops.CpuKernels.dequantize_int4``,
-~0.3 ms for that weight) and one ``torch.mm``: the int4 matmuls of a 148-token prefill of
-SmolLM2-135M took 230 ms of its 285, this way 96 of 146 (46 of them dequantizing). Decode and
-verification rows keep the int4 kernel whatever else the step holds, so a sequence's tokens
-never depend on the batch it decoded in (a prompt's KV depends on its chunking already, as its
-attention does). The codes are kept a second time for it, packed two to a byte
-(:func:`kernels.reference.pack_int4`): half a byte per weight and plane.
+bfloat16 GEMM over dense weights takes 0.1 ms at 16 rows and 0.23 at 150. So a prompt chunk
+of at least :data:`DENSE_MIN_ROWS` tokens (:func:`prompt_chunks`) takes the weight dequantized
+to bfloat16 by a C kernel (``kernels.cpu_ops.CpuKernels.dequantize_int4``, ~0.3 ms for that
+weight, once a step) and a ``torch.mm`` of its own: the int4 matmuls of a 148-token prefill of
+SmolLM2-135M took 230 ms of its 285, this way 96 of 146 (46 of them dequantizing). Every other
+row (decodes, verifications, shorter chunks) keeps the int4 kernel, whose rows are computed
+independently. So which path a row takes, and the GEMM's shape, depend on its own sequence's
+chunk only, never on what else the step holds: a sequence's tokens are the same alone and in
+any batch, with or without async scheduling (tests pin it). The codes are kept a second time for
+it, packed two to a byte (:func:`kernels.reference.pack_int4`): half a byte per weight and
+plane.
 
 8-bit codes (GGUF's Q8_0) run losslessly as two int4 planes, ``c = 16 * hi + lo`` with ``hi``
 in ``[-8, 8)`` and ``lo`` in ``[0, 16)``: two int4 matmuls summed, the same bytes as int8.
@@ -45,24 +47,24 @@ from torch import nn
 from engine.layers.ops import cpu_kernels
 from kernels.reference import pack_int4
 
-# Prompt rows of a step from which the dense matmul is faster than the int4 kernel, dequantization
-# included (a 2-core Xeon, SmolLM2-135M's weights, through Int4Linear: a 1536 x 576 weight takes
-# 0.55 against 0.60 ms at 48 rows, 0.74 against 0.62 at 64; the other shapes cross alike).
+# Tokens of a prompt chunk from which the dense matmul is faster than the int4 kernel,
+# dequantization included (a 2-core Xeon, SmolLM2-135M's weights, through Int4Linear: a 1536 x 576
+# weight takes 0.55 against 0.60 ms at 48 rows, 0.74 against 0.62 at 64; the other shapes cross alike).
 DENSE_MIN_ROWS = 64
 
-_FIRST_PROMPT_ROW: ContextVar[int | None] = ContextVar("first_prompt_row", default=None)
+_PROMPT_CHUNKS: ContextVar[tuple[tuple[int, int], ...]] = ContextVar("prompt_chunks", default=())
 
 
 @contextlib.contextmanager
-def prompt_rows(first_row: int | None) -> Iterator[None]:
-    """Within the block, the :class:`Int4Linear` layers take rows ``first_row`` onwards of their
-    input as a prefill's prompt tokens (``None``: no row is one); the model runner sets it around
-    each forward (``StepInputs.first_prompt_row``)."""
-    token = _FIRST_PROMPT_ROW.set(first_row)
+def prompt_chunks(chunks: tuple[tuple[int, int], ...]) -> Iterator[None]:
+    """Within the block, the :class:`Int4Linear` layers take the rows ``[start, end)`` of each of
+    ``chunks`` (in row order, disjoint) as one prefill chunk of prompt tokens; the model runner
+    sets it around each forward (``StepInputs.prompt_chunks``)."""
+    token = _PROMPT_CHUNKS.set(chunks)
     try:
         yield
     finally:
-        _FIRST_PROMPT_ROW.reset(token)
+        _PROMPT_CHUNKS.reset(token)
 
 
 class _Scratch(threading.local):
@@ -155,17 +157,18 @@ class Int4Linear(nn.Module):
         weight: ``[out_features, in_features]``; ``in_features`` a multiple of its group size.
         bias: ``[out_features]`` or ``None``.
         compute_dtype: the matmul's dtype (its input, scales and output): bfloat16.
-        dense_prompt_rows: whether prompt rows take the dense matmul (a logits head's rows are
-            never prompt rows: it keeps no second copy of its codes).
+        dense_prompt_chunks: whether prompt chunks take the dense matmul (a logits head's rows are
+            never a prompt chunk's: it keeps no second copy of its codes).
 
     ``forward`` takes ``[num_tokens, in_features]`` and returns ``[num_tokens, out_features]`` in
-    the input's dtype; rows given as prompt rows (:func:`prompt_rows`) go through the dense
-    matmul (module docstring) where the C kernels were built and the group size is a multiple
-    of 32. Memory: 4 bits per weight and plane, twice, plus a scale and a zero per group.
+    the input's dtype; the rows of a prompt chunk of :data:`DENSE_MIN_ROWS` tokens or more
+    (:func:`prompt_chunks`) go through the dense matmul (module docstring) where the C kernels
+    were built and the group size is a multiple of 32. Memory: 4 bits per weight and plane,
+    twice, plus a scale and a zero per group.
     """
 
     def __init__(self, weight: GroupQuantized, bias: torch.Tensor | None = None,
-                 compute_dtype: torch.dtype = torch.bfloat16, dense_prompt_rows: bool = True) -> None:
+                 compute_dtype: torch.dtype = torch.bfloat16, dense_prompt_chunks: bool = True) -> None:
         super().__init__()
         self.out_features, self.in_features = weight.shape
         self.compute_dtype = compute_dtype
@@ -178,20 +181,27 @@ class Int4Linear(nn.Module):
         self.planes = [(torch.ops.aten._convert_weight_to_int4pack_for_cpu(q.int().contiguous(), 1), sz)
                        for (q, _, _), sz in zip(planes, self.scales_and_zeros)]
         self.nibbles = (pack_int4(torch.stack([q for q, _, _ in planes]), self.group_size)
-                        if dense_prompt_rows and self.group_size % 32 == 0 and compute_dtype == torch.bfloat16
+                        if dense_prompt_chunks and self.group_size % 32 == 0 and compute_dtype == torch.bfloat16
                         else None)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         x_in = x.to(self.compute_dtype)
-        first = _FIRST_PROMPT_ROW.get()
-        kernels = cpu_kernels() if first is not None and x.shape[0] - first >= DENSE_MIN_ROWS else None
-        if kernels is None or self.nibbles is None:
+        chunks = [(a, b) for a, b in _PROMPT_CHUNKS.get() if b - a >= DENSE_MIN_ROWS]
+        kernels = cpu_kernels() if chunks and self.nibbles is not None else None
+        if kernels is None:
             out = self._int4(x_in)
         else:
             weight = kernels.dequantize_int4(self.nibbles, self.scales_and_zeros, self.group_size,
-                                             _scratch.take(self.out_features, self.in_features))
-            dense = torch.mm(x_in[first:], weight.t())
-            out = torch.cat([self._int4(x_in[:first]), dense]) if first else dense
+                                             _scratch.take(self.out_features, self.in_features)).t()
+            parts, done = [], 0
+            for start, end in chunks:  # the rows between chunks on the int4 kernel, each chunk a GEMM
+                if start > done:
+                    parts.append(self._int4(x_in[done:start]))
+                parts.append(torch.mm(x_in[start:end], weight))
+                done = end
+            if done < x_in.shape[0]:
+                parts.append(self._int4(x_in[done:]))
+            out = torch.cat(parts) if len(parts) > 1 else parts[0]
         out = out.to(x.dtype)
         return out if self.bias is None else out.add_(self.bias.to(x.dtype))
 
@@ -282,7 +292,7 @@ class QuantizedLogitsHead(nn.Module):
         super().__init__()
         self.weight = weight
         self.linear = (RowInt8Linear(weight.dequantize()) if weight.bits == 8
-                       else Int4Linear(weight, dense_prompt_rows=False))
+                       else Int4Linear(weight, dense_prompt_chunks=False))
         self.refine = min(refine, weight.shape[0])
 
     def forward(self, hidden: torch.Tensor) -> torch.Tensor:

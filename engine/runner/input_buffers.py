@@ -49,9 +49,10 @@ class StepInputs:
         in_flight: ``(token rows, sampled rows)``, ``[k]`` int64 each: decode rows whose input
             token the step launched before this one sampled, and its row among that step's
             sampled tokens, read on the device (``None``: every input is on the host).
-        first_prompt_row: the token rows from this one on are prompt tokens, of prefill chunks
-            that no decode or verification follows (``None``: there are none); what
-            :func:`engine.layers.quantized.prompt_rows` is given.
+        prompt_chunks: the token rows ``(start, end)`` of each prefill chunk after the step's
+            last decode or verification, in row order; what
+            :func:`engine.layers.quantized.prompt_chunks` is given (empty on the other ranks of
+            a tensor-parallel engine, which run no quantized layers).
     """
 
     input_ids: torch.Tensor
@@ -63,7 +64,7 @@ class StepInputs:
     num_kv_slots_used: int
     num_kv_slots_allocated: int
     in_flight: tuple[torch.Tensor, torch.Tensor] | None = None
-    first_prompt_row: int | None = None
+    prompt_chunks: tuple[tuple[int, int], ...] = ()
 
 
 @dataclass
@@ -78,7 +79,6 @@ class _StepShape:
     max_seq_len: int
     max_decode_seq_len: int
     num_in_flight: int  # decode inputs read from the last step's sampled tokens
-    first_prompt_row: int  # StepInputs.first_prompt_row (num_tokens: None)
 
 
 # Byte alignment of each input in the allocations (that of a CUDA allocation).
@@ -277,16 +277,16 @@ class InputBuffers:
         self.logits_indices.host[:num_sampled] = qsl[sample_rows_np + 1] - 1 - back
         self.sample_positions.host[:num_sampled] = seq_lens[sample_rows_np] - back
         # the prompt chunks after the last verification (rows are the entries unless run as decodes)
-        prompts = len(sched) if as_decodes else max([nd] + [i + 1 for i, s in enumerate(sched) if s.spec_token_ids])
+        first = len(sched) if as_decodes else max([nd] + [i + 1 for i, s in enumerate(sched) if s.spec_token_ids])
+        prompt_chunks = tuple((int(qsl[i]), int(qsl[i + 1])) for i in range(first, len(sched)))
         self._shape = _StepShape(
             num_tokens=num_tokens, num_rows=num_rows, num_sampled=num_sampled, num_decodes=nd + num_rows - num_seqs,
             max_query_len=int(query_lens[nd:].max()) if num_seqs > nd else 0,
             max_seq_len=int(seq_lens.max()) if num_rows else 0,
             max_decode_seq_len=max_decode_seq_len or (int(seq_lens[:nd].max()) if nd else 0),
-            num_in_flight=num_in_flight,
-            first_prompt_row=int(qsl[prompts]) if prompts < len(sched) else num_tokens)
+            num_in_flight=num_in_flight)
         num_used = sum(s.num_computed_after for s in sched) if as_decodes else int(seq_lens[:num_seqs].sum())
-        return self._upload_all(sampled, num_used, num_blocks * bs)
+        return self._upload_all(sampled, num_used, num_blocks * bs, prompt_chunks)
 
     def pack(self) -> np.ndarray:
         """The last prepared step's inputs as one int64 array, for :meth:`load` in another rank."""
@@ -326,7 +326,8 @@ class InputBuffers:
         self._shape = shape
         return self._upload_all([], 0, 0)
 
-    def _upload_all(self, sampled: list[Sequence], num_kv_slots_used: int, num_kv_slots_allocated: int) -> StepInputs:
+    def _upload_all(self, sampled: list[Sequence], num_kv_slots_used: int, num_kv_slots_allocated: int,
+                    prompt_chunks: tuple[tuple[int, int], ...] = ()) -> StepInputs:
         """Copy the host arrays of the step described by ``self._shape`` to the device."""
         shape = self._shape
         t, r, n, f = shape.num_tokens, shape.num_rows, shape.num_sampled, shape.num_in_flight
@@ -354,7 +355,7 @@ class InputBuffers:
             num_kv_slots_used=num_kv_slots_used,
             num_kv_slots_allocated=num_kv_slots_allocated,
             in_flight=(self.in_flight_rows.device[:f], self.in_flight_sampled.device[:f]) if f else None,
-            first_prompt_row=shape.first_prompt_row if shape.first_prompt_row < t else None,
+            prompt_chunks=prompt_chunks,
         )
         if self.device.type == "cuda":
             self._uploaded = self._uploaded or torch.cuda.Event()

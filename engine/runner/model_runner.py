@@ -25,7 +25,7 @@ import numpy as np
 import torch
 
 from engine.core.block_pool import cdiv
-from engine.layers.quantized import prompt_rows
+from engine.layers.quantized import prompt_chunks
 from engine.runner.cuda_graphs import CUDAGraphRunner
 from engine.runner.input_buffers import InputBuffers, StepInputs
 from engine.runner.kv_cache import KVCache
@@ -336,7 +336,7 @@ class ModelRunner:
             hidden = self.pieces.forward(pieces_size, inputs.input_ids, inputs.positions, self.kv_cache,
                                          inputs.metadata)
         else:
-            with prompt_rows(inputs.first_prompt_row):
+            with prompt_chunks(inputs.prompt_chunks):
                 hidden = self.model(inputs.input_ids, inputs.positions, self.kv_cache, inputs.metadata)
         if not num_sampled:
             return None

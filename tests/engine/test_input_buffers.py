@@ -49,7 +49,7 @@ def test_mixed_step_inputs():
     assert inputs.logits_indices.tolist() == [0, 1, 6, 6, 6]
     assert inputs.sample_positions.tolist() == [6, 10, 6, 6, 6]
     assert (inputs.num_kv_slots_used, inputs.num_kv_slots_allocated) == (6 + 10 + 3 + 6, 9 * BS)
-    assert inputs.first_prompt_row == 2  # the rows of p0 and p1 are prompt tokens
+    assert inputs.prompt_chunks == ((2, 5), (5, 7))  # the rows of p0 and of p1
 
 
 def test_padding_rows_write_nothing_and_attend_to_nothing():
@@ -62,7 +62,7 @@ def test_padding_rows_write_nothing_and_attend_to_nothing():
     assert inputs.input_ids.tolist() == [15, 0, 0, 0] and inputs.positions.tolist() == [5, 0, 0, 0]
     assert md.slot_mapping.tolist() == [3 * BS + 1, -1, -1, -1]
     assert md.seq_lens.tolist() == [6, 0, 0, 0]
-    assert inputs.first_prompt_row is None
+    assert inputs.prompt_chunks == ()
     assert md.query_start_loc.tolist() == [0, 1, 2, 3, 4]
     assert (md.num_decodes, md.max_query_len, md.max_decode_seq_len) == (4, 0, 16)
     assert inputs.sampled == [d0] and inputs.logits_indices.tolist() == [0]
@@ -91,7 +91,7 @@ def test_a_verification_among_decodes_runs_as_one_decode_row_per_token():
     assert inputs.logits_indices.tolist() == [0, 1, 2, 3]
     assert inputs.sample_positions.tolist() == [6, 7, 8, 9]
     assert (inputs.num_kv_slots_used, inputs.num_kv_slots_allocated) == (6 + 9, 5 * BS)
-    assert inputs.first_prompt_row is None
+    assert inputs.prompt_chunks == ()
 
 
 def test_a_verification_beside_a_prefill_chunk_is_one_multi_token_row():
@@ -103,9 +103,9 @@ def test_a_verification_beside_a_prefill_chunk_is_one_multi_token_row():
     assert inputs.input_ids.tolist() == [15, 26, 91, 92, 30, 31, 32]
     assert inputs.metadata.seq_lens.tolist() == [6, 9, 3]
     assert inputs.sampled == [d0, v0, v0, v0] and inputs.logits_indices.tolist() == [0, 1, 2, 3]
-    assert inputs.first_prompt_row == 4  # the verification's rows are not prompt tokens
+    assert inputs.prompt_chunks == ((4, 7),)  # the verification's rows are not a prompt's
     step.scheduled[1:] = step.scheduled[:0:-1]  # a prompt chunk before a verification
-    assert InputBuffers(16, 8, 4, BS, torch.device("cpu")).prepare(step).first_prompt_row is None
+    assert InputBuffers(16, 8, 4, BS, torch.device("cpu")).prepare(step).prompt_chunks == ()
 
 
 def test_padding_a_step_with_prefill_is_refused():

@@ -14,7 +14,7 @@ from engine.block_hash import hash_seed
 from engine.loading.gguf_tensors import decode, read_gguf, tensor_table
 from engine.layers.ops import cpu_kernels
 from engine.layers.quantized import (DENSE_MIN_ROWS, GroupQuantized, Int4Linear, QuantizedEmbedding,
-                                     QuantizedLogitsHead, RowInt8Linear, prompt_rows)
+                                     QuantizedLogitsHead, RowInt8Linear, prompt_chunks)
 from engine.model_source import default_gguf_path, resolve_model
 from engine.sampling_params import SamplingParams
 
@@ -67,27 +67,31 @@ def test_int4_linear_matches_a_float32_matmul_of_the_dequantized_weight(qtype, n
 
 
 @pytest.mark.parametrize("qtype", BLOCK_TYPES, ids=lambda t: t.name)
-def test_prompt_rows_take_the_dense_matmul_and_the_rows_before_them_stay_on_the_int4_kernel(qtype):
+def test_long_prompt_chunks_take_a_dense_matmul_each_and_every_other_row_the_int4_kernel(qtype):
     if cpu_kernels() is None:
         pytest.skip("no C compiler on this machine: the int4 kernel runs every row")
     weight = decode(_quantized(qtype, rows=64, cols=256), qtype)
     bias = torch.randn(64)
     linear = Int4Linear(weight, bias)
-    decodes = 3
-    x = torch.randn(decodes + DENSE_MIN_ROWS, 256, generator=torch.Generator().manual_seed(2))
+    n = DENSE_MIN_ROWS
+    # 3 decodes, a chunk of n tokens, a short chunk of 5, a chunk of n + 7
+    x = torch.randn(3 + n + 5 + n + 7, 256, generator=torch.Generator().manual_seed(2))
+    chunks = ((3, 3 + n), (3 + n, 8 + n), (8 + n, 15 + 2 * n))
     int4 = linear(x)
-    with prompt_rows(decodes):
+    with prompt_chunks(chunks):
         mixed = linear(x)
-    planes = kernels.reference.dequantize_int4(linear.nibbles, linear.scales_and_zeros, weight.group_size)
-    dense = (x[decodes:].bfloat16() @ planes.bfloat16().T).float() + bias
-    assert torch.equal(mixed[:decodes], int4[:decodes])  # a decode's row whatever else the step holds
-    assert torch.equal(mixed[decodes:], dense)  # the planes' weights rounded to bfloat16, one GEMM
-    assert not torch.equal(mixed[decodes:], int4[decodes:])  # (so the two paths are told apart)
+    planes = kernels.reference.dequantize_int4(linear.nibbles, linear.scales_and_zeros, weight.group_size).bfloat16()
+    for start, end in (chunks[0], chunks[2]):  # the planes' weights rounded to bfloat16, a GEMM per chunk
+        assert torch.equal(mixed[start:end], (x[start:end].bfloat16() @ planes.T).float() + bias)
+        # a chunk's rows are its own: the same alone as beside the others
+        with prompt_chunks(((0, end - start),)):
+            assert torch.equal(linear(x[start:end]), mixed[start:end])
+    for start, end in ((0, 3), chunks[1]):  # decodes and a chunk under DENSE_MIN_ROWS: the int4 kernel
+        assert torch.equal(mixed[start:end], int4[start:end])
+    assert not torch.equal(mixed[chunks[0][0]:chunks[0][1]], int4[chunks[0][0]:chunks[0][1]])  # (the paths differ)
     torch.testing.assert_close(mixed, x @ weight.dequantize().T + bias, rtol=0.02, atol=0.02 * int4.abs().max().item())
-    with prompt_rows(decodes + 1):  # fewer prompt rows than DENSE_MIN_ROWS: all on the int4 kernel
-        assert torch.equal(linear(x), int4)
-    with prompt_rows(0):  # a logits head's rows are never prompt rows
-        assert torch.equal(Int4Linear(weight, bias, dense_prompt_rows=False)(x), int4)
+    with prompt_chunks(chunks):  # a logits head's rows are never a prompt chunk's
+        assert torch.equal(Int4Linear(weight, bias, dense_prompt_chunks=False)(x), int4)
 
 
 def test_quantized_embedding_returns_the_dequantized_rows():
