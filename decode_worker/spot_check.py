@@ -18,8 +18,8 @@ pinned, and block ``k`` of the two is compared:
 
 and the block fails when it exceeds :data:`TOLERANCE` of the precision the KV was computed in: the
 KV dtype's, or bfloat16's where the matmuls run in bfloat16 over float32 KV (a GGUF model's
-quantized weights on the CPU, ``engine.layers.quantized``: a prompt's rows take a dense bfloat16
-matmul or the int4 kernel by their count, so the two computations of a block differ by a few
+quantized weights on the CPU, ``engine.layers.quantized``: a prompt chunk takes a dense bfloat16
+matmul or the int4 kernel by its length, so the two computations of a block differ by a few
 1e-3). The same weights and the same tokens on both sides give the same KV up to rounding:
 different batch shapes, chunk boundaries and kernels reorder floating-point sums, and the
 difference grows through the layers.
