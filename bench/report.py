@@ -144,6 +144,16 @@ BENCHMARKS: dict[str, Benchmark] = {
             Column("over llama.cpp, 16", "tandem_over_llamacpp_batch16"),
             Column("gateway / offline, 1 stream", "gateway_over_offline_one_stream"),
             Column("TTFT p50 (ms)", "tandem_ttft_s_p50", 1e3))),
+    "cpu_prefill": Benchmark(
+        "CPU: time to first token of long prompts, against llama.cpp and transformers",
+        "`python -m bench.cpu_prefill`: the default GGUF (Q4_1), one prompt of 128, 512 or 1536 tokens, one "
+        "greedy token, prefix caching off, best of the rounds, every engine in one process run.", columns=(
+            Column("Tandem 128 (ms)", "tandem_ttft_s_128", 1e3), Column("512", "tandem_ttft_s_512", 1e3),
+            Column("1536", "tandem_ttft_s_1536", 1e3), Column("llama.cpp 512 (ms)", "llamacpp_ttft_s_512", 1e3),
+            Column("llama.cpp 1536", "llamacpp_ttft_s_1536", 1e3),
+            Column("over llama.cpp, 512", "tandem_over_llamacpp_512"),
+            Column("over llama.cpp, 1536", "tandem_over_llamacpp_1536"),
+            Column("over transformers, 1536", "tandem_over_transformers_1536"))),
     "offline_cpu": Benchmark(
         "CPU: offline float32 against transformers",
         "`python -m bench.offline_cpu`: SmolLM2-135M float32, 16 chat prompts x 64 greedy tokens.", columns=(

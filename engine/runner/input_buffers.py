@@ -49,8 +49,8 @@ class StepInputs:
         in_flight: ``(token rows, sampled rows)``, ``[k]`` int64 each: decode rows whose input
             token the step launched before this one sampled, and its row among that step's
             sampled tokens, read on the device (``None``: every input is on the host).
-        prompt_chunks: the token rows ``(start, end)`` of each prefill chunk after the step's
-            last decode or verification, in row order; what
+        prompt_chunks: the token rows ``(start, end)`` of each prefill chunk (not a decode's or a
+            verification's), in row order; what
             :func:`engine.layers.quantized.prompt_chunks` is given (empty on the other ranks of
             a tensor-parallel engine, which run no quantized layers).
     """
@@ -276,9 +276,9 @@ class InputBuffers:
         back = np.asarray(sample_back, dtype=np.int64)
         self.logits_indices.host[:num_sampled] = qsl[sample_rows_np + 1] - 1 - back
         self.sample_positions.host[:num_sampled] = seq_lens[sample_rows_np] - back
-        # the prompt chunks after the last verification (rows are the entries unless run as decodes)
-        first = len(sched) if as_decodes else max([nd] + [i + 1 for i, s in enumerate(sched) if s.spec_token_ids])
-        prompt_chunks = tuple((int(qsl[i]), int(qsl[i + 1])) for i in range(first, len(sched)))
+        # the prefill entries' rows (rows are the entries here unless run as decodes)
+        prompt_chunks = () if as_decodes else tuple((int(qsl[i]), int(qsl[i + 1])) for i in range(nd, len(sched))
+                                                    if not sched[i].spec_token_ids)
         self._shape = _StepShape(
             num_tokens=num_tokens, num_rows=num_rows, num_sampled=num_sampled, num_decodes=nd + num_rows - num_seqs,
             max_query_len=int(query_lens[nd:].max()) if num_seqs > nd else 0,

@@ -105,7 +105,7 @@ def test_a_verification_beside_a_prefill_chunk_is_one_multi_token_row():
     assert inputs.sampled == [d0, v0, v0, v0] and inputs.logits_indices.tolist() == [0, 1, 2, 3]
     assert inputs.prompt_chunks == ((4, 7),)  # the verification's rows are not a prompt's
     step.scheduled[1:] = step.scheduled[:0:-1]  # a prompt chunk before a verification
-    assert InputBuffers(16, 8, 4, BS, torch.device("cpu")).prepare(step).prompt_chunks == ()
+    assert InputBuffers(16, 8, 4, BS, torch.device("cpu")).prepare(step).prompt_chunks == ((1, 4),)
 
 
 def test_padding_a_step_with_prefill_is_refused():
